@@ -1,0 +1,162 @@
+"""A buffer: one directory with a manifest and immutable Parquet shards.
+
+Invariants:
+- `commit` writes every file first (fsynced, linked into place), then records all of them in ONE
+  manifest transaction; if anything fails before that transaction commits, the files are unlinked
+  and nothing becomes visible (a crash leaves only orphans for `gc`).
+- `append_rollouts` validates the whole table before writing anything; a rejected append changes
+  nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import ValidationError
+from .manifest import Manifest, NewShard, Shard
+from .schema import TABLES
+from .shardio import compact_entropies, new_shard_name, publish_file
+from .snapshot import Snapshot
+from .validate import validate_rollouts
+
+SUBDIRS = ("rollouts", "curated", "audit", "meta", "checkpoints", "tmp")
+TABLE_DIRS = {
+    "rollouts": "rollouts",
+    "curated": "curated",
+    "selections": "audit",
+    "curations": "meta/curations",
+    "checkpoints": "meta/checkpoints",
+    "training": "meta/training",
+    "evaluations": "meta/evaluations",
+}
+
+
+@dataclass
+class Part:
+    """One file of a commit: a table's rows, where they go, and an optional lookup key."""
+
+    table_name: str
+    table: pa.Table
+    key: str | None = None
+    subdir: str | None = None  # under the table's directory, e.g. the curation id
+
+
+def token_count(table: pa.Table) -> int:
+    if "response_token_ids" not in table.column_names or table.num_rows == 0:
+        return 0
+    return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
+
+
+class Buffer:
+    def __init__(self, root: str, manifest: Manifest):
+        self.root = root
+        self.manifest = manifest
+
+    @classmethod
+    def init(cls, root: str) -> "Buffer":
+        root = os.path.abspath(root)
+        for sub in SUBDIRS:
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        return cls(root, Manifest(root, create=True))
+
+    @classmethod
+    def open(cls, root: str) -> "Buffer":
+        root = os.path.abspath(root)
+        buf = cls(root, Manifest(root))
+        os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+        return buf
+
+    def close(self) -> None:
+        self.manifest.close()
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- reading ---------------------------------------------------------------------------
+    def snapshot(self, seq: int | None = None, pin: bool = False) -> Snapshot:
+        seq = self.manifest.latest_seq() if seq is None else seq
+        return Snapshot(self.root, self.manifest, seq, pin=pin)
+
+    # ---- writing ---------------------------------------------------------------------------
+    def commit(
+        self,
+        parts: list[Part],
+        kind: str,
+        detail: dict | None = None,
+        on_commit: Callable[[sqlite3.Connection, int, list[int]], None] | None = None,
+    ) -> tuple[int, list[Shard]]:
+        """Write `parts` as shards and publish them in one manifest transaction. Returns (seq, shards)."""
+        written: list[NewShard] = []
+        ids: list[int] = []
+        try:
+            for part in parts:
+                schema = TABLES[part.table_name]
+                table = part.table.select(schema.names).cast(schema)
+                folder = TABLE_DIRS[part.table_name]
+                if part.subdir:
+                    folder = f"{folder}/{part.subdir}"
+                rel = f"{folder}/{new_shard_name()}.parquet"
+                nbytes, digest = publish_file(table, self.root, rel)
+                written.append(
+                    NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
+                )
+            with self.manifest.transaction() as con:
+                seq = self.manifest.new_commit(con, kind, detail)
+                ids = self.manifest.add_shards(con, seq, written)
+                if on_commit is not None:
+                    on_commit(con, seq, ids)
+        except BaseException:
+            for w in written:
+                try:
+                    os.unlink(os.path.join(self.root, w.path))
+                except FileNotFoundError:
+                    pass
+            raise
+        return seq, self.manifest.shards_by_id(ids)
+
+    def append_rollouts(
+        self, table: pa.Table, source: str = "<memory>", compact: bool = False
+    ) -> Shard:
+        """Validate and append one table of rollouts as one shard (all or nothing)."""
+        table = validate_rollouts(table, source, self.manifest.existing_ids)
+        if compact:
+            table = compact_entropies(table)
+        rids = table.column("rollout_id").to_pylist()
+        gids = table.column("group_id").to_pylist()
+
+        def register(con: sqlite3.Connection, seq: int, ids: list[int]) -> None:
+            try:
+                self.manifest.register_rollouts(con, ids[0], rids, gids)
+            except sqlite3.IntegrityError:
+                # A concurrent append won the race for an id: report it like validation would.
+                taken, groups = self.manifest.existing_ids(rids, sorted(set(gids)))
+                rid = next((r for r in rids if r in taken), None)
+                if rid is not None:
+                    raise ValidationError(source, rid, "rollout_id", "rollout_id already in the buffer") from None
+                rid = next(r for r, g in zip(rids, gids) if g in groups)
+                raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
+
+        _, shards = self.commit([Part("rollouts", table)], "append", {"source": source}, register)
+        return shards[0]
+
+    def append(self, table_name: str, table: pa.Table, key: str | None = None) -> Shard:
+        """Append rows to a non-rollout table (training, evaluations, ...) as one shard."""
+        _, shards = self.commit([Part(table_name, table, key)], f"append:{table_name}")
+        return shards[0]
+
+    # ---- consumers -------------------------------------------------------------------------
+    def lease(self, table: str, n: int, consumer: str, group: str = "default", ttl: float = 600.0):
+        return self.manifest.lease(table, n, consumer, group, ttl)
+
+    def ack(self, shards: list[Shard] | list[int], consumer: str, group: str = "default") -> int:
+        ids = [s.shard_id if isinstance(s, Shard) else int(s) for s in shards]
+        return self.manifest.ack(ids, consumer, group)

@@ -1,0 +1,166 @@
+"""Arrow schemas of rollstore's tables (the column contract of shared/spec/schema.md).
+
+Invariants:
+- Column names and types here are a public contract; a change needs SCHEMA_VERSION bumped and a
+  migration note in the README.
+- Every per-token list column of a rollout has the length of `response_token_ids`.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+_f32_list = pa.list_(pa.float32())
+_i32_list = pa.list_(pa.int32())
+
+ROLLOUTS = pa.schema(
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_idx", pa.int32(), nullable=False),
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("prompt_token_ids", _i32_list, nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("response_token_ids", _i32_list, nullable=False),
+        pa.field("gen_logprobs", _f32_list, nullable=False),
+        pa.field("old_logprobs", _f32_list, nullable=True),
+        pa.field("entropies", _f32_list, nullable=True),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("reward", pa.float32(), nullable=False),
+        pa.field("correct", pa.bool_(), nullable=True),
+        pa.field("gold_answer", pa.string(), nullable=True),
+        pa.field("verify_error", pa.string(), nullable=True),
+        pa.field("source", pa.string(), nullable=True),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("meta", pa.string(), nullable=True),
+    ]
+)
+
+# Per-token list columns of `rollouts`, each as long as `response_token_ids`.
+TOKEN_LIST_COLUMNS = ("gen_logprobs", "old_logprobs", "entropies")
+FINISH_REASONS = ("stop", "length", "abort")
+
+CURATED = pa.schema(
+    [
+        pa.field("curation_id", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("prompt_token_ids", _i32_list, nullable=False),
+        pa.field("response_token_ids", _i32_list, nullable=False),
+        pa.field("old_logprobs", _f32_list, nullable=False),
+        pa.field("gen_logprobs", _f32_list, nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+        pa.field("weight", pa.float32(), nullable=False),
+    ]
+)
+
+SELECTIONS = pa.schema(
+    [
+        pa.field("curation_id", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("group_size", pa.int32()),
+        pa.field("group_accuracy", pa.float32()),
+        pa.field("difficulty", pa.float32()),
+        pa.field("advantage_raw", pa.float32()),
+        pa.field("amplification", pa.float32()),
+        pa.field("advantage_final", pa.float32()),
+        pa.field("selected", pa.bool_(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("sample_rank", pa.int32()),
+        pa.field("tokens_total", pa.int32(), nullable=False),
+        pa.field("tokens_kept", pa.int32(), nullable=False),
+    ]
+)
+
+REASONS = ("selected", "invalid", "truncated", "stale", "reused", "zero_variance", "not_selected")
+
+CURATIONS = pa.schema(
+    [
+        pa.field("curation_id", pa.string(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("recipe", pa.string(), nullable=False),
+        pa.field("params", pa.string(), nullable=False),
+        pa.field("sql_sha256", pa.string(), nullable=False),
+        pa.field("snapshot_seq", pa.int64(), nullable=False),
+        pa.field("progress", pa.float64()),
+        pa.field("sample_budget", pa.int64()),
+        pa.field("token_fraction", pa.float64()),
+        pa.field("token_threshold", pa.float64()),
+        pa.field("n_candidates", pa.int64(), nullable=False),
+        pa.field("n_selected", pa.int64(), nullable=False),
+        pa.field("tokens_candidate", pa.int64(), nullable=False),
+        pa.field("tokens_kept", pa.int64(), nullable=False),
+        pa.field("adv_var_before", pa.float64()),
+        pa.field("adv_var_after", pa.float64()),
+        pa.field("old_logprobs_fallback", pa.int64(), nullable=False),
+        pa.field("output_files", pa.string(), nullable=False),
+    ]
+)
+
+CHECKPOINTS = pa.schema(
+    [
+        pa.field("version", pa.int64(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("parent_version", pa.int64()),
+        pa.field("consumed", pa.string(), nullable=False),
+        pa.field("metrics", pa.string(), nullable=False),
+    ]
+)
+
+TRAINING = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("version", pa.int64(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("curation_id", pa.string()),
+        pa.field("loss", pa.float64()),
+        pa.field("clip_fraction", pa.float64()),
+        pa.field("approx_kl", pa.float64()),
+        pa.field("entropy", pa.float64()),
+        pa.field("grad_norm", pa.float64()),
+        pa.field("tokens", pa.int64()),
+        pa.field("samples", pa.int64()),
+        pa.field("lr", pa.float64()),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    ]
+)
+
+EVALUATIONS = pa.schema(
+    [
+        pa.field("eval_id", pa.string(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("run_id", pa.string()),
+        pa.field("policy_version", pa.int64()),
+        pa.field("iteration", pa.int64()),
+        pa.field("split", pa.string()),
+        pa.field("metric", pa.string(), nullable=False),
+        pa.field("value", pa.float64(), nullable=False),
+        pa.field("n_problems", pa.int64()),
+        pa.field("n_samples", pa.int64()),
+    ]
+)
+
+# Every table stored as Parquet shards registered in the manifest, by name.
+TABLES: dict[str, pa.Schema] = {
+    "rollouts": ROLLOUTS,
+    "curated": CURATED,
+    "selections": SELECTIONS,
+    "curations": CURATIONS,
+    "checkpoints": CHECKPOINTS,
+    "training": TRAINING,
+    "evaluations": EVALUATIONS,
+}

@@ -1,0 +1,119 @@
+"""Crash-safe Parquet shard files.
+
+Invariants:
+- A shard file appears at its final path only complete and fsynced: it is written under `tmp/`,
+  fsynced, hard-linked into place (a link never overwrites), the temp name unlinked and the
+  directory fsynced. Until the manifest row is committed the file is an orphan that `gc` removes.
+- Float32 lists are stored as float32 with BYTE_STREAM_SPLIT on their leaf path and zstd level 3;
+  row groups are sized in bytes, not rows.
+- `compact_entropies` only ever touches `entropies`, never log-probs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROW_GROUP_BYTES = 96 * 1024 * 1024
+MIN_GROUP_BYTES = 8 * 1024 * 1024
+READ_THREADS = max(1, os.cpu_count() or 1)
+
+
+def _float_leaf_paths(schema: pa.Schema) -> tuple[list[str], list[str]]:
+    """(byte-stream-split leaf paths, dictionary-encoded columns) for a schema."""
+    split, dictionary = [], []
+    for field in schema:
+        t = field.type
+        if pa.types.is_list(t) and pa.types.is_floating(t.value_type):
+            split.append(f"{field.name}.list.element")
+        elif pa.types.is_floating(t):
+            split.append(field.name)
+        elif pa.types.is_string(t):
+            dictionary.append(field.name)
+    return split, dictionary
+
+
+def rows_per_group(table: pa.Table, target_bytes: int = ROW_GROUP_BYTES) -> int:
+    """Rows per row group: ~target_bytes each, and at least READ_THREADS groups for big files."""
+    n = max(1, table.num_rows)
+    per_row = max(1, table.nbytes // n)
+    rows = max(1, target_bytes // per_row)
+    if table.nbytes >= MIN_GROUP_BYTES * READ_THREADS:
+        rows = min(rows, math.ceil(n / READ_THREADS))
+    return int(min(rows, n))
+
+
+def write_parquet(table: pa.Table, path: str) -> None:
+    """Write `table` to `path` with rollstore's encodings and fsync it."""
+    split, dictionary = _float_leaf_paths(table.schema)
+    with open(path, "wb") as fh:
+        pq.write_table(
+            table,
+            fh,
+            compression="zstd",
+            compression_level=3,
+            use_dictionary=dictionary,
+            use_byte_stream_split=split,
+            row_group_size=rows_per_group(table),
+            write_statistics=True,
+        )
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def new_shard_name() -> str:
+    """Time-ordered, collision-free file stem."""
+    return f"{os.getpid():x}-{uuid.uuid4().hex}"
+
+
+def publish_file(table: pa.Table, root: str, relpath: str) -> tuple[int, str]:
+    """Write `table` atomically to root/relpath; return (bytes, sha256). Never overwrites."""
+    tmp = os.path.join(root, "tmp", f"{uuid.uuid4().hex}.parquet")
+    final = os.path.join(root, relpath)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    try:
+        write_parquet(table, tmp)
+        digest = sha256_file(tmp)
+        os.link(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.join(root, "tmp"))
+    return os.path.getsize(final), digest
+
+
+def compact_entropies(table: pa.Table) -> pa.Table:
+    """Truncate `entropies` to bf16 precision (low 16 mantissa bits zeroed), kept as float32."""
+    if "entropies" not in table.column_names:
+        return table
+    col = table.column("entropies").combine_chunks()
+    if col.null_count == len(col):
+        return table
+    values = np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.float32).copy()
+    values.view(np.uint32)[:] &= np.uint32(0xFFFF0000)
+    new = pa.ListArray.from_arrays(col.offsets, pa.array(values, pa.float32()), mask=col.is_null())
+    idx = table.column_names.index("entropies")
+    return table.set_column(idx, table.schema.field(idx), new)

@@ -1,0 +1,186 @@
+"""Validation of rollout rows before an append (the rules of schema.md, in its order).
+
+Invariants:
+- `validate_rollouts` either returns a table that conforms exactly to `ROLLOUTS` or raises one
+  `ValidationError` naming the file, the first offending row's rollout_id and the column.
+- Checks run in schema.md's order; within a check, the first row in file order is reported.
+- Uniqueness against the buffer is checked through a callable, so this module needs no manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import ValidationError
+from .schema import FINISH_REASONS, ROLLOUTS, TOKEN_LIST_COLUMNS
+
+# Given rollout ids and group ids, return those already in the buffer.
+ExistingLookup = Callable[[list[str], list[str]], tuple[set[str], set[str]]]
+
+
+def _rid(table: pa.Table, row: int) -> str | None:
+    if "rollout_id" not in table.column_names or row is None:
+        return None
+    value = table.column("rollout_id")[row].as_py()
+    return None if value is None else str(value)
+
+
+def _first_true(mask: pa.ChunkedArray | pa.Array) -> int | None:
+    arr = np.asarray(pc.fill_null(mask, False).to_numpy(zero_copy_only=False), dtype=bool)
+    idx = np.flatnonzero(arr)
+    return int(idx[0]) if idx.size else None
+
+
+def conform(table: pa.Table, file: str) -> pa.Table:
+    """Rule 1: required columns present, castable to the contract's types, no nulls where banned."""
+    n = table.num_rows
+    columns = []
+    for field in ROLLOUTS:
+        if field.name not in table.column_names:
+            if not field.nullable:
+                raise ValidationError(file, None, field.name, "required column is missing")
+            columns.append(pa.nulls(n, field.type))
+            continue
+        col = table.column(field.name)
+        if col.type != field.type:
+            try:
+                col = col.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+                row = _first_bad_cast(col, field.type)
+                raise ValidationError(
+                    file, _rid(table, row) if row is not None else None, field.name,
+                    f"expected {field.type}, got {col.type} ({str(exc).splitlines()[0]})",
+                ) from None
+        if not field.nullable and col.null_count:
+            row = _first_true(pc.is_null(col))
+            raise ValidationError(file, _rid(table, row), field.name, "null in a non-nullable column")
+        if pa.types.is_list(field.type) and col.null_count == 0:
+            flat = pc.list_flatten(col)
+            if flat.null_count:
+                parents = pc.list_parent_indices(col)
+                bad = _first_true(pc.is_null(flat))
+                row = int(parents[bad].as_py())
+                raise ValidationError(file, _rid(table, row), field.name, "null element in a list")
+        columns.append(col)
+    extra = [c for c in table.column_names if c not in ROLLOUTS.names]
+    if extra:
+        raise ValidationError(file, None, extra[0], "unknown column (not in the rollouts schema)")
+    return pa.Table.from_arrays(columns, schema=ROLLOUTS)
+
+
+def _first_bad_cast(col: pa.ChunkedArray, target: pa.DataType) -> int | None:
+    offset = 0
+    for chunk in col.chunks:
+        for i in range(len(chunk)):
+            try:
+                chunk.slice(i, 1).cast(target, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                return offset + i
+        offset += len(chunk)
+    return None
+
+
+def _check_lengths(table: pa.Table, file: str) -> None:
+    ref = pc.list_value_length(table.column("response_token_ids"))
+    for name in TOKEN_LIST_COLUMNS:
+        lengths = pc.list_value_length(table.column(name))
+        row = _first_true(pc.not_equal(lengths, ref))
+        if row is not None:
+            raise ValidationError(
+                file, _rid(table, row), name,
+                f"has {lengths[row].as_py()} values but response_token_ids has {ref[row].as_py()}",
+            )
+
+
+def _float_rows(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Values of a float column (flattened for lists) and the row each value belongs to."""
+    col = table.column(name)
+    if pa.types.is_list(col.type):
+        col = col.combine_chunks()
+        values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+        rows = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+        return np.asarray(values, dtype=np.float32), np.asarray(rows)
+    values = pc.fill_null(col, 0.0).to_numpy(zero_copy_only=False)
+    return np.asarray(values, dtype=np.float32), np.arange(len(values))
+
+
+def _report_first(table: pa.Table, file: str, name: str, bad: np.ndarray, rows: np.ndarray, msg: str):
+    if bad.any():
+        first = int(rows[np.flatnonzero(bad)].min())
+        raise ValidationError(file, _rid(table, first), name, msg)
+
+
+def validate_rollouts(
+    table: pa.Table, file: str, existing: ExistingLookup | None = None
+) -> pa.Table:
+    """Return `table` conformed to ROLLOUTS, or raise the first ValidationError of schema.md's order."""
+    table = conform(table, file)
+    if table.num_rows == 0:
+        raise ValidationError(file, None, None, "no rows to append")
+    _check_lengths(table, file)
+    float_cols = ("reward",) + TOKEN_LIST_COLUMNS
+    values = {name: _float_rows(table, name) for name in float_cols}
+    for name in float_cols:  # no NaN or infinity
+        vals, rows = values[name]
+        _report_first(table, file, name, ~np.isfinite(vals), rows, "NaN or infinity")
+    for name in ("gen_logprobs", "old_logprobs"):  # bounds
+        vals, rows = values[name]
+        _report_first(table, file, name, vals > 0, rows, "log-probability above 0")
+    vals, rows = values["entropies"]
+    _report_first(table, file, "entropies", vals < 0, rows, "negative entropy")
+    allowed = pa.array(list(FINISH_REASONS))
+    row = _first_true(pc.invert(pc.is_in(table.column("finish_reason"), value_set=allowed)))
+    if row is not None:
+        raise ValidationError(
+            file, _rid(table, row), "finish_reason",
+            f"{table.column('finish_reason')[row].as_py()!r} is not one of {', '.join(FINISH_REASONS)}",
+        )
+    _check_unique(table, file, existing)
+    _check_agreement(table, file)
+    return table
+
+
+def _check_unique(table: pa.Table, file: str, existing: ExistingLookup | None) -> None:
+    rids = table.column("rollout_id").to_pylist()
+    gids = table.column("group_id").to_pylist()
+    idxs = table.column("sample_idx").to_pylist()
+    seen: set[str] = set()
+    for rid in rids:
+        if rid in seen:
+            raise ValidationError(file, rid, "rollout_id", "duplicate rollout_id in this append")
+        seen.add(rid)
+    if existing is not None:
+        old_rids, old_gids = existing(rids, sorted(set(gids)))
+        for rid in rids:
+            if rid in old_rids:
+                raise ValidationError(file, rid, "rollout_id", "rollout_id already in the buffer")
+    pairs: set[tuple[str, int]] = set()
+    for rid, gid, idx in zip(rids, gids, idxs):
+        if (gid, idx) in pairs:
+            raise ValidationError(file, rid, "sample_idx", f"(group_id, sample_idx) = ({gid!r}, {idx}) repeated")
+        pairs.add((gid, idx))
+    if existing is not None:
+        for rid, gid in zip(rids, gids):
+            if gid in old_gids:
+                raise ValidationError(
+                    file, rid, "group_id",
+                    f"group {gid!r} is already in the buffer (a group's rows arrive in one append)",
+                )
+
+
+def _check_agreement(table: pa.Table, file: str) -> None:
+    cols = ("prompt_id", "run_id", "step", "policy_version")
+    data = {c: table.column(c).to_pylist() for c in ("rollout_id", "group_id") + cols}
+    first: dict[str, int] = {}
+    for i, gid in enumerate(data["group_id"]):
+        j = first.setdefault(gid, i)
+        for c in cols:
+            if data[c][i] != data[c][j]:
+                raise ValidationError(
+                    file, data["rollout_id"][i], c,
+                    f"group {gid!r} disagrees on {c}: {data[c][i]!r} vs {data[c][j]!r}",
+                )

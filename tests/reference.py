@@ -202,6 +202,8 @@ def step3_advantages(rewards, std_mode) -> list[np.float32]:
     r32 = [f32(x) for x in rewards]
     if len(r32) == 1 or all(x == r32[0] for x in r32):
         return [f32(0.0) for _ in r32]                     # A = 0 with no arithmetic
+    # Sums are exactly rounded (math.fsum): the reference aims at the true float64 value; an
+    # engine summing in another order may differ in the last float64 bit, rarely 1 float32 ulp.
     r = [float(x) for x in r32]
     n = len(r)
     mean = math.fsum(r) / n
@@ -334,6 +336,8 @@ def rank_selected(selected_ids: list[str], out) -> None:
 def step6_sample(pool_rows, out, prm) -> int | None:
     """Non-PODS sample stage on advantage_final. Returns sample_budget (None with sample=none)."""
     mode = prm["sample"]
+    # AMBIGUOUS: with an empty pool the spec nulls only the variances and the threshold, so
+    # sample_budget is the formula's value, 0 (M = min(0, max(2, 0))), and token_fraction stays κ.
     if mode == "none":
         for r in pool_rows:
             out[r["rollout_id"]]["selected"] = True

@@ -1,0 +1,46 @@
+-- User views over a snapshot. `rollouts`, `curated`, `selections`, `curations`, `checkpoints`,
+-- `training` and `evaluations` are already views over the snapshot's Parquet files.
+
+-- One row per group: responses sampled together for one prompt at one step.
+CREATE OR REPLACE VIEW groups AS
+SELECT
+    group_id,
+    any_value(prompt_id)                          AS prompt_id,
+    any_value(run_id)                             AS run_id,
+    any_value(step)                               AS step,
+    any_value(policy_version)                     AS policy_version,
+    count(*)                                      AS size,
+    count(correct)                                AS judged,
+    count(*) FILTER (WHERE correct)               AS n_correct,
+    avg(correct::INTEGER)                         AS accuracy,
+    avg(reward::DOUBLE)                           AS reward_mean,
+    stddev_samp(reward::DOUBLE)                   AS reward_std,
+    sum(len(response_token_ids))                  AS tokens,
+    min(created_at)                               AS created_at
+FROM rollouts
+GROUP BY group_id;
+
+-- Per-prompt history by policy version: judged attempts, correct answers, that version's accuracy,
+-- and the pooled accuracy over every version up to and including it.
+CREATE OR REPLACE VIEW prompts AS
+WITH per_version AS (
+    SELECT
+        prompt_id,
+        policy_version,
+        count(DISTINCT group_id)                                   AS groups,
+        count(*) FILTER (WHERE correct IS NOT NULL AND verify_error IS NULL) AS attempts,
+        count(*) FILTER (WHERE correct AND verify_error IS NULL)   AS correct
+    FROM rollouts
+    GROUP BY prompt_id, policy_version
+)
+SELECT
+    prompt_id,
+    policy_version,
+    groups,
+    attempts,
+    correct,
+    correct / nullif(attempts, 0)                                  AS accuracy,
+    sum(correct) OVER w / nullif(sum(attempts) OVER w, 0)          AS pooled_accuracy
+FROM per_version
+WINDOW w AS (PARTITION BY prompt_id ORDER BY policy_version
+             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW);

@@ -1,0 +1,90 @@
+"""Read a user's JSONL or Parquet file of rollout rows into an Arrow table (before validation).
+
+Invariants:
+- Reading never writes; a file that cannot be read raises one ValidationError naming the file,
+  and the line (JSONL) or the row's rollout_id and the column.
+- Columns are converted to the contract's types here only as far as JSON needs (timestamps from ISO
+  strings); every other rule is `validate.validate_rollouts`'s job.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import ValidationError
+from .schema import ROLLOUTS
+
+
+def read_rows_file(path: str) -> pa.Table:
+    if path.endswith(".parquet"):
+        try:
+            return pq.read_table(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise ValidationError(path, None, None, f"not a readable Parquet file ({exc})") from None
+    return read_jsonl(path)
+
+
+def _parse_time(value, path: str, rid, column: str):
+    if value is None or isinstance(value, dt.datetime):
+        return value
+    try:
+        if isinstance(value, (int, float)):
+            return dt.datetime.fromtimestamp(value, tz=dt.timezone.utc)
+        parsed = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except (TypeError, ValueError, OverflowError):
+        raise ValidationError(path, rid, column, f"{value!r} is not an ISO-8601 timestamp") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def read_jsonl(path: str) -> pa.Table:
+    rows: list[dict] = []
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise ValidationError(path, None, None, f"cannot open ({exc.strerror})") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValidationError(path, None, None, f"line {lineno}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValidationError(path, None, None, f"line {lineno}: expected a JSON object")
+            rows.append(row)
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    types = {f.name: f.type for f in ROLLOUTS}
+    arrays, fields = [], []
+    for name in names:
+        values = [row.get(name) for row in rows]
+        target = types.get(name)
+        if target is not None and pa.types.is_timestamp(target):
+            values = [_parse_time(v, path, r.get("rollout_id"), name) for v, r in zip(values, rows)]
+        try:
+            arr = pa.array(values, type=target) if target is not None else pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
+            bad = _first_bad(values, target)
+            rid = rows[bad].get("rollout_id") if bad is not None else None
+            raise ValidationError(
+                path, None if rid is None else str(rid), name,
+                f"expected {target}, got {values[bad]!r:.60}" if bad is not None else str(exc),
+            ) from None
+        arrays.append(arr)
+        fields.append(pa.field(name, arr.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _first_bad(values: list, target) -> int | None:
+    for i, v in enumerate(values):
+        try:
+            pa.array([v], type=target)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+            return i
+    return None

@@ -1,0 +1,130 @@
+"""Maintenance: garbage collection of unreferenced files, and compaction of small shards.
+
+Invariants:
+- `gc` deletes only (a) files that no manifest row names and that are older than the grace period
+  (orphans of crashed writes), and (b) files of shards retired by compaction that no pinned
+  snapshot can still read. It never touches a live shard.
+- `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
+  merged rows are the old rows in commit order, so every query's result is unchanged; the old
+  files stay on disk until `gc` finds no snapshot that needs them. Shards that any consumer has
+  leased are never merged (a consumer's ledger refers to shard ids).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .buffer import TABLE_DIRS, Buffer, Part
+
+SHARD_DIRS = ("rollouts", "curated", "audit", "meta", "tmp")
+DEFAULT_GRACE_S = 3600.0
+COMPACT_TARGET_BYTES = 128 * 1024 * 1024
+
+
+@dataclass
+class GcReport:
+    orphans_removed: int = 0
+    retired_removed: int = 0
+    bytes_freed: int = 0
+
+
+def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
+    report = GcReport()
+    man = buf.manifest
+    known = man.all_paths()
+    now = time.time()
+    for top in SHARD_DIRS:
+        base = os.path.join(buf.root, top)
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, buf.root)
+                if rel in known:
+                    continue
+                if not (name.endswith(".parquet") or top == "tmp"):
+                    continue
+                if top == "tmp" and "duckdb-" in rel:
+                    continue  # spill directory of a live session
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                if now - st.st_mtime >= grace_s:
+                    os.unlink(full)
+                    report.orphans_removed += 1
+                    report.bytes_freed += st.st_size
+    oldest_pin = man.oldest_pinned_seq()
+    rows = man.con.execute("SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()
+    for shard_id, path, removed_seq in rows:
+        if oldest_pin is not None and oldest_pin < removed_seq:
+            continue  # a pinned snapshot still reads it
+        full = os.path.join(buf.root, path)
+        if os.path.exists(full):
+            report.bytes_freed += os.path.getsize(full)
+            os.unlink(full)
+            report.retired_removed += 1
+        with man.transaction() as con:
+            con.execute("DELETE FROM shards WHERE shard_id = ?", (shard_id,))
+    return report
+
+
+@dataclass
+class CompactReport:
+    merged_shards: int = 0
+    new_shards: int = 0
+    rows: int = 0
+
+
+def compact(
+    buf: Buffer, table: str = "rollouts", small_bytes: int = 16 * 1024 * 1024,
+    target_bytes: int = COMPACT_TARGET_BYTES,
+) -> CompactReport:
+    """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes."""
+    if table not in TABLE_DIRS:
+        raise ValueError(f"unknown table {table!r}")
+    man = buf.manifest
+    leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
+    shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
+    batches, current, size = [], [], 0
+    for s in shards:
+        current.append(s)
+        size += s.bytes
+        if size >= target_bytes:
+            batches.append(current)
+            current, size = [], 0
+    if len(current) > 1:
+        batches.append(current)
+    report = CompactReport()
+    batches = [b for b in batches if len(b) > 1]
+    if not batches:
+        return report
+    parts = []
+    for batch in batches:
+        merged = pa.concat_tables(pq.read_table(os.path.join(buf.root, s.path)) for s in batch)
+        parts.append(Part(table, merged, key=batch[0].key))
+        report.rows += merged.num_rows
+    old = [s for b in batches for s in b]
+
+    def retire(con, seq: int, new_ids: list[int]) -> None:
+        for batch, new_id in zip(batches, new_ids):
+            ids = [s.shard_id for s in batch]
+            marks = ",".join("?" * len(ids))
+            cur = con.execute(
+                f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND shard_id IN ({marks})",
+                [seq, *ids],
+            )
+            if cur.rowcount != len(ids):
+                raise RuntimeError("a shard changed during compaction; nothing was committed")
+            if table == "rollouts":
+                con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
+                con.execute(f"UPDATE group_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
+
+    buf.commit(parts, f"compact:{table}", {"merged": [s.shard_id for s in old]}, retire)
+    report.merged_shards = len(old)
+    report.new_shards = len(parts)
+    return report

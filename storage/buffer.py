@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -45,6 +45,13 @@ class Part:
     table: pa.Table
     key: str | None = None
     subdir: str | None = None  # under the table's directory, e.g. the curation id
+    name: str | None = None  # file stem; a fresh unique one when None
+
+    def relpath(self) -> str:
+        folder = TABLE_DIRS[self.table_name]
+        if self.subdir:
+            folder = f"{folder}/{self.subdir}"
+        return f"{folder}/{self.name or new_shard_name()}.parquet"
 
 
 def token_count(table: pa.Table) -> int:
@@ -89,22 +96,22 @@ class Buffer:
     # ---- writing ---------------------------------------------------------------------------
     def commit(
         self,
-        parts: list[Part],
+        parts: Iterable[Part],
         kind: str,
         detail: dict | None = None,
         on_commit: Callable[[sqlite3.Connection, int, list[int]], None] | None = None,
     ) -> tuple[int, list[Shard]]:
-        """Write `parts` as shards and publish them in one manifest transaction. Returns (seq, shards)."""
+        """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
+
+        Returns (seq, shards). On any failure every file written so far is removed.
+        """
         written: list[NewShard] = []
         ids: list[int] = []
         try:
             for part in parts:
                 schema = TABLES[part.table_name]
                 table = part.table.select(schema.names).cast(schema)
-                folder = TABLE_DIRS[part.table_name]
-                if part.subdir:
-                    folder = f"{folder}/{part.subdir}"
-                rel = f"{folder}/{new_shard_name()}.parquet"
+                rel = part.relpath()
                 nbytes, digest = publish_file(table, self.root, rel)
                 written.append(
                     NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)

@@ -58,7 +58,8 @@ def conform(table: pa.Table, file: str) -> pa.Table:
         if not field.nullable and col.null_count:
             row = _first_true(pc.is_null(col))
             raise ValidationError(file, _rid(table, row), field.name, "null in a non-nullable column")
-        if pa.types.is_list(field.type) and col.null_count == 0:
+        if pa.types.is_list(field.type):  # also in nullable list columns that hold null lists
+            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
             flat = pc.list_flatten(col)
             if flat.null_count:
                 parents = pc.list_parent_indices(col)
@@ -84,16 +85,23 @@ def _first_bad_cast(col: pa.ChunkedArray, target: pa.DataType) -> int | None:
     return None
 
 
+def _raise_first(table: pa.Table, file: str, faults: list[tuple[int, str, str]]) -> None:
+    """Raise for the earliest row among (row, column, message) faults of one check (column order breaks ties)."""
+    if faults:
+        row, name, msg = min(faults, key=lambda f: f[0])  # min() keeps the first of equal rows
+        raise ValidationError(file, _rid(table, row), name, msg)
+
+
 def _check_lengths(table: pa.Table, file: str) -> None:
     ref = pc.list_value_length(table.column("response_token_ids"))
+    faults = []
     for name in TOKEN_LIST_COLUMNS:
         lengths = pc.list_value_length(table.column(name))
         row = _first_true(pc.not_equal(lengths, ref))
         if row is not None:
-            raise ValidationError(
-                file, _rid(table, row), name,
-                f"has {lengths[row].as_py()} values but response_token_ids has {ref[row].as_py()}",
-            )
+            faults.append((row, name,
+                           f"has {lengths[row].as_py()} values but response_token_ids has {ref[row].as_py()}"))
+    _raise_first(table, file, faults)
 
 
 def _float_rows(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -108,10 +116,8 @@ def _float_rows(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(values, dtype=np.float32), np.arange(len(values))
 
 
-def _report_first(table: pa.Table, file: str, name: str, bad: np.ndarray, rows: np.ndarray, msg: str):
-    if bad.any():
-        first = int(rows[np.flatnonzero(bad)].min())
-        raise ValidationError(file, _rid(table, first), name, msg)
+def _first_fault(name: str, bad: np.ndarray, rows: np.ndarray, msg: str) -> list[tuple[int, str, str]]:
+    return [(int(rows[np.flatnonzero(bad)].min()), name, msg)] if bad.any() else []
 
 
 def validate_rollouts(
@@ -124,21 +130,23 @@ def validate_rollouts(
     _check_lengths(table, file)
     float_cols = ("reward",) + TOKEN_LIST_COLUMNS
     values = {name: _float_rows(table, name) for name in float_cols}
-    for name in float_cols:  # no NaN or infinity
+    faults = []  # no NaN or infinity
+    for name in float_cols:
         vals, rows = values[name]
-        _report_first(table, file, name, ~np.isfinite(vals), rows, "NaN or infinity")
-    for name in ("gen_logprobs", "old_logprobs"):  # bounds
+        faults += _first_fault(name, ~np.isfinite(vals), rows, "NaN or infinity")
+    _raise_first(table, file, faults)
+    faults = []  # bounds
+    for name in ("gen_logprobs", "old_logprobs"):
         vals, rows = values[name]
-        _report_first(table, file, name, vals > 0, rows, "log-probability above 0")
+        faults += _first_fault(name, vals > 0, rows, "log-probability above 0")
     vals, rows = values["entropies"]
-    _report_first(table, file, "entropies", vals < 0, rows, "negative entropy")
+    faults += _first_fault("entropies", vals < 0, rows, "negative entropy")
     allowed = pa.array(list(FINISH_REASONS))
     row = _first_true(pc.invert(pc.is_in(table.column("finish_reason"), value_set=allowed)))
     if row is not None:
-        raise ValidationError(
-            file, _rid(table, row), "finish_reason",
-            f"{table.column('finish_reason')[row].as_py()!r} is not one of {', '.join(FINISH_REASONS)}",
-        )
+        faults.append((row, "finish_reason",
+                       f"{table.column('finish_reason')[row].as_py()!r} is not one of {', '.join(FINISH_REASONS)}"))
+    _raise_first(table, file, faults)
     _check_unique(table, file, existing)
     _check_agreement(table, file)
     return table

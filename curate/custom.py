@@ -1,0 +1,78 @@
+"""Custom recipes: a user's SELECT over the `candidates` view chooses rows and their advantages.
+
+Invariants:
+- The user SQL runs in the session's sandbox and must be one SELECT (checked before it runs).
+- Its result must have `rollout_id` and `advantage` (optional `weight`); every id must be a
+  candidate of the pool, appear once, and carry a finite advantage (and a finite, non-negative
+  weight) — otherwise one error line names the rollout_id and the column, and nothing is written.
+- Rows it returns become `selected` with advantage_final = f32(advantage); the rest of the pool
+  `not_selected`; the audit treats them like any built-in recipe.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+
+from queries.session import Session
+from storage.errors import RollstoreError
+
+CANDIDATES_VIEW = """
+CREATE OR REPLACE TEMP VIEW candidates AS
+SELECT r.*, w.group_size, w.group_accuracy, w.difficulty, w.advantage_raw,
+       w.advantage_final AS advantage
+FROM work w JOIN rollouts r USING (rollout_id)
+WHERE w.reason IS NULL
+"""
+
+
+class CustomRecipeError(RollstoreError):
+    pass
+
+
+def apply_custom_recipe(session: Session, stages, sql: str) -> int:
+    """Run the user's SELECT, validate it, and record its choice in `work`. Returns rows selected."""
+    session.execute(CANDIDATES_VIEW)
+    statements = session.check_user_sql(sql)
+    if len(statements) != 1:
+        raise CustomRecipeError("custom recipe: the SQL file must hold exactly one SELECT statement")
+    stages.text.append(statements[0])
+    result: pa.Table = session.run_user_sql(statements[0], timeout=None)
+    cols = result.column_names
+    for need in ("rollout_id", "advantage"):
+        if need not in cols:
+            raise CustomRecipeError(f"custom recipe: the result has no column {need!r} (columns: {', '.join(cols)})")
+    pool = {r[0] for r in session.execute("SELECT rollout_id FROM work WHERE reason IS NULL").fetchall()}
+    ids = result.column("rollout_id").to_pylist()
+    advs = result.column("advantage").cast(pa.float64()).to_pylist()
+    weights = result.column("weight").cast(pa.float64()).to_pylist() if "weight" in cols else [1.0] * len(ids)
+    seen: set = set()
+    for rid, adv, weight in zip(ids, advs, weights):
+        if rid not in pool:
+            raise CustomRecipeError(f"custom recipe: row rollout_id={rid!r}: column 'rollout_id': not a candidate of this batch")
+        if rid in seen:
+            raise CustomRecipeError(f"custom recipe: row rollout_id={rid!r}: column 'rollout_id': returned twice")
+        seen.add(rid)
+        if adv is None or not math.isfinite(adv):
+            raise CustomRecipeError(f"custom recipe: row rollout_id={rid!r}: column 'advantage': {adv!r} is not a finite number")
+        if weight is None or not math.isfinite(weight) or weight < 0:
+            raise CustomRecipeError(f"custom recipe: row rollout_id={rid!r}: column 'weight': {weight!r} is not a finite number ≥ 0")
+    chosen = pa.table({
+        "rollout_id": pa.array(ids, pa.string()),
+        "adv": pa.array(advs, pa.float64()).cast(pa.float32()),
+        "wt": pa.array(weights, pa.float64()).cast(pa.float32()),
+    })
+    session.con.register("custom_choice", chosen)
+    session.execute(
+        "CREATE OR REPLACE TEMP TABLE work AS "
+        "SELECT w.* EXCLUDE (reason, selected, advantage_final, weight), "
+        "CASE WHEN w.reason IS NOT NULL THEN w.reason WHEN c.rollout_id IS NOT NULL THEN 'selected' "
+        "ELSE 'not_selected' END AS reason, "
+        "c.rollout_id IS NOT NULL AS selected, "
+        "CASE WHEN c.rollout_id IS NOT NULL THEN c.adv ELSE w.advantage_final END AS advantage_final, "
+        "coalesce(c.wt, w.weight) AS weight "
+        "FROM work w LEFT JOIN custom_choice c USING (rollout_id)"
+    )
+    session.con.unregister("custom_choice")
+    return len(ids)

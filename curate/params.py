@@ -1,0 +1,256 @@
+"""Curation parameters: the table of algorithms.md, recipes as presets, `--set` parsing, schedules.
+
+Invariants:
+- Every recipe accepts every parameter; a recipe only sets defaults. Unknown names, a name given
+  twice, values out of range and fractions of the other schedule are errors (one line each).
+- Fractions and `progress` are exact rationals (`Fraction`) from the decimal text as written; budgets
+  are computed in rational arithmetic, and "round" is half up: floor(x + 1/2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from importlib import resources
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from storage.errors import RollstoreError
+
+
+class ParamError(RollstoreError):
+    """A parameter or recipe was unknown, repeated or out of range."""
+
+
+NONE = None
+ENUMS = {
+    "truncated": ("keep", "drop"),
+    "std": ("sample", "population", "none"),
+    "filter": ("none", "dynamic"),
+    "amplify": ("none", "da3po", "group"),
+    "sample": ("none", "pods", "in_group", "cross_group"),
+    "token": ("none", "abs_adv_entropy", "entropy"),
+    "schedule": ("static", "linear"),
+}
+FRACTIONS = (
+    "sample_fraction", "sample_fraction_start", "sample_fraction_end",
+    "token_fraction", "token_fraction_start", "token_fraction_end",
+)
+DEFAULTS: dict[str, object] = {
+    "where": None,
+    "current_version": None,
+    "max_policy_lag": None,
+    "max_reuse": None,
+    "truncated": "keep",
+    "std": "sample",
+    "filter": "none",
+    "amplify": "none",
+    "amplify_tau": Fraction(1, 2),
+    "amplify_max": Fraction(3),
+    "difficulty_window": 4,
+    "difficulty_prior": Fraction(2),
+    "sample": "none",
+    "sample_fraction": Fraction(1, 4),
+    "sample_fraction_start": Fraction(1, 4),
+    "sample_fraction_end": Fraction(1),
+    "token": "none",
+    "token_fraction": Fraction(1, 5),
+    "token_fraction_start": Fraction(1, 5),
+    "token_fraction_end": Fraction(1),
+    "schedule": "static",
+    "progress": Fraction(0),
+}
+STATIC_ONLY = ("sample_fraction", "token_fraction")
+LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_start", "token_fraction_end")
+
+
+def exact(text: object, name: str) -> Fraction:
+    """A decimal literal (or TOML number) as an exact rational."""
+    if isinstance(text, bool):
+        raise ParamError(f"parameter {name}: expected a number, got {text!r}")
+    if isinstance(text, Fraction):
+        return text
+    if isinstance(text, int):
+        return Fraction(text)
+    try:
+        value = Decimal(repr(text) if isinstance(text, float) else str(text).strip())
+    except InvalidOperation:
+        raise ParamError(f"parameter {name}: expected a decimal number, got {text!r}") from None
+    if not value.is_finite():
+        raise ParamError(f"parameter {name}: expected a finite number, got {text!r}")
+    return Fraction(value)
+
+
+def _int(value: object, name: str, low: int | None = None) -> int:
+    f = exact(value, name)
+    if f.denominator != 1:
+        raise ParamError(f"parameter {name}: expected an integer, got {value!r}")
+    if low is not None and f < low:
+        raise ParamError(f"parameter {name}: must be ≥ {low}, got {value!r}")
+    return int(f)
+
+
+def _is_none(value: object) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() == "none")
+
+
+def coerce(name: str, value: object) -> object:
+    """Parse and range-check one parameter value."""
+    if name not in DEFAULTS:
+        raise ParamError(f"unknown parameter {name!r} (known: {', '.join(DEFAULTS)})")
+    if name == "where":
+        if _is_none(value):
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise ParamError("parameter where: expected an SQL predicate")
+        return value.strip()
+    if name in ENUMS:
+        word = "none" if value is None else str(value).strip()
+        if word not in ENUMS[name]:
+            raise ParamError(f"parameter {name}: {value!r} is not one of {', '.join(ENUMS[name])}")
+        return word
+    if name in ("max_policy_lag", "max_reuse", "current_version"):
+        if _is_none(value):
+            return None
+        return _int(value, name, {"max_policy_lag": 0, "max_reuse": 1, "current_version": None}[name])
+    if name == "difficulty_window":
+        return _int(value, name, 1)
+    f = exact(value, name)
+    if name in FRACTIONS or name == "amplify_tau":
+        if not (0 < f <= 1):
+            raise ParamError(f"parameter {name}: must be in (0, 1], got {value}")
+    elif name == "progress":
+        if not (0 <= f <= 1):
+            raise ParamError(f"parameter progress: must be in [0, 1], got {value}")
+    elif name == "amplify_max":
+        if f < 1:
+            raise ParamError(f"parameter amplify_max: must be ≥ 1, got {value}")
+    elif name == "difficulty_prior":
+        if f < 0:
+            raise ParamError(f"parameter difficulty_prior: must be ≥ 0, got {value}")
+    return f
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    presets: dict[str, object]
+    sql: str | None = None  # custom recipe: a user SELECT over `candidates`
+
+
+def builtin_recipes() -> list[str]:
+    folder = resources.files("curate").joinpath("recipes")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ParamError(f"{origin}: invalid TOML ({exc})") from None
+    presets = {k: coerce(k, v) for k, v in (data.get("params") or {}).items()}
+    sql = data.get("sql")
+    if sql is None and data.get("sql_file"):
+        path = os.path.join(os.path.dirname(origin), data["sql_file"])
+        sql = open(path, encoding="utf-8").read()
+    return Recipe(data.get("name", name), data.get("description", ""), presets, sql)
+
+
+def load_recipe(ref: str) -> Recipe:
+    """A built-in name, a TOML recipe file, or a custom `.sql` file."""
+    if ref.endswith(".sql"):
+        if not os.path.exists(ref):
+            raise ParamError(f"{ref}: custom recipe SQL file not found")
+        return Recipe(f"custom:{os.path.basename(ref)}", "custom SQL recipe", {}, open(ref, encoding="utf-8").read())
+    if ref.endswith(".toml"):
+        if not os.path.exists(ref):
+            raise ParamError(f"{ref}: recipe file not found")
+        return _recipe_from_toml(os.path.basename(ref)[:-5], open(ref, encoding="utf-8").read(), ref)
+    names = builtin_recipes()
+    if ref not in names:
+        raise ParamError(f"unknown recipe {ref!r} (built-in: {', '.join(names)}; or a .toml / .sql file)")
+    text = resources.files("curate").joinpath("recipes", f"{ref}.toml").read_text()
+    return _recipe_from_toml(ref, text, f"recipes/{ref}.toml")
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """`name=value` strings → dict; a name given twice is an error."""
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise ParamError(f"--set {item!r}: expected name=value")
+        name, value = item.split("=", 1)
+        name = name.strip()
+        if name in out:
+            raise ParamError(f"parameter {name!r} given twice")
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Params:
+    values: dict[str, object]
+    user_set: frozenset[str] = field(default_factory=frozenset)
+
+    def __getitem__(self, name: str):
+        return self.values[name]
+
+    def sample_fraction(self) -> Fraction:
+        if self["schedule"] == "linear":
+            f0, f1 = self["sample_fraction_start"], self["sample_fraction_end"]
+            return f0 + (f1 - f0) * self["progress"]
+        return self["sample_fraction"]
+
+    def token_fraction(self) -> Fraction:
+        if self["schedule"] == "linear":
+            k0, k1 = self["token_fraction_start"], self["token_fraction_end"]
+            return k0 + (k1 - k0) * self["progress"]
+        return self["token_fraction"]
+
+    def to_json(self) -> str:
+        def plain(v):
+            if isinstance(v, Fraction):
+                return v.numerator if v.denominator == 1 else float(Decimal(v.numerator) / Decimal(v.denominator))
+            return v
+
+        return json.dumps({k: plain(v) for k, v in sorted(self.values.items())}, sort_keys=True)
+
+
+def resolve(recipe: Recipe, sets: dict[str, object]) -> Params:
+    """Recipe presets, then user settings; checks the schedule rule on user settings only."""
+    values = dict(DEFAULTS)
+    values.update(recipe.presets)
+    for name, raw in sets.items():
+        values[name] = coerce(name, raw)
+    schedule = values["schedule"]
+    wrong = LINEAR_ONLY if schedule == "static" else STATIC_ONLY
+    for name in sets:
+        if name in wrong:
+            raise ParamError(
+                f"parameter {name} belongs to the {'linear' if schedule == 'static' else 'static'} "
+                f"schedule, but schedule={schedule}"
+            )
+    return Params(values, frozenset(sets))
+
+
+def round_half_up(x: Fraction) -> int:
+    return math.floor(x + Fraction(1, 2))
+
+
+def budget(n: int, f: Fraction) -> int:
+    """min(n, max(2, round(n·f))) — the cross-group M and the in-group m_g of step 6."""
+    return min(n, max(2, round_half_up(n * f)))
+
+
+def token_budget(n_tokens: int, kappa: Fraction) -> int:
+    """ceil(κ·N) tokens."""
+    return math.ceil(kappa * n_tokens)

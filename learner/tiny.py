@@ -1,0 +1,177 @@
+"""The built-in policy `builtin:tiny`: a character-level Llama small enough to train on a CPU.
+
+`build_tiny` makes a fresh model, warm-starts it by supervised learning on (prompt, answer) pairs
+that the caller supplies (the application takes them from `rollout.arith`; learner never imports
+rollout), and saves an ordinary transformers model directory that any backend can load.
+
+Invariants:
+- The tokenizer is a `tokenizers` WordLevel model over single characters (`CHARS`) plus four
+  special tokens, wrapped in `PreTrainedTokenizerFast`; it adds `<bos>` in front of every text,
+  decodes by plain concatenation, and saves and reloads exactly.
+- The config is a Llama (`model_type: llama`, so AutoTokenizer never swaps in another class) with
+  head_dim 64 (vLLM's CPU backend supports it; 16 and 32 are not safe there).
+- Training is deterministic by seed on a given machine: model init, batch order and dropout-free
+  updates all come from one seeded torch generator.
+- The loss covers the answer characters and the end-of-sequence token only, so the policy learns
+  to stop; prompts are never trained on.
+- The output directory gets config.json, generation_config.json (neutral: no sampling defaults),
+  model.safetensors, tokenizer.json and tokenizer_config.json, and nothing half-written: the caller
+  is expected to build into a temporary directory and rename (rollstore.models does).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)
+CHARS = "0123456789+-*/=()., "
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Architecture of the tiny policy (part of the cache key of a built model)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 64
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm-start schedule (part of the cache key of a built model)."""
+
+    steps: int = 300
+    batch_size: int = 128
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer: specials get ids 0..3, then one id per character of CHARS."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + tuple(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=TinyConfig().max_position_embeddings,
+    )
+
+
+def tiny_model_config(tokenizer: PreTrainedTokenizerFast, arch: TinyConfig = TinyConfig()) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_key_value_heads=arch.num_attention_heads,
+        tie_word_embeddings=False,
+        **asdict(arch),
+    )
+
+
+def _encode_examples(
+    tokenizer: PreTrainedTokenizerFast, examples: list[tuple[str, str]], max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask, labels (-100 outside answer + eos), right-padded to one length."""
+    rows, label_rows = [], []
+    for i, (prompt, answer) in enumerate(examples):
+        p = tokenizer(prompt)["input_ids"]  # <bos> + prompt characters
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(p) + len(a) > max_len:
+            raise ValueError(f"warm-start example {i} is {len(p) + len(a)} tokens, over {max_len}")
+        rows.append(p + a)
+        label_rows.append([-100] * len(p) + a)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, lab) in enumerate(zip(rows, label_rows)):
+        ids[i, : len(r)] = torch.tensor(r)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        mask[i, : len(r)] = 1
+    return ids, mask, labels
+
+
+def build_tiny(
+    out_dir: str,
+    examples: list[tuple[str, str]],
+    steps: int | None = None,
+    seed: int = 0,
+    arch: TinyConfig = TinyConfig(),
+    schedule: WarmStart = WarmStart(),
+    log_every: int = 0,
+) -> dict:
+    """Build, warm-start on `examples` and save the tiny policy into `out_dir`; return metrics.
+
+    `steps` overrides `schedule.steps` (0 saves the untrained initialisation). Batches are drawn
+    with replacement from `examples`, so any number of examples works.
+    """
+    if not examples:
+        raise ValueError("build_tiny needs at least one (prompt, answer) example")
+    steps = schedule.steps if steps is None else steps
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer()
+    config = tiny_model_config(tokenizer, arch)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    ids, mask, labels = _encode_examples(tokenizer, examples, arch.max_position_embeddings)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay, betas=(0.9, 0.98)
+    )
+    warm = max(1, schedule.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    model.train()
+    loss_value = float("nan")
+    for step in range(steps):
+        idx = torch.randint(len(examples), (schedule.batch_size,), generator=gen)
+        m = mask[idx]
+        width = int(m.sum(dim=1).max())
+        out = model(input_ids=ids[idx, :width], attention_mask=m[:, :width], labels=labels[idx, :width])
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_value = float(out.loss.detach())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"  warm start step {step + 1}/{steps} loss {loss_value:.4f}", flush=True)
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "steps": steps,
+        "seed": seed,
+        "final_loss": loss_value,
+        "train_seconds": time.perf_counter() - t0,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "examples": len(examples),
+    }

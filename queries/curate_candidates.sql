@@ -1,0 +1,31 @@
+-- Step 1 — eligibility (algorithms.md, "Order inside a run", 1).
+-- The batch is every snapshot row matched by the `where` predicate; each candidate gets the first
+-- reason that applies, in this order: invalid, truncated, stale, reused. NULL reason = eligible.
+-- Per-token arrays stay in `rollouts`; the working table `work` holds one narrow row per candidate.
+CREATE OR REPLACE TEMP TABLE work AS
+WITH batch AS (
+    SELECT rollout_id, group_id, prompt_id, policy_version, reward, correct, verify_error,
+           finish_reason, len(response_token_ids)::INTEGER AS tokens_total
+    FROM rollouts
+    WHERE ({where})
+),
+times_selected AS (  -- distinct committed curations that selected each rollout
+    SELECT rollout_id, count(DISTINCT curation_id) AS n
+    FROM selections
+    WHERE selected AND curation_id IN (SELECT curation_id FROM curations)
+    GROUP BY rollout_id
+)
+SELECT
+    b.*,
+    CASE
+        WHEN b.correct IS NULL OR b.verify_error IS NOT NULL THEN 'invalid'
+        WHEN $drop_truncated AND b.finish_reason IN ('length', 'abort') THEN 'truncated'
+        WHEN $max_policy_lag IS NOT NULL
+             AND b.policy_version < $current_version - $max_policy_lag THEN 'stale'
+        WHEN $max_reuse IS NOT NULL AND coalesce(t.n, 0) >= $max_reuse THEN 'reused'
+    END AS reason,
+    NULL::BOOLEAN AS selected,
+    NULL::INTEGER AS sample_rank,
+    1.0::FLOAT    AS weight
+FROM batch b
+LEFT JOIN times_selected t USING (rollout_id);

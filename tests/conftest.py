@@ -1,0 +1,78 @@
+"""Shared fixtures: a fresh buffer, the CLI run in-process, and JSONL/Parquet writers of rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# The real `rollstore` entry point of the venv (for the tests that go through a subprocess).
+ROLLSTORE_BIN = os.path.join(os.path.dirname(sys.executable), "rollstore")
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli():
+    """Run `rollstore ARGS...` in-process through typer's CliRunner (the real command functions)."""
+    from typer.testing import CliRunner
+
+    from rollstore.cli import app
+
+    runner = CliRunner()
+
+    def run(*args: str) -> CliResult:
+        res = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+        return CliResult(res.exit_code, res.stdout, res.stderr)
+
+    return run
+
+
+@pytest.fixture
+def buffer_dir(tmp_path):
+    """An initialised, empty buffer; returns its path."""
+    from storage.buffer import Buffer
+
+    root = tmp_path / "buf"
+    Buffer.init(str(root)).close()
+    return str(root)
+
+
+def write_jsonl(table: pa.Table | list[dict], path) -> str:
+    """Rows as JSON lines (timestamps as ISO-8601; NaN/inf as Python's json writes them)."""
+    rows = table.to_pylist() if isinstance(table, pa.Table) else table
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            row = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in row.items()}
+            fh.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def write_parquet(table: pa.Table, path) -> str:
+    pq.write_table(table, str(path))
+    return str(path)
+
+
+@pytest.fixture
+def rows_file():
+    """Writers of a table (or list of row dicts) as a user's file: rows_file.jsonl / rows_file.parquet."""
+
+    class Writers:
+        jsonl = staticmethod(write_jsonl)
+        parquet = staticmethod(write_parquet)
+
+    return Writers

@@ -87,19 +87,19 @@ class _Stages:
 
 
 def _default_where(session: Session) -> str | None:
-    row = session.execute(
+    row = session.one(
         "SELECT run_id, step FROM rollouts ORDER BY created_at DESC, run_id DESC, step DESC LIMIT 1"
-    ).fetchone()
+    )
     if row is None:
         return None
     return f"run_id = {sql_string(row[0])} AND step = {int(row[1])}"
 
 
 def _default_version(session: Session) -> int | None:
-    row = session.execute("SELECT max(version) FROM checkpoints").fetchone()
+    row = session.one("SELECT max(version) FROM checkpoints")
     if row[0] is not None:
         return int(row[0])
-    row = session.execute("SELECT max(policy_version) FROM rollouts").fetchone()
+    row = session.one("SELECT max(policy_version) FROM rollouts")
     return None if row[0] is None else int(row[0])
 
 
@@ -113,11 +113,11 @@ def _threshold(session: Session, k: int) -> tuple[float, str, int] | None:
     above = 0
     for bucket, n in hist:
         if above + n >= k:
-            row = session.execute(
+            row = session.one(
                 "SELECT score, rollout_id, pos FROM token_scores WHERE bucket = $b "
                 "ORDER BY score DESC, rollout_id ASC, pos ASC LIMIT 1 OFFSET $o",
                 {"b": bucket, "o": k - above - 1},
-            ).fetchone()
+            )
             return float(row[0]), str(row[1]), int(row[2])
         above += n
     return None
@@ -192,7 +192,7 @@ def _run_stages(stages: _Stages, session: Session, params: Params, recipe: Recip
     if q["current_version"] is None:
         q["current_version"] = 0
     stages.run("curate_candidates", q, where=p["where"])
-    n_candidates = session.execute("SELECT count(*) FROM work").fetchone()[0]
+    n_candidates = session.one("SELECT count(*) FROM work")[0]
     if n_candidates == 0:
         raise CurationError(f"empty batch: no rollouts match where = {p['where']}")
     eligible = "(SELECT * FROM work WHERE reason IS NULL)"
@@ -222,7 +222,7 @@ def _run_stages(stages: _Stages, session: Session, params: Params, recipe: Recip
         value = "reward" if pods else "advantage_final"
         stages.run("curate_select", q, pool_key=pool_key, value=value)
         stages.run("curate_apply_selection", q)
-        sample_budget = session.execute("SELECT count(*) FROM work WHERE selected").fetchone()[0]
+        sample_budget = session.one("SELECT count(*) FROM work WHERE selected")[0]
     if pods:
         chosen = "(SELECT * FROM work WHERE selected)"
         stages.run("curate_group_stats", q, rows=chosen, out="subset_groups")
@@ -240,17 +240,17 @@ def _materialise(buf, session, stages, params, recipe, result, curation_id, sql_
     score = _score_expr(token, "h", "advantage_final")
     threshold = None
     if token != "none":
-        missing = session.execute(
+        missing = session.one(
             "SELECT w.rollout_id FROM work w JOIN rollouts r USING (rollout_id) "
             "WHERE w.selected AND r.entropies IS NULL ORDER BY w.rollout_id LIMIT 1"
-        ).fetchone()
+        )
         if missing:
             raise CurationError(
                 f"rollout_id={missing[0]!r}: column 'entropies' is null, but token={token} needs "
                 f"per-token entropies; {FILL_ENTROPIES} (or run with --set token=none)"
             )
         stages.run("curate_token_scores", score=score)
-        n_tokens = session.execute("SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected").fetchone()[0]
+        n_tokens = session.one("SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected")[0]
         threshold = _threshold(session, token_budget(int(n_tokens), kappa))
     mask_score = _score_expr(token, "h", "w.advantage_final")
     stages.run(
@@ -265,12 +265,12 @@ def _materialise(buf, session, stages, params, recipe, result, curation_id, sql_
         score=mask_score,
     )
     audit = stages.table("curate_audit", {"curation_id": curation_id}).cast(SELECTIONS)
-    rec = stages.run("curate_record", {"pods": p["sample"] == "pods"}).fetchone()
+    rec = stages.run("curate_record", {"pods": p["sample"] == "pods"}).fetchall()[0]
     n_candidates, n_selected, tokens_candidate, var_before, var_after = rec
     agg = session.execute(
         "SELECT coalesce(sum(tokens_kept), 0), count(*) FILTER (WHERE fallback), count(*), "
         "coalesce(sum(len(response_token_ids)), 0) FROM curated_out"
-    ).fetchone()
+    ).fetchall()[0]
     tokens_kept, fallback, n_curated, curated_tokens = (int(x) for x in agg)
     reasons = dict(session.execute("SELECT reason, count(*) FROM work GROUP BY reason ORDER BY reason").fetchall())
 

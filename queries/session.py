@@ -109,6 +109,11 @@ class Session:
         """Run rollstore's own SQL (trusted: may create temp tables)."""
         return self.con.execute(sql, params) if params is not None else self.con.execute(sql)
 
+    def one(self, sql: str, params: dict | list | None = None) -> tuple | None:
+        """First row of a query (fully consumed, so the connection is free for the next one)."""
+        rows = self.execute(sql, params).fetchall()
+        return rows[0] if rows else None
+
     def check_user_sql(self, sql: str) -> list[str]:
         """The statements of `sql` if every one is a SELECT; otherwise raise SqlRefused."""
         try:

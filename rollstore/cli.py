@@ -23,7 +23,9 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[red]error:[/red] {message}", highlight=False, markup=True)
+    from rich.markup import escape
+
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, markup=True)
     raise typer.Exit(code)
 
 
@@ -139,6 +141,48 @@ def compact(
     with open_buffer(buffer) as buf:
         r = run(buf, table, int(small_mb * 2**20), int(target_mb * 2**20))
     out.print(f"merged {r.merged_shards} shards into {r.new_shards} ({r.rows} rows)")
+
+
+@app.command("curate")
+@guarded
+def curate_(
+    buffer: str,
+    recipe: str = typer.Option(..., "--recipe", "-r", help="Built-in recipe, a .toml recipe file, or a .sql custom recipe."),
+    set_: List[str] = typer.Option([], "--set", help="Override a parameter: name=value (repeatable)."),
+    progress: Optional[str] = typer.Option(None, "--progress", help="Schedule position t in [0, 1] (= --set progress=T)."),
+    snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print, commit nothing."),
+    memory_limit: str = typer.Option("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
+):
+    """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
+    from rollstore.curation_cli import print_summary, run_curate
+
+    with open_buffer(buffer) as buf:
+        result = run_curate(buf, recipe, set_, progress, snapshot, dry_run, memory_limit)
+    print_summary(result, out)
+
+
+@app.command()
+@guarded
+def audit(
+    buffer: str,
+    curation_id: Optional[str] = typer.Argument(None, help="Curation id (default: the latest)."),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help="Show one rollout's tokens, scores and kept marks."),
+):
+    """Reason counts and keep rates of a curation, or one rollout's kept tokens."""
+    from rollstore.curation_cli import run_audit
+
+    with open_buffer(buffer) as buf:
+        run_audit(buf, curation_id, rollout, out)
+
+
+@app.command()
+def recipes():
+    """List the built-in recipes."""
+    from curate.params import builtin_recipes, load_recipe
+
+    for name in builtin_recipes():
+        out.print(f"{name:12s} {load_recipe(name).description}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover

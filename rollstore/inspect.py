@@ -24,8 +24,8 @@ def buffer_info(buf: Buffer) -> dict:
         with Session(snap) as s:
             versions = [r[0] for r in s.execute(
                 "SELECT DISTINCT policy_version FROM rollouts ORDER BY 1").fetchall()]
-            groups, prompts = s.execute(
-                "SELECT count(DISTINCT group_id), count(DISTINCT prompt_id) FROM rollouts").fetchone()
+            groups, prompts = s.one(
+                "SELECT count(DISTINCT group_id), count(DISTINCT prompt_id) FROM rollouts")
     r = tables["rollouts"]
     return {
         "buffer": buf.root,

@@ -26,8 +26,8 @@ def _jsonable(value):
         return None if math.isnan(value) or math.isinf(value) else value
     if isinstance(value, (dt.datetime, dt.date, dt.time)):
         return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return float(value)
+    if isinstance(value, decimal.Decimal):  # DuckDB's sum() of integers is HUGEINT -> decimal(38, 0)
+        return int(value) if value.as_tuple().exponent >= 0 else float(value)
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, list):

@@ -3,7 +3,8 @@
 Invariants:
 - `gc` deletes only (a) files that no manifest row names and that are older than the grace period
   (orphans of crashed writes), and (b) files of shards retired by compaction that no pinned
-  snapshot can still read. It never touches a live shard.
+  snapshot can still read. It never touches a live shard. It records the highest `removed_seq` it
+  collected, and snapshots older than that are refused from then on (they would miss shards).
 - `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
   merged rows are the old rows in commit order, so every query's result is unchanged; the old
   files stay on disk until `gc` finds no snapshot that needs them. Shards that any consumer has
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .buffer import TABLE_DIRS, Buffer, Part
+from .errors import ManifestError, RollstoreError
 
 SHARD_DIRS = ("rollouts", "curated", "audit", "meta", "tmp")
 DEFAULT_GRACE_S = 3600.0
@@ -70,6 +72,11 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
             report.retired_removed += 1
         with man.transaction() as con:
             con.execute("DELETE FROM shards WHERE shard_id = ?", (shard_id,))
+            con.execute(
+                "INSERT INTO meta VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
+                "SET value = max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
+                (str(removed_seq),),
+            )
     return report
 
 
@@ -86,12 +93,18 @@ def compact(
 ) -> CompactReport:
     """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes."""
     if table not in TABLE_DIRS:
-        raise ValueError(f"unknown table {table!r}")
+        raise RollstoreError(f"unknown table {table!r} (one of {', '.join(TABLE_DIRS)})")
     man = buf.manifest
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
     shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
+    def home(s) -> tuple:  # a merged shard keeps its key and folder (e.g. a curation's)
+        return s.key, os.path.dirname(s.path)
+
     batches, current, size = [], [], 0
     for s in shards:
+        if current and home(s) != home(current[0]):
+            batches.append(current)
+            current, size = [], 0
         current.append(s)
         size += s.bytes
         if size >= target_bytes:
@@ -106,7 +119,8 @@ def compact(
     parts = []
     for batch in batches:
         merged = pa.concat_tables(pq.read_table(os.path.join(buf.root, s.path)) for s in batch)
-        parts.append(Part(table, merged, key=batch[0].key))
+        subdir = os.path.relpath(os.path.dirname(batch[0].path), TABLE_DIRS[table])
+        parts.append(Part(table, merged, key=batch[0].key, subdir=None if subdir == "." else subdir))
         report.rows += merged.num_rows
     old = [s for b in batches for s in b]
 
@@ -119,7 +133,9 @@ def compact(
                 [seq, *ids],
             )
             if cur.rowcount != len(ids):
-                raise RuntimeError("a shard changed during compaction; nothing was committed")
+                raise ManifestError("a shard changed during compaction; nothing was committed")
+            if con.execute(f"SELECT 1 FROM leases WHERE shard_id IN ({marks}) LIMIT 1", ids).fetchone():
+                raise ManifestError("a shard was leased during compaction; nothing was committed")
             if table == "rollouts":
                 con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
                 con.execute(f"UPDATE group_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])

@@ -188,14 +188,22 @@ class Manifest:
         return found_r, found_g
 
     def register_rollouts(self, con: sqlite3.Connection, shard_id: int, rids: list[str], gids: list[str]) -> None:
-        con.executemany(
-            "INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
-            zip(rids, gids, [shard_id] * len(rids)),
-        )
-        con.executemany(
-            "INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)",
-            [(g, shard_id) for g in dict.fromkeys(gids)],
-        )
+        """Claim the ids; on a conflict undo the partial claim (so a lookup sees only others' ids) and raise."""
+        con.execute("SAVEPOINT register")
+        try:
+            con.executemany(
+                "INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
+                zip(rids, gids, [shard_id] * len(rids)),
+            )
+            con.executemany(
+                "INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)",
+                [(g, shard_id) for g in dict.fromkeys(gids)],
+            )
+        except sqlite3.IntegrityError:
+            con.execute("ROLLBACK TO register")
+            con.execute("RELEASE register")
+            raise
+        con.execute("RELEASE register")
 
     # ---- leases ----------------------------------------------------------------------------
     def lease(self, table: str, n: int, consumer: str, group: str = "default", ttl: float = 600.0) -> tuple[str, list[Shard]]:
@@ -242,6 +250,11 @@ class Manifest:
     def unpin(self, pin_id: str) -> None:
         with self.transaction() as con:
             con.execute("DELETE FROM pins WHERE pin_id = ?", (pin_id,))
+
+    def collected_seq(self) -> int:
+        """Highest `removed_seq` of a retired shard that gc deleted: older snapshots are incomplete."""
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'collected_seq'").fetchone()
+        return 0 if row is None else int(row[0])
 
     def oldest_pinned_seq(self) -> int | None:
         row = self.con.execute("SELECT min(seq) FROM pins WHERE expires_at > ?", (time.time(),)).fetchone()

@@ -3,6 +3,8 @@
 Invariants:
 - A snapshot is a manifest sequence number; its file list comes from the manifest, never from
   listing a directory, so a reader sees exactly the shards committed at that seq while writers go on.
+- A snapshot older than the last seq whose retired shards `gc` deleted is refused, never read with
+  shards missing.
 - Every table of `schema.TABLES` is readable, also when it has no shard yet (an empty relation of
   the contract's schema).
 """
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from .errors import ManifestError
 from .manifest import Manifest, Shard
 from .schema import TABLES
 
@@ -34,8 +37,18 @@ class Snapshot:
         self.root = root
         self.seq = seq
         self._manifest = manifest
-        self._shards = {name: manifest.shards(name, seq) for name in TABLES}
-        self._pin = manifest.pin(seq) if pin else None
+        self._pin = manifest.pin(seq) if pin else None  # pin before listing: gc keeps what we list
+        try:
+            collected = manifest.collected_seq()
+            if seq < collected:
+                raise ManifestError(
+                    f"{root}: snapshot {seq} is no longer readable: gc removed shards retired after it "
+                    f"(snapshots >= {collected} are readable)"
+                )
+            self._shards = {name: manifest.shards(name, seq) for name in TABLES}
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._pin is not None:
@@ -69,7 +82,8 @@ class Snapshot:
         files = self.files(table)
         if not files:
             return pl.from_arrow(pa.Table.from_batches([], schema=TABLES[table])).lazy()
-        return pl.scan_parquet(files)
+        # a list of exact files: no globbing ("[" in a path) and no hive columns ("k=v" in a path)
+        return pl.scan_parquet(files, glob=False, hive_partitioning=False)
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
         """Create a view per table (named as the table) over this snapshot's files."""
@@ -77,7 +91,10 @@ class Snapshot:
             files = self.files(name)
             if files:
                 listing = ", ".join(sql_string(f) for f in files)
-                con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM read_parquet([{listing}])")
+                con.execute(
+                    f"CREATE OR REPLACE VIEW {name} AS "
+                    f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false)"
+                )
             else:
                 empty = pa.Table.from_batches([], schema=TABLES[name])
                 con.register(f"_empty_{name}", empty)

@@ -1,0 +1,40 @@
+-- Keep rate by difficulty band: by the group's accuracy (where dynamic sampling acts) and by the
+-- estimated difficulty q̂ (where amplification acts; only with amplify=da3po).
+WITH banded AS (
+    SELECT
+        selected, tokens_total, tokens_kept, amplification,
+        CASE
+            WHEN group_accuracy IS NULL THEN 'ineligible'
+            WHEN group_accuracy = 0 THEN 'acc = 0'
+            WHEN group_accuracy < 0.25 THEN 'acc (0, .25)'
+            WHEN group_accuracy < 0.5 THEN 'acc [.25, .5)'
+            WHEN group_accuracy < 0.75 THEN 'acc [.5, .75)'
+            WHEN group_accuracy < 1 THEN 'acc [.75, 1)'
+            ELSE 'acc = 1'
+        END AS accuracy_band,
+        CASE
+            WHEN difficulty IS NULL THEN NULL
+            WHEN difficulty < 0.25 THEN 'q̂ [0, .25)'
+            WHEN difficulty < 0.5 THEN 'q̂ [.25, .5)'
+            WHEN difficulty < 0.75 THEN 'q̂ [.5, .75)'
+            ELSE 'q̂ [.75, 1]'
+        END AS difficulty_band
+    FROM selections
+    WHERE curation_id = $curation_id
+)
+SELECT
+    'group accuracy'                                   AS measure,
+    accuracy_band                                      AS band,
+    count(*)                                           AS candidates,
+    count(*) FILTER (WHERE selected)                   AS selected,
+    round(avg(selected::INTEGER), 3)                   AS keep_rate,
+    round(sum(tokens_kept) / nullif(sum(tokens_total), 0), 3) AS token_keep_rate,
+    round(max(amplification), 3)                       AS max_amplification
+FROM banded GROUP BY accuracy_band
+UNION ALL
+SELECT
+    'difficulty', difficulty_band, count(*), count(*) FILTER (WHERE selected),
+    round(avg(selected::INTEGER), 3), round(sum(tokens_kept) / nullif(sum(tokens_total), 0), 3),
+    round(max(amplification), 3)
+FROM banded WHERE difficulty_band IS NOT NULL GROUP BY difficulty_band
+ORDER BY measure DESC, band;

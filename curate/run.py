@@ -16,12 +16,12 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from queries import load_sql
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
@@ -159,11 +159,7 @@ def curate(
         session.check_user_sql(f"SELECT * FROM rollouts WHERE ({values['where']})")
         stages = _Stages(session)
         result = _run_stages(stages, session, params, recipe)
-        sql_sha = stages.sha256()
-        params_json = params.to_json()
-        curation_id = curation_id_for(snap.seq, recipe.name, params_json, sql_sha)
-        return _materialise(buf, session, stages, params, recipe, result, curation_id, sql_sha,
-                            params_json, snap.seq, commit)
+        return _materialise(buf, snap, session, stages, params, recipe, result, commit)
 
 
 def _run_stages(stages: _Stages, session: Session, params: Params, recipe: Recipe) -> dict:
@@ -232,12 +228,10 @@ def _run_stages(stages: _Stages, session: Session, params: Params, recipe: Recip
     return {"sample_budget": sample_budget}
 
 
-def _materialise(buf, session, stages, params, recipe, result, curation_id, sql_sha, params_json,
-                 seq, commit) -> CurationResult:
+def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> CurationResult:
     p = params
     token = p["token"]
     kappa: Fraction | None = p.token_fraction() if token != "none" else None
-    score = _score_expr(token, "h", "advantage_final")
     threshold = None
     if token != "none":
         missing = session.one(
@@ -249,43 +243,37 @@ def _materialise(buf, session, stages, params, recipe, result, curation_id, sql_
                 f"rollout_id={missing[0]!r}: column 'entropies' is null, but token={token} needs "
                 f"per-token entropies; {FILL_ENTROPIES} (or run with --set token=none)"
             )
-        stages.run("curate_token_scores", score=score)
+        stages.run("curate_token_scores", score=_score_expr(token, "h", "advantage_final"))
         n_tokens = session.one("SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected")[0]
         threshold = _threshold(session, token_budget(int(n_tokens), kappa))
+    mask_params = {
+        "token_stage": token != "none",
+        "thr": threshold[0] if threshold else float("inf"),
+        "thr_rollout": threshold[1] if threshold else "",
+        "thr_pos": threshold[2] if threshold else 0,
+    }
     mask_score = _score_expr(token, "h", "w.advantage_final")
-    stages.run(
-        "curate_materialise",
-        {
-            "token_stage": token != "none",
-            "thr": threshold[0] if threshold else float("inf"),
-            "thr_rollout": threshold[1] if threshold else "",
-            "thr_pos": threshold[2] if threshold else 0,
-            "curation_id": curation_id,
-        },
-        score=mask_score,
-    )
-    audit = stages.table("curate_audit", {"curation_id": curation_id}).cast(SELECTIONS)
+    materialise_sql, _ = stages._prepare("curate_materialise", mask_params, {"score": mask_score})
+    stages.text.append(materialise_sql)
+    for name in ("curate_audit", "curate_record"):
+        stages.text.append(stages._prepare(name, {"pods": False, "curation_id": ""}, {})[0])
+    sql_sha = stages.sha256()
+    params_json = params.to_json()
+    curation_id = curation_id_for(snap.seq, recipe.name, params_json, sql_sha)
+
     rec = stages.run("curate_record", {"pods": p["sample"] == "pods"}).fetchall()[0]
     n_candidates, n_selected, tokens_candidate, var_before, var_after = rec
-    agg = session.execute(
-        "SELECT coalesce(sum(tokens_kept), 0), count(*) FILTER (WHERE fallback), count(*), "
-        "coalesce(sum(len(response_token_ids)), 0) FROM curated_out"
-    ).fetchall()[0]
-    tokens_kept, fallback, n_curated, curated_tokens = (int(x) for x in agg)
     reasons = dict(session.execute("SELECT reason, count(*) FROM work GROUP BY reason ORDER BY reason").fetchall())
-
-    per_row = max(1, (curated_tokens * 14 + n_curated * 64) // max(1, n_curated))
+    curated_tokens = int(session.one("SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected")[0])
+    per_row = max(1, (curated_tokens * 14 + int(n_selected) * 64) // max(1, int(n_selected)))
     rows_per_shard = max(1, CURATED_SHARD_BYTES // per_row)
-    n_shards = max(1, math.ceil(n_curated / rows_per_shard)) if n_curated else 0
-    names = [f"part-{i:05d}" for i in range(n_shards)]
-    output_files = [f"curated/{curation_id}/{n}.parquet" for n in names] + [f"audit/{curation_id}/audit.parquet"]
     record = {
         "curation_id": curation_id,
         "created_at": dt.datetime.now(dt.timezone.utc),
         "recipe": recipe.name,
         "params": params_json,
         "sql_sha256": sql_sha,
-        "snapshot_seq": seq,
+        "snapshot_seq": snap.seq,
         "progress": float(p["progress"]),
         "sample_budget": result["sample_budget"],
         "token_fraction": float(kappa) if kappa is not None else None,
@@ -293,38 +281,66 @@ def _materialise(buf, session, stages, params, recipe, result, curation_id, sql_
         "n_candidates": int(n_candidates),
         "n_selected": int(n_selected),
         "tokens_candidate": int(tokens_candidate),
-        "tokens_kept": tokens_kept,
+        "tokens_kept": 0,
         "adv_var_before": var_before,
         "adv_var_after": var_after,
-        "old_logprobs_fallback": fallback,
-        "output_files": json.dumps(output_files),
+        "old_logprobs_fallback": 0,
+        "output_files": "[]",
     }
-    out = CurationResult(curation_id, record, reasons, seq, committed=False, audit=audit, output_files=output_files)
-    if not commit:
-        out.curated = session.con.sql(
-            f"SELECT {', '.join(CURATED.names)} FROM curated_out ORDER BY rollout_id"
-        ).to_arrow_table().cast(CURATED)
-        return out
+    out = CurationResult(curation_id, record, reasons, snap.seq, committed=False)
 
-    def curated_parts():
-        reader = session.con.sql(
-            f"SELECT {', '.join(CURATED.names)} FROM curated_out ORDER BY rollout_id"
-        ).to_arrow_reader(batch_size=min(rows_per_shard, 65536))
-        pending: list[pa.RecordBatch] = []
-        count, index = 0, 0
-        for batch in reader:
-            while batch.num_rows:
-                take = min(batch.num_rows, rows_per_shard - count)
-                pending.append(batch.slice(0, take))
-                batch = batch.slice(take)
-                count += take
-                if count == rows_per_shard:
-                    yield Part("curated", pa.Table.from_batches(pending).cast(CURATED), curation_id, curation_id, names[index])
-                    pending, count, index = [], 0, index + 1
-        if count:
-            yield Part("curated", pa.Table.from_batches(pending).cast(CURATED), curation_id, curation_id, names[index])
-        yield Part("selections", audit, curation_id, curation_id, "audit")
+    def curated_tables():
+        """Curated rows, input shard by input shard, each sorted by rollout_id (bounded memory)."""
+        for path in snap.files("rollouts"):
+            session.execute(f"CREATE OR REPLACE TEMP VIEW shard_rows AS SELECT * FROM read_parquet({sql_string(path)})")
+            table = session.con.sql(materialise_sql, params=mask_params).to_arrow_table()
+            if table.num_rows:
+                yield table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
+
+    def parts():
+        kept_ids, kept_counts, output_files = [], [], []
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        index = 0
+
+        def flush():
+            nonlocal pending, pending_rows, index
+            name = f"part-{index:05d}"
+            table = pa.concat_tables(pending)
+            table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
+            output_files.append(f"curated/{curation_id}/{name}.parquet")
+            pending, pending_rows, index = [], 0, index + 1
+            return Part("curated", table.select(CURATED.names).cast(CURATED), curation_id, curation_id, name)
+
+        for table in curated_tables():
+            kept_ids.extend(table.column("rollout_id").to_pylist())
+            kept_counts.extend(table.column("tokens_kept").to_pylist())
+            record["old_logprobs_fallback"] += int(pc.sum(table.column("fallback")).as_py() or 0)
+            while table.num_rows:
+                take = min(table.num_rows, rows_per_shard - pending_rows)
+                pending.append(table.slice(0, take))
+                pending_rows += take
+                table = table.slice(take)
+                if pending_rows == rows_per_shard:
+                    yield flush()
+        if pending_rows:
+            yield flush()
+        record["tokens_kept"] = int(sum(kept_counts))
+        session.con.register("kept_counts", pa.table({
+            "rollout_id": pa.array(kept_ids, pa.string()), "tokens_kept": pa.array(kept_counts, pa.int32())}))
+        out.audit = stages.table("curate_audit", {"curation_id": curation_id}).cast(SELECTIONS)
+        session.con.unregister("kept_counts")
+        output_files.append(f"audit/{curation_id}/audit.parquet")
+        record["output_files"] = json.dumps(output_files)
+        out.output_files = output_files
+        yield Part("selections", out.audit, curation_id, curation_id, "audit")
         yield Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), curation_id)
+
+    if not commit:
+        produced = list(parts())
+        curated = [part.table for part in produced if part.table_name == "curated"]
+        out.curated = pa.concat_tables(curated) if curated else CURATED.empty_table()
+        return out
 
     def refuse_duplicate(con, _seq, _ids):
         row = con.execute(
@@ -337,15 +353,14 @@ def _materialise(buf, session, stages, params, recipe, result, curation_id, sql_
     existing = buf.manifest.con.execute(
         "SELECT count(*) FROM shards WHERE table_name = 'curations' AND key = ?", (curation_id,)
     ).fetchone()[0]
+    out.committed = True
     if existing:
         out.already_existed = True
-        out.committed = True
         return out
     try:
-        buf.commit(curated_parts(), "curate", {"curation_id": curation_id}, refuse_duplicate)
+        buf.commit(parts(), "curate", {"curation_id": curation_id}, refuse_duplicate)
     except (_AlreadyCommitted, FileExistsError):
         out.already_existed = True
-    out.committed = True
     return out
 
 

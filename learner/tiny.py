@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -54,6 +55,7 @@ class WarmStart:
     batch_size: int = 128
     lr: float = 2e-3
     warmup_steps: int = 20
+    final_lr_fraction: float = 0.1  # cosine decay from lr to lr * this over the steps
     weight_decay: float = 0.0
 
 
@@ -113,6 +115,16 @@ def _encode_examples(
     return ids, mask, labels
 
 
+def _lr_factor(step: int, steps: int, schedule: WarmStart) -> float:
+    """Linear warm-up, then cosine decay to `final_lr_fraction` at the last step."""
+    warm = max(1, schedule.warmup_steps)
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    floor = schedule.final_lr_fraction
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
 def build_tiny(
     out_dir: str,
     examples: list[tuple[str, str]],
@@ -146,8 +158,7 @@ def build_tiny(
     opt = torch.optim.AdamW(
         model.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay, betas=(0.9, 0.98)
     )
-    warm = max(1, schedule.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, schedule))
     model.train()
     loss_value = float("nan")
     for step in range(steps):

@@ -6,5 +6,5 @@ SELECT
     w.advantage_final, w.selected, w.reason, w.sample_rank, w.tokens_total,
     coalesce(c.tokens_kept, 0)::INTEGER             AS tokens_kept
 FROM work w
-LEFT JOIN curated_out c USING (rollout_id)
+LEFT JOIN kept_counts c USING (rollout_id)
 ORDER BY w.rollout_id;

@@ -3,34 +3,37 @@
 -- whatever their eligibility here), plus the group's own rows that reached step 2 (counted once,
 -- even below the window), smoothed by a Beta prior centred on μ (accuracy of the batch's eligible
 -- rows) with strength $prior:  q̂ = (Σk + s·μ) / (Σn + s).
+-- A group's rows share one policy_version, and the rows that reached step 2 are judged, so they
+-- are either all inside the window (already counted) or all outside it (added once).
 CREATE OR REPLACE TEMP TABLE difficulty AS
 WITH reached AS (
-    SELECT rollout_id, group_id, prompt_id, correct FROM work WHERE group_size IS NOT NULL
+    SELECT group_id, prompt_id, policy_version, correct FROM work WHERE group_size IS NOT NULL
 ),
 mu AS (
     SELECT avg(correct::DOUBLE) AS mu FROM reached
 ),
-batch_groups AS (
-    SELECT DISTINCT group_id, prompt_id FROM reached
+window_by_prompt AS (
+    SELECT prompt_id, count(*) AS n, count(*) FILTER (WHERE correct) AS k
+    FROM rollouts
+    WHERE correct IS NOT NULL AND verify_error IS NULL
+      AND policy_version BETWEEN $current_version - $window + 1 AND $current_version
+      AND prompt_id IN (SELECT DISTINCT prompt_id FROM reached)
+    GROUP BY prompt_id
 ),
-history AS (
-    SELECT r.rollout_id, r.prompt_id, r.correct
-    FROM rollouts r
-    WHERE r.correct IS NOT NULL AND r.verify_error IS NULL
-      AND r.policy_version BETWEEN $current_version - $window + 1 AND $current_version
-      AND r.prompt_id IN (SELECT prompt_id FROM batch_groups)
-),
-attempts AS (  -- UNION removes the group's own rows already counted by the window
-    SELECT g.group_id, h.rollout_id, h.correct FROM batch_groups g JOIN history h USING (prompt_id)
-    UNION
-    SELECT group_id, rollout_id, correct FROM reached
+own_outside AS (  -- a group's own rows when its version is outside the window
+    SELECT group_id, any_value(prompt_id) AS prompt_id,
+           count(*) FILTER (WHERE policy_version NOT BETWEEN $current_version - $window + 1 AND $current_version) AS n,
+           count(*) FILTER (WHERE correct AND policy_version NOT BETWEEN $current_version - $window + 1 AND $current_version) AS k
+    FROM reached
+    GROUP BY group_id
 )
 SELECT
-    a.group_id,
-    count(*)                                        AS n_hist,
-    count(*) FILTER (WHERE a.correct)               AS k_hist,
-    CASE WHEN count(*) + $prior = 0 THEN NULL
-         ELSE (count(*) FILTER (WHERE a.correct) + $prior * any_value(mu.mu)) / (count(*) + $prior)
+    o.group_id,
+    coalesce(w.n, 0) + o.n                          AS n_hist,
+    coalesce(w.k, 0) + o.k                          AS k_hist,
+    CASE WHEN coalesce(w.n, 0) + o.n + $prior = 0 THEN NULL
+         ELSE (coalesce(w.k, 0) + o.k + $prior * mu.mu) / (coalesce(w.n, 0) + o.n + $prior)
     END                                             AS q_hat
-FROM attempts a, mu
-GROUP BY a.group_id;
+FROM own_outside o
+CROSS JOIN mu
+LEFT JOIN window_by_prompt w USING (prompt_id);

@@ -1,9 +1,9 @@
--- Step 8b + materialisation — the learner's rows (schema.md `curated`) for the selected rows, in
--- rollout_id order: token ids, trainer log-probs (falling back to the sampler's when absent),
--- advantage_final, weight and the loss mask. A token is kept when its (score desc, rollout_id asc,
--- position asc) order is not after the K-th token's ($thr, $thr_rollout, $thr_pos); with no token
--- stage every token is kept.
-CREATE OR REPLACE TEMP TABLE curated_out AS
+-- Step 8b + materialisation — the learner's rows (schema.md `curated`, without curation_id) for
+-- the selected rows of one input shard (`shard_rows`; the caller sorts them by rollout_id): token ids, trainer
+-- log-probs (falling back to the sampler's when absent, flagged in `fallback`), advantage_final,
+-- weight and the loss mask. A token is kept when its (score desc, rollout_id asc, position asc)
+-- order is not after the K-th token's ($thr, $thr_rollout, $thr_pos); with no token stage every
+-- token is kept. Run once per input shard so memory stays bounded by one shard.
 WITH rows AS (
     SELECT
         r.rollout_id, r.group_id, r.prompt_id, r.policy_version,
@@ -19,12 +19,10 @@ WITH rows AS (
                                           OR (r.rollout_id = $thr_rollout AND i <= $thr_pos))))
         ELSE list_transform(r.response_token_ids, lambda t: true)
         END                                                   AS loss_mask
-    FROM work w
-    JOIN rollouts r USING (rollout_id)
-    WHERE w.selected
+    FROM shard_rows r
+    JOIN (SELECT rollout_id, advantage_final, weight FROM work WHERE selected) w USING (rollout_id)
 )
 SELECT
-    $curation_id AS curation_id,
     rows.*,
-    len(list_filter(loss_mask, lambda k: k))::INTEGER     AS tokens_kept
+    len(list_filter(loss_mask, lambda k: k))::INTEGER         AS tokens_kept
 FROM rows;

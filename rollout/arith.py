@@ -41,16 +41,16 @@ class Level:
 
 
 LEVELS: dict[int, Level] = {
-    1: Level(1, (2,), (1, 1), "+-"),
-    2: Level(2, (2,), (2, 2), "+-"),
-    3: Level(3, (2,), (1, 1), "*"),
-    4: Level(4, (3,), (1, 2), "+-"),
-    5: Level(5, (2, 3), (2, 3), "+-*", need_mul=True),
+    1: Level(1, (2,), (1, 1), "+-"),  # 7-3=
+    2: Level(2, (2,), (2, 2), "+-"),  # 45+38=
+    3: Level(3, (2,), (1, 1), "*"),  # 6*7=
+    4: Level(4, (3,), (1, 1), "+-*", need_mul=True),  # 3+4*5= (precedence)
+    5: Level(5, (2, 3), (2, 3), "+-"),  # 512-389=, 47+12-30=
 }
 MAX_LEVEL = max(LEVELS)
 
-# Named splits: which levels a split draws from. `harder` is where a warm-started tiny policy gets
-# few answers right (multi-operand and multi-digit products), for curation experiments on hard prompts.
+# Named splits: which levels a split draws from. `harder` holds the levels where a warm-started
+# tiny policy gets few answers right (precedence and 3-digit carries), for experiments on hard prompts.
 SPLITS: dict[str, tuple[int, ...]] = {
     "train": (1, 2, 3, 4, 5),
     "harder": (4, 5),

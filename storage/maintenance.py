@@ -91,12 +91,15 @@ def compact(
     buf: Buffer, table: str = "rollouts", small_bytes: int = 16 * 1024 * 1024,
     target_bytes: int = COMPACT_TARGET_BYTES,
 ) -> CompactReport:
-    """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes."""
+    """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes.
+
+    Only shards with the same key in the same folder (e.g. one curation's) are merged together."""
     if table not in TABLE_DIRS:
         raise RollstoreError(f"unknown table {table!r} (one of {', '.join(TABLE_DIRS)})")
     man = buf.manifest
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
     shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
+
     def home(s) -> tuple:  # a merged shard keeps its key and folder (e.g. a curation's)
         return s.key, os.path.dirname(s.path)
 

@@ -39,7 +39,9 @@ class Snapshot:
         self._manifest = manifest
         self._pin = manifest.pin(seq) if pin else None  # pin before listing: gc keeps what we list
         try:
-            collected = manifest.collected_seq()
+            collected, latest = manifest.collected_seq(), manifest.latest_seq()
+            if not 0 <= seq <= latest:  # a future seq would change as commits land
+                raise ManifestError(f"{root}: no snapshot {seq} (snapshots are 0..{latest})")
             if seq < collected:
                 raise ManifestError(
                     f"{root}: snapshot {seq} is no longer readable: gc removed shards retired after it "

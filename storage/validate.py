@@ -153,31 +153,29 @@ def validate_rollouts(
 
 
 def _check_unique(table: pa.Table, file: str, existing: ExistingLookup | None) -> None:
+    """rollout_id and (group_id, sample_idx) unique in the append and the buffer; groups are new.
+
+    Reports the first row (in file order) that breaks any of them."""
     rids = table.column("rollout_id").to_pylist()
     gids = table.column("group_id").to_pylist()
     idxs = table.column("sample_idx").to_pylist()
+    old_rids, old_gids = existing(rids, sorted(set(gids))) if existing is not None else (set(), set())
     seen: set[str] = set()
-    for rid in rids:
-        if rid in seen:
-            raise ValidationError(file, rid, "rollout_id", "duplicate rollout_id in this append")
-        seen.add(rid)
-    if existing is not None:
-        old_rids, old_gids = existing(rids, sorted(set(gids)))
-        for rid in rids:
-            if rid in old_rids:
-                raise ValidationError(file, rid, "rollout_id", "rollout_id already in the buffer")
     pairs: set[tuple[str, int]] = set()
     for rid, gid, idx in zip(rids, gids, idxs):
+        if rid in seen:
+            raise ValidationError(file, rid, "rollout_id", "duplicate rollout_id in this append")
+        if rid in old_rids:
+            raise ValidationError(file, rid, "rollout_id", "rollout_id already in the buffer")
         if (gid, idx) in pairs:
             raise ValidationError(file, rid, "sample_idx", f"(group_id, sample_idx) = ({gid!r}, {idx}) repeated")
+        if gid in old_gids:
+            raise ValidationError(
+                file, rid, "group_id",
+                f"group {gid!r} is already in the buffer (a group's rows arrive in one append)",
+            )
+        seen.add(rid)
         pairs.add((gid, idx))
-    if existing is not None:
-        for rid, gid in zip(rids, gids):
-            if gid in old_gids:
-                raise ValidationError(
-                    file, rid, "group_id",
-                    f"group {gid!r} is already in the buffer (a group's rows arrive in one append)",
-                )
 
 
 def _check_agreement(table: pa.Table, file: str) -> None:

@@ -28,12 +28,23 @@ def good_rows(n_groups: int = 3, group_size: int = 4, prefix: str = "new") -> li
                           id_prefix=prefix).to_pylist()
 
 
-@pytest.fixture
-def seeded(buffer_dir):
+def seed(root: str) -> str:
     """A buffer holding one shard: groups old-g0 and old-g1 (rollouts old-g<g>-<i>)."""
-    with Buffer.open(buffer_dir) as buf:
+    with Buffer.init(root) as buf:
         buf.append_rollouts(rollouts_table(n_groups=2, group_size=4, mean_tokens=6, id_prefix="old"))
-    return buffer_dir
+    return root
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """One seeded buffer shared by the tests whose imports must all be rejected (so it never changes)."""
+    return seed(str(tmp_path_factory.mktemp("validation") / "buf"))
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    """A seeded buffer of its own, for tests whose imports are accepted."""
+    return seed(str(tmp_path / "buf"))
 
 
 def state(root: str):
@@ -206,16 +217,16 @@ def test_rule_rejects_bad_file(cli, seeded, tmp_path, name, fmt):
     assert_rejected(cli, seeded, path, rid, column, words)
 
 
-def test_good_file_is_accepted_in_both_formats(cli, seeded, tmp_path):
+def test_good_file_is_accepted_in_both_formats(cli, fresh, tmp_path):
     for fmt, prefix in (("jsonl", "a"), ("parquet", "b")):
         path = write(good_rows(prefix=prefix), tmp_path, fmt, ROLLOUTS, name=f"good-{prefix}")
-        res = cli("import", seeded, path)
+        res = cli("import", fresh, path)
         assert res.code == 0, res.stderr
-    with Buffer.open(seeded) as buf:
+    with Buffer.open(fresh) as buf:
         assert buf.snapshot().rows("rollouts") == 8 + 12 + 12
 
 
-def test_negative_zero_and_zero_are_in_bounds(cli, seeded, tmp_path):
+def test_negative_zero_and_zero_are_in_bounds(cli, fresh, tmp_path):
     rows = good_rows()
     rows[0]["entropies"] = [-0.0] * len(rows[0]["entropies"])
     rows[1]["gen_logprobs"] = [0.0] * len(rows[1]["gen_logprobs"])
@@ -224,17 +235,17 @@ def test_negative_zero_and_zero_are_in_bounds(cli, seeded, tmp_path):
         for r in rows:
             r["rollout_id"] += fmt
             r["group_id"] += fmt
-        res = cli("import", seeded, write(rows, tmp_path, fmt, ROLLOUTS, name=f"zero-{fmt}"))
+        res = cli("import", fresh, write(rows, tmp_path, fmt, ROLLOUTS, name=f"zero-{fmt}"))
         assert res.code == 0, res.stderr
 
 
-def test_nullable_columns_may_be_absent_or_null(cli, seeded, tmp_path):
+def test_nullable_columns_may_be_absent_or_null(cli, fresh, tmp_path):
     rows = good_rows()
     for r in rows:
         for col in ("old_logprobs", "entropies", "correct", "gold_answer", "verify_error", "source", "meta"):
             del r[col]
     rows[0]["old_logprobs"] = None
-    res = cli("import", seeded, write(rows, tmp_path, "jsonl"))
+    res = cli("import", fresh, write(rows, tmp_path, "jsonl"))
     assert res.code == 0, res.stderr
 
 
@@ -281,6 +292,10 @@ def test_within_a_check_the_first_row_is_reported(cli, seeded, tmp_path):
     set_token(8, "gen_logprobs", 0.5)(rows)
     rid, col = set_token(4, "entropies", -0.5)(rows)
     assert_rejected(cli, seeded, write(rows, tmp_path, "jsonl"), rid, col)
+    rows = good_rows()
+    rows[9]["rollout_id"] = "old-g0-1"                          # uniqueness against the buffer, row 9
+    rid, col = dup_sample_idx(rows)                             # uniqueness within the file, row 2
+    assert_rejected(cli, seeded, write(rows, tmp_path, "parquet", ROLLOUTS), rid, col)
 
 
 def test_through_the_installed_command(seeded, tmp_path):

@@ -1,0 +1,173 @@
+"""Curated shards → padded torch batches (a trivial loader: no joins, no business logic).
+
+A curated shard (schema `curated`) already holds everything the learner needs; this module only
+reads the given Parquet files (a snapshot's or a lease's list), checks the per-token lengths, and
+pads rows into tensors.
+
+Invariants:
+- Order is deterministic: files in the order given, rows in stored order; with `shuffle_seed` a
+  permutation drawn from numpy's PCG64 seeded by (seed, epoch) — the same on every machine.
+- Every row is yielded exactly once per epoch (the last step may be short; nothing is dropped).
+- `input_ids` is prompt + response, right-padded with `pad_id`; response token t of row i sits at
+  `input_ids[i, positions[i, t]]` with `positions[i, t] = len(prompt_i) + t`, so the logits that
+  predict it are at `positions[i, t] − 1`. Every prompt has at least one token.
+- Padded response positions have `response_mask` and `loss_mask` false, log-probs 0 and
+  `positions` equal to the row's last real position (a valid index, never read by the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from storage.schema import CURATED
+
+TOKEN_COLUMNS = ("old_logprobs", "gen_logprobs", "loss_mask")
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor  # [B, L] long
+    attention_mask: Tensor  # [B, L] long
+    positions: Tensor  # [B, T] long: index into input_ids of each response token
+    response_ids: Tensor  # [B, T] long (pad_id where padded)
+    response_mask: Tensor  # [B, T] bool: a real response token
+    loss_mask: Tensor  # [B, T] bool: kept by curation (⊆ response_mask)
+    old_logprobs: Tensor  # [B, T] float32
+    gen_logprobs: Tensor  # [B, T] float32
+    advantage: Tensor  # [B] float32
+    weight: Tensor  # [B] float32
+    lengths: Tensor  # [B] long: response lengths
+    rollout_ids: list[str]
+    curation_ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rollout_ids)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        moved = {
+            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), Tensor) else getattr(self, f.name))
+            for f in fields(self)
+        }
+        return Batch(**moved)
+
+
+def read_curated(paths: Sequence[str]) -> pa.Table:
+    """The rows of `paths`, in order, with the `curated` columns; lengths checked per file."""
+    tables = []
+    for path in paths:
+        table = pq.read_table(path, columns=CURATED.names).cast(CURATED)
+        _check(table, str(path))
+        tables.append(table)
+    if not tables:
+        return CURATED.empty_table()
+    return pa.concat_tables(tables)
+
+
+def _check(table: pa.Table, source: str) -> None:
+    n = pc.list_value_length(table.column("response_token_ids"))
+    p = pc.list_value_length(table.column("prompt_token_ids"))
+    rids = table.column("rollout_id")
+    bad = pc.equal(p, 0)
+    if pc.any(bad).as_py():
+        rid = rids.filter(bad)[0].as_py()
+        raise ValueError(f"{source}: row rollout_id={rid!r}: column 'prompt_token_ids': empty prompt")
+    for col in TOKEN_COLUMNS:
+        bad = pc.not_equal(pc.list_value_length(table.column(col)), n)
+        if pc.any(bad).as_py():
+            rid = rids.filter(bad)[0].as_py()
+            raise ValueError(
+                f"{source}: row rollout_id={rid!r}: column {col!r}: length differs from response_token_ids"
+            )
+
+
+def _lists(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets) of a list column."""
+    col = table.column(name).combine_chunks()
+    values = col.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    offsets = col.offsets.to_numpy()
+    return values, offsets
+
+
+def collate(rows: pa.Table, pad_id: int = 0) -> Batch:
+    """Pad a table of curated rows into one Batch."""
+    b = rows.num_rows
+    p_vals, p_off = _lists(rows, "prompt_token_ids", np.int64)
+    r_vals, r_off = _lists(rows, "response_token_ids", np.int64)
+    old_vals, old_off = _lists(rows, "old_logprobs", np.float32)
+    gen_vals, gen_off = _lists(rows, "gen_logprobs", np.float32)
+    m_vals, m_off = _lists(rows, "loss_mask", np.bool_)
+    p_len = np.diff(p_off)
+    r_len = np.diff(r_off)
+    width_t = max(1, int(r_len.max(initial=0)))
+    width_l = max(1, int((p_len + r_len).max(initial=0)))
+
+    input_ids = np.full((b, width_l), pad_id, np.int64)
+    attention = np.zeros((b, width_l), np.int64)
+    positions = np.zeros((b, width_t), np.int64)
+    response_ids = np.full((b, width_t), pad_id, np.int64)
+    response_mask = np.zeros((b, width_t), np.bool_)
+    loss_mask = np.zeros((b, width_t), np.bool_)
+    old = np.zeros((b, width_t), np.float32)
+    gen = np.zeros((b, width_t), np.float32)
+    for i in range(b):
+        lp, lr = int(p_len[i]), int(r_len[i])
+        input_ids[i, :lp] = p_vals[p_off[i] : p_off[i + 1]]
+        input_ids[i, lp : lp + lr] = r_vals[r_off[i] : r_off[i + 1]]
+        attention[i, : lp + lr] = 1
+        positions[i, :] = lp + lr - 1
+        positions[i, :lr] = np.arange(lp, lp + lr)
+        response_ids[i, :lr] = r_vals[r_off[i] : r_off[i + 1]]
+        response_mask[i, :lr] = True
+        loss_mask[i, :lr] = m_vals[m_off[i] : m_off[i + 1]]
+        old[i, :lr] = old_vals[old_off[i] : old_off[i + 1]]
+        gen[i, :lr] = gen_vals[gen_off[i] : gen_off[i + 1]]
+    return Batch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention),
+        positions=torch.from_numpy(positions),
+        response_ids=torch.from_numpy(response_ids),
+        response_mask=torch.from_numpy(response_mask),
+        loss_mask=torch.from_numpy(loss_mask),
+        old_logprobs=torch.from_numpy(old),
+        gen_logprobs=torch.from_numpy(gen),
+        advantage=torch.from_numpy(rows.column("advantage").to_numpy().astype(np.float32)),
+        weight=torch.from_numpy(rows.column("weight").to_numpy().astype(np.float32)),
+        lengths=torch.from_numpy(r_len.astype(np.int64)),
+        rollout_ids=rows.column("rollout_id").to_pylist(),
+        curation_ids=rows.column("curation_id").to_pylist(),
+    )
+
+
+def row_order(n: int, shuffle_seed: int | None = None, epoch: int = 0) -> np.ndarray:
+    if shuffle_seed is None:
+        return np.arange(n)
+    return np.random.Generator(np.random.PCG64([shuffle_seed, epoch])).permutation(n)
+
+
+def iter_steps(
+    rows: pa.Table,
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    pad_id: int = 0,
+    shuffle_seed: int | None = None,
+    epoch: int = 0,
+) -> Iterator[list[Batch]]:
+    """Optimiser steps of `micro_batch_size × grad_accum` rows, each a list of micro-batches."""
+    if micro_batch_size < 1 or grad_accum < 1:
+        raise ValueError("micro_batch_size and grad_accum must be >= 1")
+    order = row_order(rows.num_rows, shuffle_seed, epoch)
+    per_step = micro_batch_size * grad_accum
+    for start in range(0, len(order), per_step):
+        idx = order[start : start + per_step]
+        yield [
+            collate(rows.take(pa.array(idx[m : m + micro_batch_size])), pad_id)
+            for m in range(0, len(idx), micro_batch_size)
+        ]

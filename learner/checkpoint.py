@@ -1,0 +1,374 @@
+"""Exactly-once learner checkpoints in a buffer: `BUFFER/checkpoints/v<version>/` + one manifest row.
+
+A checkpoint directory holds the weights (`save_pretrained`, safetensors), the tokenizer files
+when a tokenizer is given, `trainer_state.pt` (optimizer, scheduler, RNG states, global step) and
+`ledger.json` (version, parent, run, the curated shards trained into this version). It is
+published as one row of the `checkpoints` table, whose `consumed` column is the JSON list
+`[{"curation_id": ..., "shard": <path relative to the buffer>}, ...]` of the shards trained
+*into this version* (since its parent); the ledger of a version is the concatenation of
+`consumed` along its parent chain.
+
+Invariants:
+- Nothing half-written is ever visible: files are written and fsynced under `tmp/`, and the
+  directory is renamed to `checkpoints/v<version>/` inside the manifest write transaction that
+  inserts the row (the row's insert is the commit point). A crash before the commit leaves an
+  orphan directory with no row; the next save of that version moves it away under the same lock.
+- Within that transaction the save is refused (and nothing is published) if the version already
+  has a row, or if a shard it consumes was already consumed by another checkpoint of the same run:
+  no version is published twice and no shard is trained twice into one run, whatever the callers
+  do (a stale resume, two learners of one run).
+- Training metrics rows passed to `save_checkpoint` are committed in the same transaction, so the
+  `training` table holds each step of a published version exactly once.
+- When leases are used (`lease=(consumer, group)`), the consumed shards' leases are acked in the
+  same transaction; a lease lost to another consumer refuses the save.
+- `load_checkpoint` restores weights bit-exactly (float32 safetensors) and the exact optimizer,
+  scheduler and RNG states, so a resumed run continues as if never interrupted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import sqlite3
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from storage.buffer import Buffer, Part
+from storage.errors import RollstoreError
+from storage.schema import CHECKPOINTS, TRAINING
+
+TRAINER_STATE = "trainer_state.pt"
+LEDGER = "ledger.json"
+
+
+class CheckpointError(RollstoreError):
+    """A checkpoint could not be published or loaded; nothing was published."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    version: int
+    path: str  # relative to the buffer: checkpoints/v<version>
+    run_id: str
+    parent_version: int | None
+    consumed: list[dict]  # this version's shards: [{"curation_id": ..., "shard": ...}]
+    metrics: dict
+    created_at: dt.datetime | None = None
+    root: str = ""  # the buffer's root
+    step: int = 0  # global optimiser step (filled by load_checkpoint)
+    ledger: list[dict] = field(default_factory=list)  # whole lineage's consumed (by load_checkpoint)
+
+    @property
+    def dir(self) -> str:
+        return os.path.join(self.root, self.path)
+
+
+def consumed_entry(curation_id: str, shard: str) -> dict:
+    return {"curation_id": curation_id, "shard": shard}
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+
+def _rows_from_files(files: Iterable[str]) -> list[dict]:
+    rows: list[dict] = []
+    for f in files:
+        rows.extend(pq.read_table(f, columns=CHECKPOINTS.names).to_pylist())
+    return rows
+
+
+def _to_checkpoint(row: dict, root: str) -> Checkpoint:
+    return Checkpoint(
+        version=int(row["version"]),
+        path=row["path"],
+        run_id=row["run_id"],
+        parent_version=None if row["parent_version"] is None else int(row["parent_version"]),
+        consumed=json.loads(row["consumed"]),
+        metrics=json.loads(row["metrics"]),
+        created_at=row["created_at"],
+        root=root,
+    )
+
+
+def list_checkpoints(buf: Buffer, run_id: str | None = None) -> list[Checkpoint]:
+    """Published checkpoints (latest snapshot), by version."""
+    snap = buf.snapshot()
+    cks = [_to_checkpoint(r, buf.root) for r in _rows_from_files(snap.files("checkpoints"))]
+    if run_id is not None:
+        cks = [c for c in cks if c.run_id == run_id]
+    return sorted(cks, key=lambda c: c.version)
+
+
+def latest_checkpoint(buf: Buffer, run_id: str | None = None) -> Checkpoint | None:
+    cks = list_checkpoints(buf, run_id)
+    return cks[-1] if cks else None
+
+
+def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
+    """Every shard trained into `version` along its parent chain, oldest first (None: [])."""
+    if version is None:
+        return []
+    by_version = {c.version: c for c in list_checkpoints(buf)}
+    chain: list[Checkpoint] = []
+    v: int | None = version
+    while v is not None:
+        if v not in by_version:
+            if chain:  # the root of the lineage (e.g. v0, the base model) need not be published
+                break
+            raise CheckpointError(f"{buf.root}: no checkpoint version {v}")
+        chain.append(by_version[v])
+        v = by_version[v].parent_version
+    return [e for c in reversed(chain) for e in c.consumed]
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_dir(
+    tmp: str, model, tokenizer, optimizer, scheduler, step: int, ledger: dict
+) -> None:
+    os.makedirs(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    torch.save(
+        {
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "rng": _rng_state(),
+            "step": int(step),
+        },
+        os.path.join(tmp, TRAINER_STATE),
+    )
+    with open(os.path.join(tmp, LEDGER), "w", encoding="utf-8") as fh:
+        json.dump(ledger, fh, indent=1, sort_keys=True)
+    _fsync_tree(tmp)
+    _fsync_path(os.path.dirname(tmp))
+
+
+def _live_checkpoint_rows(con: sqlite3.Connection, root: str, exclude: list[int]) -> list[dict]:
+    skip = set(exclude)
+    files = [
+        os.path.join(root, path)
+        for shard_id, path in con.execute(
+            "SELECT shard_id, path FROM shards WHERE table_name = 'checkpoints' AND removed_seq IS NULL "
+            "ORDER BY shard_id"
+        )
+        if shard_id not in skip
+    ]
+    return _rows_from_files(files)
+
+
+def save_checkpoint(
+    buf: Buffer,
+    model,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler=None,
+    *,
+    version: int,
+    run_id: str,
+    consumed: Sequence[dict],
+    parent_version: int | None = None,
+    tokenizer=None,
+    step: int = 0,
+    metrics: dict | None = None,
+    training_rows: Sequence[dict] | None = None,
+    lease: tuple[str, str] | None = None,
+) -> Checkpoint:
+    """Write and publish checkpoint `version` (see the module invariants); return it.
+
+    `consumed`: the shards trained since `parent_version`, as `consumed_entry(curation_id, shard)`
+    with `shard` relative to the buffer. `step`: the global optimiser step reached.
+    """
+    version = int(version)
+    if parent_version is not None and parent_version >= version:
+        raise CheckpointError(f"checkpoint v{version}: parent version {parent_version} is not older")
+    consumed = [consumed_entry(e["curation_id"], e["shard"]) for e in consumed]
+    shards = [e["shard"] for e in consumed]
+    if len(set(shards)) != len(shards):
+        raise CheckpointError(f"checkpoint v{version}: a shard is listed twice in consumed")
+    rel = f"checkpoints/v{version}"
+    final = os.path.join(buf.root, rel)
+    tmp = os.path.join(buf.root, "tmp", f"ckpt-{uuid.uuid4().hex}")
+    ledger = {"version": version, "parent_version": parent_version, "run_id": run_id, "consumed": consumed}
+    now = dt.datetime.now(dt.timezone.utc)
+    row = {
+        "version": version,
+        "created_at": now,
+        "path": rel,
+        "run_id": run_id,
+        "parent_version": parent_version,
+        "consumed": json.dumps(consumed),
+        "metrics": json.dumps(metrics or {}, sort_keys=True),
+    }
+    parts = [Part("checkpoints", pa.Table.from_pylist([row], schema=CHECKPOINTS), key=str(version))]
+    if training_rows:
+        parts.append(Part("training", pa.Table.from_pylist(list(training_rows), schema=TRAINING)))
+    moved_aside: list[str] = []
+
+    def publish(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
+        # Runs inside the manifest write transaction: every check and the rename are serialised
+        # against every other writer of this buffer.
+        others = _live_checkpoint_rows(con, buf.root, ids)
+        if any(int(r["version"]) == version for r in others):
+            raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
+        taken = {
+            e["shard"]: int(r["version"])
+            for r in others
+            if r["run_id"] == run_id
+            for e in json.loads(r["consumed"])
+        }
+        dup = [s for s in shards if s in taken]
+        if dup:
+            raise CheckpointError(
+                f"{buf.root}: checkpoint v{version}: shard {dup[0]} was already trained into "
+                f"v{taken[dup[0]]} of run {run_id!r}"
+            )
+        if lease is not None:
+            _ack_in_transaction(con, shards, *lease, now.timestamp())
+        if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)
+            aside = os.path.join(buf.root, "tmp", f"orphan-{uuid.uuid4().hex}")
+            os.rename(final, aside)
+            moved_aside.append(aside)
+        os.rename(tmp, final)
+        _fsync_path(os.path.dirname(final))
+
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        _write_dir(tmp, model, tokenizer, optimizer, scheduler, step, ledger)
+        buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in moved_aside:
+            shutil.rmtree(d, ignore_errors=True)
+    return Checkpoint(
+        version, rel, run_id, parent_version, consumed, metrics or {}, now, buf.root, int(step)
+    )
+
+
+def _ack_in_transaction(con: sqlite3.Connection, shards: list[str], consumer: str, group: str, now: float) -> None:
+    for path in shards:
+        cur = con.execute(
+            "UPDATE leases SET acked_at = ? WHERE consumer_group = ? AND consumer = ? AND acked_at IS NULL "
+            "AND shard_id = (SELECT shard_id FROM shards WHERE path = ?)",
+            (now, group, consumer, path),
+        )
+        if cur.rowcount != 1:
+            raise CheckpointError(f"lease on {path} is not held by {consumer!r} (group {group!r}); nothing published")
+
+
+def append_training_metrics(buf: Buffer, rows: Sequence[dict]):
+    """Append `training` rows (e.g. steps of a run that publishes no checkpoint) as one shard."""
+    return buf.append("training", pa.Table.from_pylist(list(rows), schema=TRAINING))
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def _load_weights(model, directory: str) -> None:
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(directory, name)))
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(f"{directory}: weights not in the model: {result.unexpected_keys[:3]}")
+    if result.missing_keys:  # only tied weights may be absent from the file
+        own = model.state_dict()
+        loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+        untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
+        if untied:
+            raise CheckpointError(f"{directory}: weights missing from the checkpoint: {untied[:3]}")
+
+
+def load_checkpoint(
+    buf: Buffer,
+    model=None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler=None,
+    *,
+    version: int | None = None,
+    run_id: str | None = None,
+    restore_rng: bool = True,
+) -> Checkpoint:
+    """Restore checkpoint `version` (default: the latest, of `run_id` if given) into the objects
+    given; return it with `step` and the lineage's `ledger` filled. `model=None` loads no weights
+    (use `Checkpoint.dir` with `from_pretrained`)."""
+    if version is None:
+        ck = latest_checkpoint(buf, run_id)
+        if ck is None:
+            raise CheckpointError(f"{buf.root}: no checkpoint" + (f" of run {run_id!r}" if run_id else ""))
+    else:
+        ck = next((c for c in list_checkpoints(buf) if c.version == version), None)
+        if ck is None:
+            raise CheckpointError(f"{buf.root}: no checkpoint version {version}")
+    with open(os.path.join(ck.dir, LEDGER), encoding="utf-8") as fh:
+        ledger = json.load(fh)
+    if ledger["version"] != ck.version or ledger["consumed"] != ck.consumed:
+        raise CheckpointError(f"{ck.dir}: ledger.json does not match the manifest row of v{ck.version}")
+    if model is not None:
+        _load_weights(model, ck.dir)
+    state = torch.load(os.path.join(ck.dir, TRAINER_STATE), map_location="cpu", weights_only=True)
+    if optimizer is not None and state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    return Checkpoint(
+        ck.version, ck.path, ck.run_id, ck.parent_version, ck.consumed, ck.metrics, ck.created_at,
+        ck.root, int(state["step"]), consumed_ledger(buf, ck.version),
+    )

@@ -1,0 +1,138 @@
+"""Exactly-once consumption of curated shards: train each pending unit once, then checkpoint it.
+
+A unit is one curated shard (`per="shard"`) or all pending shards of one curation
+(`per="curation"`). After each unit, one checkpoint is published whose `consumed` is exactly that
+unit's shards, together with the unit's `training` rows, in one manifest commit.
+
+Invariants:
+- A shard is pending iff it is a live `curated` shard (of `curation_ids`, when given) that is not
+  in the consumed ledger of the version the model is at (`from_version`'s lineage).
+- Units go in manifest commit order (shard id), so an interrupted run resumed from its latest
+  checkpoint (`resume`) trains exactly the units it had not published, in the same order, from
+  the same optimizer / scheduler / RNG state: the result equals an uninterrupted run.
+- A unit is never trained twice into a run even if callers misuse this module: `save_checkpoint`
+  refuses a shard already consumed by the run inside its commit transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+from storage.buffer import Buffer
+from storage.manifest import Shard
+
+from .checkpoint import (
+    Checkpoint,
+    consumed_entry,
+    consumed_ledger,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .trainer import train_on_curation
+
+
+def shard_curation_id(shard: Shard) -> str:
+    """The curation of a curated shard: its manifest key, else its folder (curated/<id>/...)."""
+    return shard.key or os.path.basename(os.path.dirname(shard.path))
+
+
+def pending_shards(
+    buf: Buffer,
+    ledger: Iterable[dict] = (),
+    curation_ids: Sequence[str] | None = None,
+    shards: Sequence[Shard] | None = None,
+) -> list[Shard]:
+    """Live curated shards (or the given ones, e.g. a lease's) not in `ledger`, in commit order."""
+    done = {e["shard"] for e in ledger}
+    pool = list(shards) if shards is not None else buf.manifest.shards("curated")
+    wanted = None if curation_ids is None else set(curation_ids)
+    out = [
+        s for s in pool
+        if s.path not in done and (wanted is None or shard_curation_id(s) in wanted)
+    ]
+    return sorted(out, key=lambda s: s.shard_id)
+
+
+def resume(
+    buf: Buffer, model, optimizer, scheduler, run_id: str, base_version: int = 0
+) -> tuple[int, int]:
+    """Restore the run's latest checkpoint into the objects; return (version, global step).
+
+    Without a checkpoint of the run nothing is touched and (base_version, 0) is returned.
+    """
+    ck = latest_checkpoint(buf, run_id)
+    if ck is None:
+        return base_version, 0
+    ck = load_checkpoint(buf, model, optimizer, scheduler, version=ck.version)
+    return ck.version, ck.step
+
+
+def _units(shards: list[Shard], per: str) -> list[list[Shard]]:
+    if per == "shard":
+        return [[s] for s in shards]
+    if per == "curation":
+        groups: dict[str, list[Shard]] = {}
+        for s in shards:
+            groups.setdefault(shard_curation_id(s), []).append(s)
+        return list(groups.values())
+    raise ValueError(f"per must be 'shard' or 'curation', not {per!r}")
+
+
+def train_pending(
+    buf: Buffer,
+    model,
+    optimizer,
+    scheduler,
+    *,
+    run_id: str,
+    from_version: int = 0,
+    start_step: int = 0,
+    curation_ids: Sequence[str] | None = None,
+    shards: Sequence[Shard] | None = None,
+    per: str = "shard",
+    tokenizer=None,
+    max_units: int | None = None,
+    lease: tuple[str, str] | None = None,
+    **train_kwargs,
+) -> list[Checkpoint]:
+    """Train every pending unit once, publishing one checkpoint per unit; return them.
+
+    `from_version`/`start_step`: where the model is (see `resume`). `train_kwargs` go to
+    `train_on_curation` (loss, epochs, micro_batch_size, grad_accum, ...). Each new version is
+    one more than the highest published version of the buffer.
+    """
+    ledger = consumed_ledger(buf, from_version) if any(
+        c.version == from_version for c in list_checkpoints(buf)
+    ) else []
+    todo = _units(pending_shards(buf, ledger, curation_ids, shards), per)
+    if max_units is not None:
+        todo = todo[:max_units]
+    published: list[Checkpoint] = []
+    version, step = from_version, start_step
+    for unit in todo:
+        latest = latest_checkpoint(buf)
+        new_version = max(version, latest.version if latest else 0) + 1
+        rows = train_on_curation(
+            model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit],
+            run_id=run_id, version=new_version, start_step=step, **train_kwargs,
+        )
+        step = rows[-1]["step"] if rows else step
+        metrics = {
+            "steps": len(rows),
+            "step": step,
+            "loss": sum(r["loss"] for r in rows) / len(rows) if rows else None,
+            "tokens": sum(r["tokens"] for r in rows),
+            "samples": sum(r["samples"] for r in rows),
+        }
+        ck = save_checkpoint(
+            buf, model, optimizer, scheduler,
+            version=new_version, run_id=run_id, parent_version=version,
+            consumed=[consumed_entry(shard_curation_id(s), s.path) for s in unit],
+            tokenizer=tokenizer, step=step, metrics=metrics, training_rows=rows, lease=lease,
+        )
+        published.append(ck)
+        version = new_version
+    return published

@@ -1,0 +1,299 @@
+"""Policy losses of the learner, registered by name (algorithms.md §6; verl `core_algos.py` style).
+
+Every loss has one signature: per-token tensors [B, T] `logp` (the policy being trained, with
+grad), `old_logp` (the trainer's log-probs at the sampling version), `mask` (bool: the kept
+tokens), per-sequence tensors [B] `advantages` and `weights`; keyword-only optional per-token
+`ref_logp` (reference model, for the k3 KL term), `gen_logp` (sampler log-probs, for the truncated
+importance weight), `entropy` (metrics only), a `LossConfig` and a `Normalizer`.
+
+Invariants:
+- A token outside `mask` contributes exactly nothing to the loss and receives exactly zero
+  gradient, whatever values (even ±inf / NaN-free garbage) its log-probs hold: masked positions are
+  replaced with `torch.where` before any exp or product, never multiplied by 0.
+- A sequence with an all-false mask contributes nothing and is not counted in any per-sequence
+  denominator; it is not counted in `samples` either.
+- `weights[i]` multiplies sequence i's whole contribution (never the denominators).
+- Denominators come from the `Normalizer`: by default the batch itself; the trainer passes the
+  whole optimiser step's counts so that the micro-batch losses of one step sum to exactly the loss
+  of the step's full batch (gradient accumulation changes no weighting).
+- Adding a loss is one decorated function: `@register_loss(name, clip_low, clip_high)`.
+- Metrics are returned as sums (`LossStats`, mergeable across micro-batches with `+`) and turned
+  into means by `LossStats.metrics()`: clip fraction and approx KL are over kept tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs shared by every loss. `None` clips take the registered loss's defaults."""
+
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None  # c > 1 (3.0 in verl/DAPO): caps the loss at c·|A| for A < 0
+    kl_beta: float = 0.0  # coefficient of the k3 KL to `ref_logp`
+    tis_cap: float | None = None  # C (2.0): truncated importance weight min(exp(old − gen), C)
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Denominators of one optimiser step: kept sequences, kept tokens, longest response."""
+
+    sequences: int
+    tokens: int
+    max_len: int
+
+    @classmethod
+    def of(cls, mask: Tensor, lengths: Tensor | None = None) -> "Normalizer":
+        kept = mask.sum(dim=1)
+        max_len = int(lengths.max()) if lengths is not None and lengths.numel() else mask.shape[1]
+        return cls(int((kept > 0).sum()), int(kept.sum()), max_len)
+
+    def __add__(self, other: "Normalizer") -> "Normalizer":
+        return Normalizer(
+            self.sequences + other.sequences, self.tokens + other.tokens, max(self.max_len, other.max_len)
+        )
+
+
+@dataclass
+class LossStats:
+    """Sums over kept tokens / sequences; `+` merges micro-batches, `metrics()` gives means."""
+
+    tokens: int = 0
+    samples: int = 0
+    clipped: float = 0.0  # kept tokens whose term was clipped (ratio clip or dual clip)
+    approx_kl: float = 0.0  # Σ (ρ − 1) − log ρ over kept tokens
+    entropy: float | None = None  # Σ entropy over kept tokens, when given
+    ref_kl: float | None = None  # Σ k3(ref ‖ π) over kept tokens, when given
+
+    def __add__(self, other: "LossStats") -> "LossStats":
+        def opt(a, b):
+            return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+
+        return LossStats(
+            self.tokens + other.tokens,
+            self.samples + other.samples,
+            self.clipped + other.clipped,
+            self.approx_kl + other.approx_kl,
+            opt(self.entropy, other.entropy),
+            opt(self.ref_kl, other.ref_kl),
+        )
+
+    def metrics(self) -> dict[str, float | int | None]:
+        n = self.tokens
+
+        def mean(x):
+            return None if x is None or n == 0 else x / n
+
+        return {
+            "clip_fraction": mean(self.clipped) if n else 0.0,
+            "approx_kl": mean(self.approx_kl) if n else 0.0,
+            "entropy": mean(self.entropy),
+            "ref_kl": mean(self.ref_kl),
+            "tokens": self.tokens,
+            "samples": self.samples,
+        }
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # scalar, differentiable
+    stats: LossStats
+
+
+class LossFn(Protocol):
+    def __call__(
+        self,
+        logp: Tensor,
+        old_logp: Tensor,
+        mask: Tensor,
+        advantages: Tensor,
+        weights: Tensor,
+        *,
+        config: LossConfig = ...,
+        norm: Normalizer | None = ...,
+        ref_logp: Tensor | None = ...,
+        gen_logp: Tensor | None = ...,
+        entropy: Tensor | None = ...,
+    ) -> LossOutput: ...
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    fn: LossFn
+    clip_low: float
+    clip_high: float
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, clip_low: float, clip_high: float) -> Callable[[Callable], LossFn]:
+    """Register a loss; the wrapper fills the config's unset clips with these defaults."""
+
+    def decorate(fn: Callable) -> LossFn:
+        @functools.wraps(fn)
+        def wrapper(logp, old_logp, mask, advantages, weights, *, config=LossConfig(), norm=None, **kw):
+            config = replace(
+                config,
+                clip_low=clip_low if config.clip_low is None else config.clip_low,
+                clip_high=clip_high if config.clip_high is None else config.clip_high,
+            )
+            mask = mask.bool()
+            norm = Normalizer.of(mask) if norm is None else norm
+            return fn(logp, old_logp, mask, advantages, weights, config=config, norm=norm, **kw)
+
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} registered twice")
+        LOSSES[name] = LossSpec(name, wrapper, clip_low, clip_high)
+        return wrapper
+
+    return decorate
+
+
+def get_loss(name: str) -> LossFn:
+    try:
+        return LOSSES[name].fn
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r} (one of {', '.join(sorted(LOSSES))})") from None
+
+
+# ---- shared pieces (plumbing) -----------------------------------------------------------------
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where kept, 0 elsewhere; no gradient reaches x at masked positions."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, c: LossConfig) -> tuple[Tensor, Tensor]:
+    """ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), dual-clipped at c·|A| for A < 0; and where clipped."""
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if c.dual_clip is not None:
+        cap = -adv * c.dual_clip
+        dual = (adv < 0) & (loss > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+def _k3(log_q_over_p: Tensor) -> Tensor:
+    """k3 estimator of KL(p‖q) from samples of p: (r − 1) − log r with log r = x = log q − log p."""
+    return torch.exp(log_q_over_p) - log_q_over_p - 1.0
+
+
+def _stats(
+    log_ratio: Tensor, mask: Tensor, clipped_tokens: Tensor, entropy: Tensor | None, ref_kl: Tensor | None
+) -> LossStats:
+    with torch.no_grad():
+        kept = mask.sum(dim=1)
+        return LossStats(
+            tokens=int(kept.sum()),
+            samples=int((kept > 0).sum()),
+            clipped=float(_masked(clipped_tokens.float(), mask).sum()),
+            approx_kl=float(_masked(_k3(log_ratio.float()), mask).sum()),  # (ρ − 1) − log ρ
+            entropy=None if entropy is None else float(_masked(entropy.float(), mask).sum()),
+            ref_kl=None if ref_kl is None else float(_masked(ref_kl.float(), mask).sum()),
+        )
+
+
+def _token_losses(
+    logp, old_logp, mask, advantages, config, ref_logp, gen_logp
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Per-token loss [B, T] (0 where masked), the log ratio, where clipped, the reference k3."""
+    logp = logp.float()
+    log_ratio = _masked(logp - old_logp.float(), mask)
+    adv = advantages.float()[:, None].expand_as(logp)
+    loss, clipped = _clipped_surrogate(torch.exp(log_ratio), adv, config)
+    if gen_logp is not None and config.tis_cap is not None:
+        tis = torch.clamp(torch.exp(_masked(old_logp.float() - gen_logp.float(), mask)), max=config.tis_cap)
+        loss = loss * tis.detach()
+    ref_kl = None
+    if ref_logp is not None:
+        ref_kl = _k3(_masked(ref_logp.float() - logp, mask))
+        if config.kl_beta:
+            loss = loss + config.kl_beta * ref_kl
+    return _masked(loss, mask), log_ratio, clipped, ref_kl
+
+
+def _kept_sequences(mask: Tensor) -> tuple[Tensor, Tensor]:
+    n = mask.sum(dim=1)
+    return n, n > 0
+
+
+# ---- the losses (algorithm) -------------------------------------------------------------------
+
+
+@register_loss("grpo", clip_low=0.2, clip_high=0.2)
+def grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+    """Token mean within each sequence, then mean over (non-empty) sequences."""
+    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
+    n, _ = _kept_sequences(mask)
+    per_seq = tok.sum(dim=1) / n.clamp(min=1)
+    loss = (weights.float() * per_seq).sum() / max(norm.sequences, 1)
+    return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
+
+
+@register_loss("dapo", clip_low=0.2, clip_high=0.28)
+def dapo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+    """Mean over all kept tokens of the batch (token-level, DAPO arXiv 2503.14476)."""
+    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
+    loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.tokens, 1)
+    return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
+
+
+@register_loss("dr_grpo", clip_low=0.2, clip_high=0.2)
+def dr_grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+    """Sum over kept tokens / (sequences × max response length) (Dr. GRPO arXiv 2503.20783)."""
+    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
+    loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.sequences * norm.max_len, 1)
+    return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
+
+
+@register_loss("gspo", clip_low=3e-4, clip_high=4e-4)
+def gspo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+    """One clipped term per sequence with s_i = exp(mean_t(logπ − old)) over its kept tokens
+    (GSPO arXiv 2507.18071); the truncated importance weight is the sequence's geometric mean
+    min(exp(mean_t(old − gen)), C); the KL term is the token mean of k3 per sequence."""
+    logp = logp.float()
+    n, has = _kept_sequences(mask)
+    denom = n.clamp(min=1)
+    log_ratio = _masked(logp - old_logp.float(), mask)
+    seq_log_ratio = log_ratio.sum(dim=1) / denom
+    seq_loss, seq_clipped = _clipped_surrogate(torch.exp(seq_log_ratio), advantages.float(), config)
+    if gen_logp is not None and config.tis_cap is not None:
+        seq_tis = _masked(old_logp.float() - gen_logp.float(), mask).sum(dim=1) / denom
+        seq_loss = seq_loss * torch.clamp(torch.exp(seq_tis), max=config.tis_cap).detach()
+    ref_kl = None
+    if ref_logp is not None:
+        ref_kl = _k3(_masked(ref_logp.float() - logp, mask))
+        if config.kl_beta:
+            seq_loss = seq_loss + config.kl_beta * _masked(ref_kl, mask).sum(dim=1) / denom
+    seq_loss = torch.where(has, seq_loss, torch.zeros((), device=seq_loss.device))
+    loss = (weights.float() * seq_loss).sum() / max(norm.sequences, 1)
+    clipped_tokens = seq_clipped[:, None].expand_as(mask)
+    return LossOutput(loss, _stats(log_ratio, mask, clipped_tokens, entropy, ref_kl))
+
+
+def compute_loss(
+    name: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    weights: Tensor,
+    **kwargs,
+) -> LossOutput:
+    """Look up `name` and call it (keyword arguments as in `LossFn`)."""
+    return get_loss(name)(logp, old_logp, mask, advantages, weights, **kwargs)

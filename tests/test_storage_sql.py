@@ -1,0 +1,206 @@
+"""`rollstore sql`: the sandbox refuses everything but reading the buffer (each refusal naming its
+rule), runaway queries stop at --timeout, and the output formats keep the CLI contract."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROLLSTORE_BIN, write_parquet
+from rollstore.synthetic import rollouts_table
+from storage.buffer import Buffer
+
+
+@pytest.fixture(scope="module")
+def shared_buffer(tmp_path_factory):
+    """One buffer with two shards for this module's read-only tests (nothing here may change it)."""
+    root = str(tmp_path_factory.mktemp("sql") / "buf")
+    with Buffer.init(root) as buf:
+        buf.append_rollouts(rollouts_table(n_groups=3, group_size=4, mean_tokens=5, step=0))
+        buf.append_rollouts(rollouts_table(n_groups=3, group_size=4, mean_tokens=5, step=1))
+    return root
+
+
+@pytest.fixture
+def loaded(shared_buffer, tmp_path):
+    """The shared buffer, plus a Parquet file OUTSIDE it (tmp_path/outside.parquet)."""
+    write_parquet(rollouts_table(n_groups=1, group_size=2, id_prefix="out"), tmp_path / "outside.parquet")
+    yield shared_buffer
+    for link in ("rollouts/sneaky.parquet", "curated/elsewhere"):
+        if os.path.islink(os.path.join(shared_buffer, link)):
+            os.unlink(os.path.join(shared_buffer, link))
+
+
+def refused(cli, root, query, rule):
+    res = cli("sql", root, query, "--format", "json")
+    assert res.code != 0, f"not refused: {query!r} -> {res.stdout[:200]}"
+    line = res.stderr.strip()
+    assert "\n" not in line and line.startswith("error:"), res.stderr
+    assert f"refused by the {rule} rule" in line, line
+    assert res.stdout == ""
+    return line
+
+
+def buffer_files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_reading_inside_the_buffer_is_allowed(cli, loaded):
+    shard = sorted(os.listdir(os.path.join(loaded, "rollouts")))[0]
+    res = cli("sql", loaded, f"SELECT count(*) AS n FROM read_parquet('{loaded}/rollouts/{shard}')", "-f", "json")
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout) == [{"n": 12}]
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "sibling", "symlink_file", "symlink_dir", "glob"])
+def test_file_rule(cli, loaded, tmp_path, where):
+    outside = str(tmp_path / "outside.parquet")
+    if where == "absolute":
+        query = f"SELECT * FROM read_parquet('{outside}')"
+    elif where == "dotdot":
+        query = f"SELECT * FROM read_parquet('{loaded}/rollouts/../../outside.parquet')"
+    elif where == "sibling":  # a folder whose name starts with the buffer's name
+        sibling = loaded + "-other"
+        os.makedirs(sibling, exist_ok=True)
+        write_parquet(rollouts_table(n_groups=1, group_size=2), os.path.join(sibling, "x.parquet"))
+        query = f"SELECT * FROM read_parquet('{sibling}/x.parquet')"
+    elif where == "symlink_file":
+        os.symlink(outside, os.path.join(loaded, "rollouts", "sneaky.parquet"))
+        query = f"SELECT * FROM read_parquet('{loaded}/rollouts/sneaky.parquet')"
+    elif where == "symlink_dir":
+        os.symlink(str(tmp_path), os.path.join(loaded, "curated", "elsewhere"))
+        query = f"SELECT * FROM read_parquet('{loaded}/curated/elsewhere/outside.parquet')"
+    else:
+        query = f"SELECT * FROM glob('{tmp_path}/*')"
+    refused(cli, loaded, query, "file")
+
+
+def test_other_readers_outside_are_refused(cli, loaded):
+    refused(cli, loaded, "SELECT * FROM read_text('/etc/passwd')", "file")
+    refused(cli, loaded, "SELECT * FROM read_csv('/etc/hostname')", "file")
+
+
+@pytest.mark.parametrize("query", [
+    "COPY (SELECT * FROM rollouts) TO '{root}/rollouts/evil.parquet' (FORMAT parquet)",
+    "SELECT count(*) FROM rollouts; COPY (SELECT * FROM rollouts) TO '{root}/rollouts/evil.parquet' (FORMAT parquet)",
+    "SELECT 1;COPY rollouts TO '{root}/evil.csv'",
+])
+def test_copy_is_refused_and_writes_nothing(cli, loaded, query):
+    before = buffer_files(loaded)
+    line = refused(cli, loaded, query.format(root=loaded), "read-only")
+    assert "COPY" in line
+    assert buffer_files(loaded) == before
+
+
+@pytest.mark.parametrize("query, kind", [
+    ("ATTACH '{tmp}/other.db' AS other", "ATTACH"),
+    ("SELECT 1; ATTACH ':memory:' AS m", "ATTACH"),
+    ("INSTALL httpfs", "LOAD"),
+    ("LOAD httpfs", "LOAD"),
+    ("SET enable_external_access = true", "SET"),
+    ("SET allowed_directories = ['/']", "SET"),
+    ("RESET lock_configuration", ""),
+    ("PRAGMA enable_profiling", "PRAGMA"),
+    ("SELECT 1; PRAGMA version", "PRAGMA"),
+    ("CREATE TABLE t AS SELECT 1", "CREATE"),
+    ("CALL pragma_version()", "CALL"),
+])
+def test_statement_rules(cli, loaded, tmp_path, query, kind):
+    line = refused(cli, loaded, query.format(tmp=tmp_path), "read-only")
+    assert kind in line
+    assert not (tmp_path / "other.db").exists()
+
+
+def test_select_can_neither_change_settings_nor_reach_out(cli, loaded):
+    res = cli("sql", loaded, "SELECT current_setting('enable_external_access') AS ext, "
+              "current_setting('lock_configuration') AS locked", "-f", "json")
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout) == [{"ext": False, "locked": True}]
+    refused(cli, loaded, "SELECT * FROM 'https://example.com/x.parquet'", "file")
+
+
+def test_runaway_query_stops_at_timeout(cli, loaded):
+    start = time.monotonic()
+    res = cli("sql", loaded, "SELECT sum(a * b) FROM range(100000000) t(a), range(100000) u(b)", "--timeout", "0.5")
+    elapsed = time.monotonic() - start
+    assert res.code != 0
+    assert "timeout" in res.stderr and "0.5" in res.stderr, res.stderr
+    assert elapsed < 10, elapsed
+
+
+def test_json_format(cli, loaded):
+    query = ("SELECT rollout_id, response_token_ids, gen_logprobs, correct, meta, true AS t, false AS f, "
+             "NULL AS n, sample_idx, reward, created_at, count(*) OVER () AS total "
+             "FROM rollouts ORDER BY rollout_id")
+    res = cli("sql", loaded, query, "--format", "json")
+    assert res.code == 0, res.stderr
+    data = json.loads(res.stdout)  # ONE JSON document
+    assert isinstance(data, list) and len(data) == 24 and all(isinstance(r, dict) for r in data)
+    with Buffer.open(loaded) as buf:
+        table = buf.snapshot().arrow("rollouts").to_table().sort_by("rollout_id")
+    for row, want in zip(data, table.to_pylist()):
+        assert row["rollout_id"] == want["rollout_id"]
+        assert row["response_token_ids"] == want["response_token_ids"]
+        assert row["gen_logprobs"] == want["gen_logprobs"]  # float32 -> JSON -> float32 exact
+        assert row["correct"] is want["correct"]  # true/false/null
+        assert row["meta"] is None and row["n"] is None
+        assert row["t"] is True and row["f"] is False
+        assert row["total"] == 24 and isinstance(row["total"], int)
+        assert row["created_at"].startswith("2026-01-01T")
+    assert '"t": true' in res.stdout and '"n": null' in res.stdout
+
+
+def test_json_integers_stay_integers(cli, loaded):
+    res = cli("sql", loaded, "SELECT sum(len(response_token_ids)) AS tokens, avg(reward) AS r, "
+              "count(*) AS n FROM rollouts", "-f", "json")
+    (row,) = json.loads(res.stdout)
+    assert isinstance(row["tokens"], int) and isinstance(row["n"], int) and isinstance(row["r"], float)
+
+
+def test_csv_format(cli, loaded):
+    res = cli("sql", loaded, "SELECT rollout_id, sample_idx, correct, response_token_ids FROM rollouts "
+              "ORDER BY rollout_id", "--format", "csv")
+    assert res.code == 0, res.stderr
+    rows = list(csv.reader(io.StringIO(res.stdout)))
+    assert rows[0] == ["rollout_id", "sample_idx", "correct", "response_token_ids"]
+    assert len(rows) == 1 + 24
+    assert json.loads(rows[1][3]) and rows[1][2] in ("true", "false", "")
+
+
+def test_parquet_format_needs_out(cli, loaded, tmp_path):
+    res = cli("sql", loaded, "SELECT 1", "--format", "parquet")
+    assert res.code != 0 and "--out" in res.stderr
+    out = tmp_path / "res.parquet"
+    res = cli("sql", loaded, "SELECT rollout_id, entropies FROM rollouts", "--format", "parquet", "--out", out)
+    assert res.code == 0, res.stderr
+    t = pq.read_table(out)
+    assert t.num_rows == 24 and t.column_names == ["rollout_id", "entropies"]
+
+
+def test_views_groups_and_prompts(cli, loaded):
+    res = cli("sql", loaded, "SELECT count(*) AS g, min(size) AS lo, max(size) AS hi FROM groups", "-f", "json")
+    assert json.loads(res.stdout) == [{"g": 6, "lo": 4, "hi": 4}]
+    res = cli("sql", loaded, "SELECT sum(groups) AS g FROM prompts", "-f", "json")
+    assert json.loads(res.stdout) == [{"g": 6}]
+
+
+def test_error_line_is_not_eaten_as_markup(cli, loaded, tmp_path):
+    bad = tmp_path / "m.jsonl"
+    bad.write_text('{"rollout_id": "[bold]r1[/bold]", "reward": "[red]"}\n')
+    res = cli("import", loaded, str(bad))
+    assert res.code != 0
+    assert "[bold]r1[/bold]" in res.stderr and "'reward'" in res.stderr, res.stderr
+
+
+def test_sql_through_the_installed_command(loaded, tmp_path):
+    proc = subprocess.run([ROLLSTORE_BIN, "sql", loaded, "SELECT count(*) AS n FROM rollouts", "--format", "json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [{"n": 24}]  # stdout holds the JSON document and nothing else

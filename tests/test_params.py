@@ -1,0 +1,83 @@
+"""Parameters of a curation run: presets, `--set` parsing, exact decimal budgets, schedules."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from curate.params import (
+    DEFAULTS, ParamError, budget, builtin_recipes, load_recipe, parse_sets, resolve, token_budget,
+)
+
+ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "grpo", "pods"]
+
+
+def test_builtin_recipes_are_the_spec_table():
+    assert builtin_recipes() == ALL
+    presets = {name: load_recipe(name).presets for name in ALL}
+    assert presets["grpo"] == {}
+    assert presets["dapo"] == {"filter": "dynamic"}
+    assert presets["da3po"] == {"filter": "dynamic", "amplify": "da3po"}
+    assert presets["pods"] == {"sample": "pods"}
+    assert presets["d1s"] == {"sample": "in_group"}
+    assert presets["d1s-c"] == {"sample": "cross_group"}
+    assert presets["d2s"] == {"sample": "cross_group", "token": "abs_adv_entropy"}
+    assert presets["d3s"] == {"sample": "cross_group", "token": "abs_adv_entropy", "schedule": "linear"}
+    assert presets["d3s-i"] == {"sample": "in_group", "token": "abs_adv_entropy", "schedule": "linear"}
+    assert presets["entropy-top"] == {"filter": "dynamic", "token": "entropy", "token_fraction": Fraction(1, 5)}
+
+
+def test_exact_decimal_budgets():
+    # Binary floating point gets these wrong; exact rationals do not.
+    assert 0.07 * 100 != 7 and token_budget(100, Fraction("0.07")) == 7
+    p = resolve(load_recipe("d3s"), {"progress": "0.7"})
+    assert p.sample_fraction() == Fraction("0.25") + Fraction("0.75") * Fraction("0.7")  # 0.775 exactly
+    assert budget(20, p.sample_fraction()) == 16  # round half up of 15.5
+    assert budget(10, Fraction("0.25")) == 3  # 2.5 → 3
+    assert budget(3, Fraction("0.1")) == 2  # at least 2
+    assert budget(1, Fraction("0.1")) == 1  # at most the pool
+    assert token_budget(0, Fraction("0.2")) == 0
+    assert p.token_fraction() == Fraction("0.2") + Fraction("0.8") * Fraction("0.7")
+
+
+@pytest.mark.parametrize("sets, needle", [
+    ({"nope": "1"}, "unknown parameter"),
+    ({"sample_fraction": "0"}, "(0, 1]"),
+    ({"token_fraction": "1.01"}, "(0, 1]"),
+    ({"progress": "-0.1"}, "[0, 1]"),
+    ({"amplify_max": "0.5"}, "≥ 1"),
+    ({"difficulty_window": "0"}, "≥ 1"),
+    ({"difficulty_window": "1.5"}, "integer"),
+    ({"max_reuse": "0"}, "≥ 1"),
+    ({"std": "mad"}, "not one of"),
+    ({"sample_fraction_start": "0.5"}, "linear schedule"),
+    ({"amplify_tau": "abc"}, "decimal"),
+])
+def test_bad_parameters(sets, needle):
+    with pytest.raises(ParamError, match=None) as exc:
+        resolve(load_recipe("grpo"), sets)
+    assert needle in str(exc.value)
+
+
+def test_schedule_rule_counts_only_user_settings():
+    # entropy-top's own token_fraction preset is not a setting; switching it to linear is fine.
+    p = resolve(load_recipe("entropy-top"), {"schedule": "linear"})
+    assert p.token_fraction() == Fraction("0.2")
+    with pytest.raises(ParamError):
+        resolve(load_recipe("d3s"), {"sample_fraction": "0.5"})
+    p = resolve(load_recipe("d3s"), {"schedule": "static", "sample_fraction": "0.5"})
+    assert p.sample_fraction() == Fraction(1, 2)
+
+
+def test_set_parsing_and_json_record():
+    with pytest.raises(ParamError, match="given twice"):
+        parse_sets(["std=sample", "std=none"])
+    with pytest.raises(ParamError, match="name=value"):
+        parse_sets(["std"])
+    p = resolve(load_recipe("d3s"), parse_sets(["max_policy_lag=none", "progress=0.5", "difficulty_prior=1e-6"]))
+    rec = json.loads(p.to_json())
+    assert set(rec) == set(DEFAULTS)
+    assert rec["max_policy_lag"] is None and rec["progress"] == 0.5 and rec["difficulty_prior"] == 1e-6
+    assert rec["difficulty_window"] == 4 and isinstance(rec["sample_fraction_end"], int)

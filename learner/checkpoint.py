@@ -173,7 +173,15 @@ def _write_dir(
     tmp: str, model, tokenizer, optimizer, scheduler, step: int, ledger: dict
 ) -> None:
     os.makedirs(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar on stderr per checkpoint
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save(

@@ -40,6 +40,7 @@ class LossConfig:
     dual_clip: float | None = None  # c > 1 (3.0 in verl/DAPO): caps the loss at c·|A| for A < 0
     kl_beta: float = 0.0  # coefficient of the k3 KL to `ref_logp`
     tis_cap: float | None = None  # C (2.0): truncated importance weight min(exp(old − gen), C)
+    max_len: int | None = None  # dr_grpo's length constant (the generation budget); None: longest response
 
 
 @dataclass(frozen=True)
@@ -255,9 +256,12 @@ def dapo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=No
 
 @register_loss("dr_grpo", clip_low=0.2, clip_high=0.2)
 def dr_grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
-    """Sum over kept tokens / (sequences × max response length) (Dr. GRPO arXiv 2503.20783)."""
+    """Sum over kept tokens / (non-empty sequences × max response length) (Dr. GRPO arXiv
+    2503.20783); the length is `config.max_len` (a constant budget, as in the paper) when set, else
+    the longest response of the step."""
     tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
-    loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.sequences * norm.max_len, 1)
+    max_len = config.max_len if config.max_len is not None else norm.max_len
+    loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.sequences * max_len, 1)
     return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
 
 

@@ -140,6 +140,12 @@ def test_aggregation_modes_and_weights(name, expected, weighted):
     assert out.loss.item() == pytest.approx(weighted)
 
 
+def test_dr_grpo_constant_length():
+    logp, old, mask, adv = _aggregation_batch()
+    out = run("dr_grpo", logp, old, mask, adv, config=LossConfig(max_len=10))
+    assert out.loss.item() == pytest.approx((-1 - 6) / (2 * 10))
+
+
 def test_k3_kl_to_reference():
     logp = leaf([[-1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.5]])

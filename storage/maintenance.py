@@ -26,6 +26,7 @@ from .errors import ManifestError, RollstoreError
 SHARD_DIRS = ("rollouts", "curated", "audit", "meta", "tmp")
 DEFAULT_GRACE_S = 3600.0
 COMPACT_TARGET_BYTES = 128 * 1024 * 1024
+COMPACTABLE = ("rollouts", "selections")
 
 
 @dataclass
@@ -94,8 +95,8 @@ def compact(
     """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes.
 
     Only shards with the same key in the same folder (e.g. one curation's) are merged together."""
-    if table not in TABLE_DIRS:
-        raise RollstoreError(f"unknown table {table!r} (one of {', '.join(TABLE_DIRS)})")
+    if table not in COMPACTABLE:
+        raise RollstoreError(f"table {table!r} cannot be compacted (only {', '.join(COMPACTABLE)})")
     man = buf.manifest
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
     shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]

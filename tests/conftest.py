@@ -1,4 +1,4 @@
-"""Shared fixtures: a fresh buffer, the CLI run in-process, and JSONL/Parquet writers of rows."""
+"""Shared fixtures: a fresh buffer and the CLI run in-process; writers of rows as a user's JSONL/Parquet."""
 
 from __future__ import annotations
 
@@ -66,13 +66,3 @@ def write_parquet(table: pa.Table, path) -> str:
     pq.write_table(table, str(path))
     return str(path)
 
-
-@pytest.fixture
-def rows_file():
-    """Writers of a table (or list of row dicts) as a user's file: rows_file.jsonl / rows_file.parquet."""
-
-    class Writers:
-        jsonl = staticmethod(write_jsonl)
-        parquet = staticmethod(write_parquet)
-
-    return Writers

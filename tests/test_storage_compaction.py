@@ -16,7 +16,7 @@ from queries.session import Session
 from rollstore.synthetic import rollouts_table
 from storage.buffer import Buffer, Part
 from storage.errors import ManifestError
-from storage.schema import CURATED
+from storage.schema import SELECTIONS
 
 QUERIES = [
     "SELECT count(*), count(DISTINCT group_id), count(DISTINCT prompt_id), sum(len(response_token_ids)) FROM rollouts",
@@ -131,30 +131,42 @@ def test_leased_shards_are_not_merged(many_shards):
         assert compact(buf).merged_shards == 0  # nothing left to merge
 
 
-def curated_rows(curation: str, n: int) -> pa.Table:
+def audit_rows(curation: str, n: int) -> pa.Table:
     t = rollouts_table(n_groups=1, group_size=n, id_prefix=curation)
-    cols = {name: t.column(name) for name in CURATED.names if name in t.column_names}
-    cols["curation_id"] = pa.array([curation] * n)
-    cols["advantage"] = pa.array([0.5] * n, pa.float32())
-    cols["weight"] = pa.array([1.0] * n, pa.float32())
-    cols["loss_mask"] = pa.array([[True] * len(v) for v in t.column("response_token_ids").to_pylist()])
-    return pa.table({name: cols[name] for name in CURATED.names}).cast(CURATED)
+    given = {
+        "curation_id": [curation] * n, "rollout_id": t.column("rollout_id"), "group_id": t.column("group_id"),
+        "prompt_id": t.column("prompt_id"), "policy_version": t.column("policy_version"),
+        "selected": [True] * n, "reason": ["selected"] * n, "tokens_total": [3] * n, "tokens_kept": [3] * n,
+    }
+    return pa.table({f.name: given.get(f.name, pa.nulls(n, f.type)) for f in SELECTIONS}).cast(SELECTIONS)
 
 
-def test_compaction_keeps_each_curation_in_its_own_shard(cli, buffer_dir):
+def test_compaction_never_mixes_curations(cli, buffer_dir):
+    """Audit shards are keyed by curation (audit/<id>/audit.parquet, named in the curation record):
+    compaction merges only shards of one key and folder, and refuses the curated table outright."""
+    from storage.maintenance import compact
+
     with Buffer.open(buffer_dir) as buf:
-        for cid in ("c1", "c1", "c2", "c2", "c2"):
-            buf.commit([Part("curated", curated_rows(cid, 3), key=cid, subdir=cid)], "curate")
-        res = cli("compact", buffer_dir, "--table", "curated")
-        assert res.code == 0 and "merged 5 shards into 2" in res.stdout, res.stdout
-        shards = buf.snapshot().shards("curated")
-        assert sorted((s.key, s.rows) for s in shards) == [("c1", 6), ("c2", 9)]
+        for cid in ("c1", "c2", "c3"):
+            part = Part("selections", audit_rows(cid, 3), key=cid, subdir=cid)
+            buf.commit([part], "curate")
+        for cid in ("c3", "c3"):  # (two audit shards of one curation may merge)
+            buf.commit([Part("selections", audit_rows(cid + f"-{buf.manifest.latest_seq()}", 2), key=cid,
+                             subdir=cid)], "curate")
+        before = {s.shard_id for s in buf.snapshot().shards("selections")}
+        report = compact(buf, "selections")
+        assert (report.merged_shards, report.new_shards) == (3, 1)
+        shards = buf.snapshot().shards("selections")
+        assert sorted((s.key, s.rows) for s in shards) == [("c1", 3), ("c2", 3), ("c3", 7)]
+        assert {s.shard_id for s in shards if s.key != "c3"} <= before  # untouched
         for s in shards:
-            assert s.path.startswith(f"curated/{s.key}/")
-            ids = pq.read_table(os.path.join(buffer_dir, s.path)).column("curation_id").unique()
-            assert ids.to_pylist() == [s.key]
+            assert s.path.startswith(f"audit/{s.key}/")
+            ids = pq.read_table(os.path.join(buffer_dir, s.path)).column("curation_id").to_pylist()
+            assert {i.split("-")[0] for i in ids} == {s.key}
+    res = cli("compact", buffer_dir, "--table", "curated")
+    assert res.code != 0 and "cannot be compacted" in res.stderr
 
 
 def test_compact_unknown_table_is_one_line(cli, buffer_dir):
     res = cli("compact", buffer_dir, "--table", "nope")
-    assert res.code != 0 and "unknown table" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert res.code != 0 and "cannot be compacted" in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -21,27 +21,31 @@ from storage.errors import ValidationError
 GROUP = 4
 
 APPENDER = """
-import sys
+import os, sys
 sys.path.insert(0, {root!r})
 from rollstore.synthetic import rollouts_table
 from storage.buffer import Buffer
 buf = Buffer.open({buffer!r})
 print("ready", flush=True)
-for step in range({n}):
+step = 0
+while not os.path.exists({stop!r}) and step < 400:  # until the reader has seen enough
     buf.append_rollouts(rollouts_table(n_groups=1 + step % 3, group_size={group}, mean_tokens=8, step=step))
-print("done", flush=True)
+    step += 1
+print(step, flush=True)
 """
 
 
 def test_counts_only_grow_and_snapshots_are_consistent(buffer_dir, tmp_path):
-    script = tmp_path / "appender.py"
-    script.write_text(APPENDER.format(root=ROOT, buffer=buffer_dir, n=24, group=GROUP))
+    script, stop = tmp_path / "appender.py", tmp_path / "stop"
+    script.write_text(APPENDER.format(root=ROOT, buffer=buffer_dir, group=GROUP, stop=str(stop)))
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         seen: list[int] = []
         with Buffer.open(buffer_dir) as buf:
             while True:
+                if len(set(seen)) >= 6 or len(seen) >= 200:
+                    stop.touch()
                 finished = child.poll() is not None  # decide before reading: the last read sees all
                 with buf.snapshot(pin=True) as snap, Session(snap) as s:
                     n, bad_groups, groups = s.execute(
@@ -56,8 +60,8 @@ def test_counts_only_grow_and_snapshots_are_consistent(buffer_dir, tmp_path):
                 if finished:
                     break
         assert child.wait(timeout=60) == 0
-        total = sum((1 + step % 3) * GROUP for step in range(24))
-        assert seen[-1] == total
+        steps = int(child.stdout.readline())
+        assert seen[-1] == sum((1 + step % 3) * GROUP for step in range(steps))
         assert len(set(seen)) >= 3, f"reader never overlapped the writer: {sorted(set(seen))}"
     finally:
         if child.poll() is None:

@@ -96,11 +96,13 @@ def train_pending(
     tokenizer=None,
     max_units: int | None = None,
     lease: tuple[str, str] | None = None,
+    extra_metrics: dict | None = None,
     **train_kwargs,
 ) -> list[Checkpoint]:
     """Train every pending unit once, publishing one checkpoint per unit; return them.
 
-    `from_version`/`start_step`: where the model is (see `resume`). `train_kwargs` go to
+    `from_version`/`start_step`: where the model is (see `resume`). `extra_metrics` are added to
+    each checkpoint's metrics (e.g. the loop's iteration). `train_kwargs` go to
     `train_on_curation` (loss, epochs, micro_batch_size, grad_accum, ...). Each new version is
     one more than the highest published version of the buffer.
     """
@@ -126,6 +128,7 @@ def train_pending(
             "loss": sum(r["loss"] for r in rows) / len(rows) if rows else None,
             "tokens": sum(r["tokens"] for r in rows),
             "samples": sum(r["samples"] for r in rows),
+            **(extra_metrics or {}),
         }
         ck = save_checkpoint(
             buf, model, optimizer, scheduler,

@@ -177,6 +177,128 @@ def audit(
 
 
 @app.command()
+@guarded
+def generate(
+    buffer: str,
+    prompts: str = typer.Option("builtin:arith", "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),
+    model: str = typer.Option("builtin:tiny", "--model", help="A local transformers model directory or builtin:tiny."),
+    backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
+    group_size: int = typer.Option(8, "--group-size", "-G"),
+    num_prompts: Optional[int] = typer.Option(64, "--num-prompts", "-n"),
+    policy_version: Optional[int] = typer.Option(None, "--policy-version", help="Default: the checkpoint's version, else 0."),
+    seed: int = typer.Option(0, "--seed"),
+    steps: int = typer.Option(1, "--steps", help="Generation steps to run (one shard each)."),
+    run_id: str = typer.Option("gen", "--run-id"),
+    max_new_tokens: int = typer.Option(12, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    template: Optional[str] = typer.Option(None, "--template", help="Chat template: a format string with {prompt}."),
+    follow: bool = typer.Option(False, "--follow", help="Keep generating; load each newly published checkpoint."),
+    max_policy_lag: int = typer.Option(1, "--max-policy-lag", help="With --follow: wait while the learner is this many versions behind."),
+    compact_entropies: bool = typer.Option(False, "--compact-entropies"),
+    recipe: str = typer.Option("d3s", "--recipe", help="With --follow: the recipe that curates each step."),
+    set_: List[str] = typer.Option([], "--set", help="With --follow: curation parameter overrides."),
+):
+    """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
+    from curate.params import parse_sets
+    from rollstore.generate_cli import run_generate
+
+    run_generate(buffer, prompts, model, backend, group_size, num_prompts, policy_version, seed, steps, run_id,
+                 max_new_tokens, temperature, top_p, template, follow, max_policy_lag, compact_entropies, err,
+                 recipe=recipe, sets=parse_sets(set_))
+
+
+@app.command()
+@guarded
+def train(
+    buffer: str,
+    curation: List[str] = typer.Option([], "--curation", help="Curation id(s) to train on (default: all pending)."),
+    model: str = typer.Option("builtin:tiny", "--model"),
+    loss: str = typer.Option("grpo", "--loss", help="grpo | dapo | gspo | dr_grpo"),
+    lr: float = typer.Option(2e-4, "--lr"),
+    epochs: int = typer.Option(1, "--epochs"),
+    micro_batch_size: int = typer.Option(64, "--micro-batch-size"),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+    run_id: str = typer.Option("train", "--run-id"),
+    follow: bool = typer.Option(False, "--follow", help="Keep leasing curations as they appear."),
+    poll: float = typer.Option(1.0, "--poll", help="Seconds between polls with --follow."),
+    max_idle: float = typer.Option(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
+):
+    """Train on curated shards exactly once each; publish a checkpoint per curation."""
+    from rollstore.train_cli import run_train
+
+    run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle, out)
+
+
+@app.command()
+@guarded
+def loop(
+    buffer: str,
+    model: str = typer.Option("builtin:tiny", "--model"),
+    prompts: str = typer.Option("builtin:arith", "--prompts"),
+    iterations: int = typer.Option(20, "--iterations", "-k"),
+    recipe: str = typer.Option("d3s", "--recipe", "-r"),
+    set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
+    prompts_per_iter: int = typer.Option(64, "--prompts-per-iter"),
+    group_size: int = typer.Option(8, "--group-size", "-G"),
+    loss: str = typer.Option("grpo", "--loss"),
+    lr: float = typer.Option(2e-4, "--lr"),
+    max_policy_lag: Optional[int] = typer.Option(None, "--max-policy-lag"),
+    max_gen_batches: int = typer.Option(8, "--max-gen-batches"),
+    eval_every: int = typer.Option(5, "--eval-every", help="Held-out evaluation every N iterations (0 = never)."),
+    seed: int = typer.Option(0, "--seed"),
+    run_id: Optional[str] = typer.Option(None, "--run-id"),
+    backend: str = typer.Option("hf", "--backend"),
+):
+    """The near-on-policy loop: generate → score → append → curate → train → publish → repeat."""
+    from curate.params import parse_sets
+    from rollstore.loop import LoopConfig
+    from rollstore.loop_view import run_with_display
+    from storage.buffer import Buffer
+
+    Buffer.init(buffer).close()
+    cfg = LoopConfig(buffer=buffer, model=model, prompts=prompts, iterations=iterations, recipe=recipe,
+                     sets=parse_sets(set_), prompts_per_iter=prompts_per_iter, group_size=group_size, loss=loss,
+                     lr=lr, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
+                     seed=seed, run_id=run_id, backend=backend)
+    run_with_display(cfg, out)
+
+
+@app.command("eval")
+@guarded
+def eval_(
+    model: str = typer.Option("builtin:tiny", "--model"),
+    prompts: str = typer.Option("builtin:arith:heldout", "--prompts"),
+    samples: int = typer.Option(8, "--samples", "-n"),
+    k: str = typer.Option("1,8", "--k", help="Comma-separated k values for pass@k."),
+    num_prompts: Optional[int] = typer.Option(200, "--num-prompts"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    max_new_tokens: int = typer.Option(12, "--max-new-tokens"),
+    seed: int = typer.Option(0, "--seed"),
+    buffer: Optional[str] = typer.Option(None, "--buffer", help="Store the results in this buffer's evaluations table."),
+    format: str = typer.Option("table", "--format", "-f", help="table|json"),
+):
+    """pass@k (unbiased estimator) and avg@n of a model on a prompt set."""
+    from rollstore.evaluate import run_eval
+
+    run_eval(model, prompts, samples, [int(x) for x in k.split(",") if x.strip()], num_prompts, temperature,
+             max_new_tokens, seed, buffer, format, out)
+
+
+@app.command()
+@guarded
+def demo(
+    buffer: str = typer.Argument("demo-buffer", help="Where to put the demo buffer (replaced if it is a previous demo's)."),
+    iterations: int = typer.Option(20, "--iterations", "-k"),
+    recipe: str = typer.Option("d3s", "--recipe"),
+):
+    """The loop on builtin:tiny + builtin:arith with the d3s recipe, in a few minutes on a CPU."""
+    from rollstore.demo import run_demo
+
+    run_demo(buffer, iterations, recipe, out)
+
+
+@app.command()
 def recipes():
     """List the built-in recipes."""
     from curate.params import builtin_recipes, load_recipe

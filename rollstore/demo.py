@@ -1,0 +1,62 @@
+"""`rollstore demo`: the loop on builtin:tiny + builtin:arith with the d3s recipe, then a summary.
+
+Invariant: the demo only ever deletes a directory that an earlier demo made (it carries a
+`.rollstore-demo` marker); any other existing path is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from rich.console import Console
+
+from rollstore.loop import LoopConfig
+from rollstore.loop_view import run_with_display
+from storage.buffer import Buffer
+from storage.errors import RollstoreError
+
+MARKER = ".rollstore-demo"
+
+QUERIES = [
+    ("Why were candidates dropped, per iteration?",
+     "SELECT c.progress, s.reason, count(*) AS n FROM selections s JOIN curations c USING (curation_id) "
+     "GROUP BY ALL ORDER BY c.progress, n DESC"),
+    ("How did the schedule anneal (samples and tokens kept)?",
+     "SELECT round(progress, 2) AS t, n_selected, n_candidates, tokens_kept, tokens_candidate, "
+     "round(adv_var_before, 3) AS var_before, round(adv_var_after, 3) AS var_after FROM curations ORDER BY progress"),
+    ("Accuracy by prompt difficulty over the run",
+     "SELECT step, round(avg(correct::INT), 3) AS acc, count(*) AS n FROM rollouts GROUP BY step ORDER BY step"),
+]
+
+
+def prepare(path: str) -> None:
+    if os.path.exists(path):
+        if not os.path.exists(os.path.join(path, MARKER)):
+            raise RollstoreError(f"{path} exists and is not a demo buffer; choose another path")
+        shutil.rmtree(path)
+    Buffer.init(path).close()
+    open(os.path.join(path, MARKER), "w").close()
+
+
+def run_demo(path: str, iterations: int, recipe: str, console: Console) -> dict:
+    prepare(path)
+    t0 = time.perf_counter()
+    cfg = LoopConfig(buffer=path, recipe=recipe, iterations=iterations, eval_every=5, run_id="demo")
+    summary = run_with_display(cfg, console)
+    wall = time.perf_counter() - t0
+    evals = summary["evals"]
+    before, after = evals[0][2], evals[-1][2]
+    console.print()
+    console.print(f"[bold]held-out greedy accuracy: {before:.1%} before → {after:.1%} after "
+                  f"{iterations} iterations of {recipe} ({wall:.0f} s wall)[/bold]")
+    console.print(f"\nThe buffer is in [cyan]{path}[/cyan]. Three queries worth trying:")
+    for title, sql in QUERIES:
+        console.print(f"  # {title}", style="dim")
+        console.print(f'  rollstore sql {path} "{sql}"', highlight=False, markup=False)
+    console.print(f"\nThe audit of the last curation:  rollstore audit {path}", highlight=False)
+    console.print(f"One rollout's kept tokens:      rollstore audit {path} --rollout ROLLOUT_ID", highlight=False)
+    summary["wall_seconds"] = wall
+    summary["before"], summary["after"] = before, after
+    return summary

@@ -1,0 +1,240 @@
+"""The near-on-policy loop: generate → score → append → curate → train → publish v+1 → repeat.
+
+Invariants:
+- The buffer is the only channel: every iteration appends its rollouts, commits one curation of
+  exactly that step's rows (`where run_id = … AND step = i`, `progress = i / K`) and publishes one
+  checkpoint whose ledger is that curation's shards; the generator then loads that checkpoint.
+- Generation always uses the newest published version, so with `max_policy_lag` the curation's
+  staleness rule only ever drops rows of older versions (two-process mode shares this code).
+- With a filtering recipe (`filter=dynamic`) the loop over-generates (`overgen`× the prompts per
+  batch) and keeps generating batches of the same step until enough groups survive or
+  `max_gen_batches` is reached, and then says so.
+- Rerunning an interrupted loop resumes from the run's latest checkpoint (learner.consume):
+  no curated shard is trained twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow as pa
+
+from curate.params import load_recipe, resolve
+from curate.run import CurationResult, curate
+from storage.buffer import Buffer
+from storage.errors import RollstoreError
+
+
+@dataclass
+class LoopConfig:
+    buffer: str
+    model: str = "builtin:tiny"
+    prompts: str = "builtin:arith"
+    iterations: int = 20
+    recipe: str = "d3s"
+    sets: dict = field(default_factory=dict)
+    prompts_per_iter: int = 64
+    group_size: int = 8
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    loss: str = "grpo"
+    lr: float = 2e-4
+    warmup_steps: int = 0
+    epochs: int = 1
+    micro_batch_size: int = 64
+    grad_accum: int = 1
+    max_policy_lag: int | None = None
+    max_gen_batches: int = 8
+    overgen: int = 2
+    eval_every: int = 5
+    eval_prompts: int = 200
+    eval_split: str = "heldout"
+    seed: int = 0
+    run_id: str | None = None
+    backend: str = "hf"
+
+
+@dataclass
+class IterationReport:
+    iteration: int
+    version: int
+    batch_accuracy: float
+    rollouts: int
+    gen_batches: int
+    samples_kept: int
+    tokens_kept: int
+    tokens_candidate: int
+    loss: float | None
+    heldout: float | None
+    seconds: float
+    curation_id: str
+    note: str = ""
+
+
+def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
+    from rollstore.models import resolve_prompts
+
+    return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
+
+
+def heldout_prompts(cfg: LoopConfig):
+    from rollstore.models import resolve_prompts
+
+    return resolve_prompts(cfg.prompts, cfg.eval_prompts, seed=cfg.seed, split=cfg.eval_split)
+
+
+def greedy_accuracy(backend, prompts, reward_pool, max_new_tokens: int) -> float:
+    """Greedy (temperature 0) accuracy judged by math-verify."""
+    gens = backend.generate([p.prompt for p in prompts], 1, max_new_tokens, temperature=0.0, seed=0)
+    verdicts = reward_pool.rewards([p.gold_answer for p in prompts], [g[0].text for g in gens],
+                                   [len(g[0].response_token_ids) for g in gens], None)
+    return sum(1 for v in verdicts if v.correct) / len(prompts)
+
+
+def record_eval(buf: Buffer, run_id: str, version: int, iteration: int, split: str, metrics: dict,
+                n_problems: int, n_samples: int) -> None:
+    import datetime as dt
+
+    now = dt.datetime.now(dt.timezone.utc)
+    rows = [{"eval_id": uuid.uuid4().hex, "created_at": now, "run_id": run_id, "policy_version": version,
+             "iteration": iteration, "split": split, "metric": k, "value": float(v),
+             "n_problems": n_problems, "n_samples": n_samples} for k, v in metrics.items()]
+    from storage.schema import EVALUATIONS
+
+    buf.append("evaluations", pa.Table.from_pylist(rows, schema=EVALUATIONS))
+
+
+def _step_rollouts(buf: Buffer, run_id: str, step: int) -> int:
+    from queries.session import Session
+
+    with buf.snapshot() as snap, Session(snap) as s:
+        return int(s.one("SELECT count(*) FROM rollouts WHERE run_id = $r AND step = $s", {"r": run_id, "s": step})[0])
+
+
+def _surviving_groups(table: pa.Table) -> int:
+    """Groups whose judged accuracy is strictly between 0 and 1 (what dynamic sampling keeps)."""
+    stats: dict[str, list[int]] = {}
+    for gid, correct in zip(table.column("group_id").to_pylist(), table.column("correct").to_pylist()):
+        s = stats.setdefault(gid, [0, 0])
+        if correct is not None:
+            s[0] += 1
+            s[1] += bool(correct)
+    return sum(1 for n, k in stats.values() if 0 < k < n)
+
+
+def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | None = None,
+             on_eval: Callable[[int, int, float], None] | None = None) -> dict:
+    """Run cfg.iterations iterations (resuming a run that already has checkpoints). Returns a summary."""
+    from learner.consume import resume, train_pending
+    from learner.models import load_policy
+    from learner.trainer import make_optimizer
+    from rollout.backends import get_backend
+    from rollout.reward import RewardPool
+    from rollstore.generate import generate_step
+    from rollstore.models import resolve_model
+
+    recipe = load_recipe(cfg.recipe)
+    sets = dict(cfg.sets)
+    if cfg.max_policy_lag is not None:
+        sets.setdefault("max_policy_lag", str(cfg.max_policy_lag))
+    filtering = resolve(recipe, {k: v for k, v in sets.items() if k != "progress"})["filter"] == "dynamic"
+    run_id = cfg.run_id or f"loop-{cfg.recipe}-s{cfg.seed}"
+    buf = Buffer.open(cfg.buffer)
+    base_dir = resolve_model(cfg.model)
+    model, tokenizer = load_policy(base_dir)
+    optimizer, scheduler = make_optimizer(model, lr=cfg.lr, warmup_steps=cfg.warmup_steps)
+    version, step = resume(buf, model, optimizer, scheduler, run_id)
+    from learner.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(buf, run_id)
+    start_iteration = ck.metrics.get("iteration", -1) + 1 if ck else 0
+    gen_dir = ck.dir if ck else base_dir
+    backend = get_backend(cfg.backend, gen_dir)
+    reports: list[IterationReport] = []
+    evals: list[tuple[int, int, float]] = []
+    pool = RewardPool()
+    heldout = heldout_prompts(cfg) if cfg.eval_every else []
+    try:
+        if heldout and start_iteration == 0:
+            acc = greedy_accuracy(backend, heldout, pool, cfg.max_new_tokens)
+            record_eval(buf, run_id, version, 0, cfg.eval_split, {"greedy_accuracy": acc}, len(heldout), 1)
+            evals.append((0, version, acc))
+            if on_eval:
+                on_eval(0, version, acc)
+        for it in range(start_iteration, cfg.iterations):
+            t0 = time.perf_counter()
+            note = ""
+            batches = 0
+            generated: list[pa.Table] = []
+            if _step_rollouts(buf, run_id, it) == 0:
+                while True:
+                    n = cfg.prompts_per_iter * (cfg.overgen if filtering else 1)
+                    prompts = _batch_prompts(cfg, it, batches, n)
+                    table = generate_step(
+                        gen_dir, prompts, run_id=run_id, step=it, backend=backend, group_size=cfg.group_size,
+                        policy_version=version, seed=cfg.seed * 7919 + it * 31 + batches,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                        reward_pool=pool, prompt_offset=batches * n,
+                    )
+                    buf.append_rollouts(table, source=f"{run_id}/step-{it}/batch-{batches}")
+                    generated.append(table)
+                    batches += 1
+                    if not filtering or sum(_surviving_groups(t) for t in generated) >= cfg.prompts_per_iter:
+                        break
+                    if batches >= cfg.max_gen_batches:
+                        note = f"only {sum(_surviving_groups(t) for t in generated)} groups survived after {batches} batches"
+                        break
+            where = f"run_id = '{run_id}' AND step = {it}"
+            cur: CurationResult = curate(
+                buf, recipe, {**sets, "where": where, "progress": str(it / cfg.iterations)},
+            )
+            published = train_pending(
+                buf, model, optimizer, scheduler, run_id=run_id, from_version=version, start_step=step,
+                curation_ids=[cur.curation_id], per="curation", tokenizer=tokenizer, loss=cfg.loss,
+                epochs=cfg.epochs, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
+                extra_metrics={"iteration": it},
+            )
+            loss = None
+            if published:
+                ck = published[-1]
+                version, step = ck.version, ck.step
+                loss = ck.metrics.get("loss")
+                gen_dir = ck.dir
+                backend.load_weights(gen_dir)
+            batch_acc = _batch_accuracy(buf, run_id, it)
+            held = None
+            if heldout and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
+                held = greedy_accuracy(backend, heldout, pool, cfg.max_new_tokens)
+                record_eval(buf, run_id, version, it + 1, cfg.eval_split, {"greedy_accuracy": held}, len(heldout), 1)
+                evals.append((it + 1, version, held))
+                if on_eval:
+                    on_eval(it + 1, version, held)
+            rep = IterationReport(
+                iteration=it, version=version, batch_accuracy=batch_acc[0], rollouts=batch_acc[1],
+                gen_batches=batches, samples_kept=cur.record["n_selected"], tokens_kept=cur.record["tokens_kept"],
+                tokens_candidate=cur.record["tokens_candidate"], loss=loss, heldout=held,
+                seconds=time.perf_counter() - t0, curation_id=cur.curation_id, note=note,
+            )
+            reports.append(rep)
+            if on_iteration:
+                on_iteration(rep)
+    finally:
+        pool.close()
+        buf.close()
+    return {"run_id": run_id, "iterations": [dataclasses.asdict(r) for r in reports], "evals": evals,
+            "version": version}
+
+
+def _batch_accuracy(buf: Buffer, run_id: str, step: int) -> tuple[float, int]:
+    from queries.session import Session
+
+    with buf.snapshot() as snap, Session(snap) as s:
+        acc, n = s.one("SELECT avg(coalesce(correct, false)::DOUBLE), count(*) FROM rollouts "
+                       "WHERE run_id = $r AND step = $s", {"r": run_id, "s": step})
+    return float(acc or 0.0), int(n)

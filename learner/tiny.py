@@ -9,9 +9,10 @@ Invariants:
   special tokens, wrapped in `PreTrainedTokenizerFast`; it adds `<bos>` in front of every text,
   decodes by plain concatenation, and saves and reloads exactly.
 - The config is a Llama (`model_type: llama`, so AutoTokenizer never swaps in another class) with
-  head_dim 64 (vLLM's CPU backend supports it; 16 and 32 are not safe there).
-- Training is deterministic by seed on a given machine: model init, batch order and dropout-free
-  updates all come from one seeded torch generator.
+  head_dim 64 (hidden 128, 2 heads): vLLM's CPU backend rejects head_dim 16 and runs 64.
+- Training is deterministic by seed on a given machine, whatever the thread count: the model is
+  initialised under `torch.manual_seed(seed)` inside `fork_rng` (the caller's RNG is untouched),
+  batches come from a generator seeded with `seed`, and there is no dropout.
 - The loss covers the answer characters and the end-of-sequence token only, so the policy learns
   to stop; prompts are never trained on.
 - The output directory gets config.json, generation_config.json (neutral: no sampling defaults),
@@ -23,9 +24,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -40,7 +44,7 @@ class TinyConfig:
     """Architecture of the tiny policy (part of the cache key of a built model)."""
 
     hidden_size: int = 128
-    intermediate_size: int = 512
+    intermediate_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
     head_dim: int = 64
@@ -49,11 +53,15 @@ class TinyConfig:
 
 @dataclass(frozen=True)
 class WarmStart:
-    """Supervised warm-start schedule (part of the cache key of a built model)."""
+    """Supervised warm-start schedule (part of the cache key of a built model).
 
-    steps: int = 300
-    batch_size: int = 128
-    lr: float = 2e-3
+    The defaults, on 20 000 `builtin:arith` examples, give about 39 % held-out greedy accuracy
+    (easy levels learnt, carries and precedence mostly not: room for RL) in ~45 s on one CPU thread.
+    """
+
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 1e-3
     warmup_steps: int = 20
     final_lr_fraction: float = 0.1  # cosine decay from lr to lr * this over the steps
     weight_decay: float = 0.0
@@ -96,22 +104,24 @@ def _encode_examples(
     tokenizer: PreTrainedTokenizerFast, examples: list[tuple[str, str]], max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, attention_mask, labels (-100 outside answer + eos), right-padded to one length."""
+    prompts = tokenizer([p for p, _ in examples])["input_ids"]  # <bos> + prompt characters
+    answers = tokenizer([a for _, a in examples], add_special_tokens=False)["input_ids"]
     rows, label_rows = [], []
-    for i, (prompt, answer) in enumerate(examples):
-        p = tokenizer(prompt)["input_ids"]  # <bos> + prompt characters
-        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        a = a + [tokenizer.eos_token_id]
         if len(p) + len(a) > max_len:
             raise ValueError(f"warm-start example {i} is {len(p) + len(a)} tokens, over {max_len}")
         rows.append(p + a)
         label_rows.append([-100] * len(p) + a)
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = np.full((len(rows), width), tokenizer.pad_token_id, dtype=np.int64)
+    labels = np.full((len(rows), width), -100, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, (r, lab) in enumerate(zip(rows, label_rows)):
-        ids[i, : len(r)] = torch.tensor(r)
-        labels[i, : len(lab)] = torch.tensor(lab)
+        ids[i, : len(r)] = r
+        labels[i, : len(lab)] = lab
         mask[i, : len(r)] = 1
+    ids, mask, labels = torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(labels)
     return ids, mask, labels
 
 
@@ -133,12 +143,28 @@ def build_tiny(
     arch: TinyConfig = TinyConfig(),
     schedule: WarmStart = WarmStart(),
     log_every: int = 0,
+    callback: Callable[[int, LlamaForCausalLM], None] | None = None,
+    threads: int | None = 1,
 ) -> dict:
     """Build, warm-start on `examples` and save the tiny policy into `out_dir`; return metrics.
 
     `steps` overrides `schedule.steps` (0 saves the untrained initialisation). Batches are drawn
-    with replacement from `examples`, so any number of examples works.
+    with replacement from `examples`, so any number of examples works. `threads` caps torch's
+    intra-op threads during training (restored afterwards): at this model size one thread is
+    nearly as fast as two on an idle machine, and an order of magnitude faster on a busy one,
+    where OpenMP threads spin against other processes. None leaves torch's setting alone.
     """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _build(out_dir, examples, steps, seed, arch, schedule, log_every, callback)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _build(out_dir, examples, steps, seed, arch, schedule, log_every, callback) -> dict:
+    """build_tiny's body, run under the chosen thread count."""
     if not examples:
         raise ValueError("build_tiny needs at least one (prompt, answer) example")
     steps = schedule.steps if steps is None else steps
@@ -173,7 +199,9 @@ def build_tiny(
         sched.step()
         loss_value = float(out.loss.detach())
         if log_every and (step + 1) % log_every == 0:
-            print(f"  warm start step {step + 1}/{steps} loss {loss_value:.4f}", flush=True)
+            print(f"  warm start step {step + 1}/{steps} loss {loss_value:.4f}", file=sys.stderr, flush=True)
+        if callback is not None:
+            callback(step + 1, model)  # e.g. a periodic evaluation; must restore model.train()
     model.eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)

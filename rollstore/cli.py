@@ -17,6 +17,11 @@ from rich.console import Console
 
 from storage.errors import RollstoreError
 
+# transformers' own progress bars and notices would interleave with ours on stderr.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.")
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

@@ -1,0 +1,145 @@
+"""transformers backend: batched `generate` on a local model directory (CPU or one GPU).
+
+Invariants (on top of the contract in `rollout.backends`):
+- Prompts are left-padded and the attention mask is the prompt mask followed by ones, so each
+  sampled sequence sees exactly what a separate forward pass over prompt + response sees.
+- The model's own generation_config (a Hub checkpoint's temperature, top_k, repetition penalty)
+  never leaks in: sampling uses exactly the arguments given, with top_k disabled.
+- Log-probs are recorded by a logits processor that runs before the temperature/top-p warpers and
+  keeps one [batch, vocab] row at a time: memory is O(batch × vocab), never O(batch × steps × vocab).
+- The torch RNG is seeded with `seed` inside `fork_rng`, so the caller's RNG state is untouched
+  and the same call gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from . import (
+    Generation,
+    check_sampling,
+    cut_at_first_eos,
+    eos_token_ids,
+    finalize_logprobs,
+    load_tokenizer,
+)
+
+
+class _SampledTokenLogprobs(LogitsProcessor):
+    """Records log_softmax(raw logits / T) of each sampled token, one step behind the sampler."""
+
+    def __init__(self, temperature: float, prompt_width: int):
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.prompt_width = prompt_width
+        self.prev: torch.Tensor | None = None
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prev is not None:  # the token sampled from the previous row is input_ids[:, -1]
+            self.values.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+        logits = scores.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        self.prev = torch.log_softmax(logits, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[batch, new_tokens] log-probs aligned with sequences[:, prompt_width:]."""
+        new = sequences.shape[1] - self.prompt_width
+        if len(self.values) < new and self.prev is not None:
+            last = sequences[:, self.prompt_width + len(self.values)].unsqueeze(1)
+            self.values.append(self.prev.gather(1, last).squeeze(1))
+        if new == 0:
+            return torch.zeros((sequences.shape[0], 0))
+        return torch.stack(self.values[:new], dim=1)
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        dtype: str | torch.dtype | None = None,
+        batch_size: int = 512,
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.load_weights(model_dir)
+
+    def load_weights(self, model_dir: str) -> None:
+        dtype = self.dtype or (torch.float32 if self.device.type == "cpu" else "auto")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_ids = eos_token_ids(model.generation_config, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id
+        )
+        self.model = model.to(self.device).eval()
+        self.model_dir = model_dir
+
+    def _generation_config(self, max_new_tokens: int, temperature: float, top_p: float) -> GenerationConfig:
+        common = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            num_beams=1,
+            repetition_penalty=1.0,
+            use_cache=True,
+        )
+        if temperature == 0:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, **common)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[str],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[Generation]]:
+        check_sampling(group_size, max_new_tokens, temperature, top_p)
+        prompt_ids = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+        rows = [(i, k) for i in range(len(prompts)) for k in range(group_size)]
+        out: list[list[Generation]] = [[] for _ in prompts]
+        config = self._generation_config(max_new_tokens, temperature, top_p)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start : start + self.batch_size]
+                for (i, _), (tokens, lps, reason) in zip(
+                    chunk, self._generate_batch([prompt_ids[i] for i, _ in chunk], config, temperature)
+                ):
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    out[i].append(Generation(prompt_ids[i], tokens, text, lps, reason))
+        return out
+
+    def _generate_batch(self, batch_ids: list[list[int]], config: GenerationConfig, temperature: float):
+        width = max(len(p) for p in batch_ids)
+        input_ids = torch.full((len(batch_ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch_ids), width), dtype=torch.long)
+        for r, p in enumerate(batch_ids):  # left padding
+            input_ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p) :] = 1
+        recorder = _SampledTokenLogprobs(temperature, width)
+        sequences = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+        logprobs = recorder.finish(sequences).cpu().numpy()
+        new_tokens = sequences[:, width:].cpu().tolist()
+        max_new = config.max_new_tokens
+        for r in range(len(batch_ids)):
+            tokens, lps, reason = cut_at_first_eos(new_tokens[r], logprobs[r], self.eos_ids, max_new)
+            yield tokens, finalize_logprobs(lps), reason

@@ -296,11 +296,12 @@ def demo(
     buffer: str = typer.Argument("demo-buffer", help="Where to put the demo buffer (replaced if it is a previous demo's)."),
     iterations: int = typer.Option(20, "--iterations", "-k"),
     recipe: str = typer.Option("d3s", "--recipe"),
+    model: str = typer.Option("builtin:tiny", "--model"),
 ):
     """The loop on builtin:tiny + builtin:arith with the d3s recipe, in a few minutes on a CPU."""
     from rollstore.demo import run_demo
 
-    run_demo(buffer, iterations, recipe, out)
+    run_demo(buffer, iterations, recipe, out, model=model)
 
 
 @app.command()

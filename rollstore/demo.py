@@ -40,10 +40,10 @@ def prepare(path: str) -> None:
     open(os.path.join(path, MARKER), "w").close()
 
 
-def run_demo(path: str, iterations: int, recipe: str, console: Console) -> dict:
+def run_demo(path: str, iterations: int, recipe: str, console: Console, model: str = "builtin:tiny") -> dict:
     prepare(path)
     t0 = time.perf_counter()
-    cfg = LoopConfig(buffer=path, recipe=recipe, iterations=iterations, eval_every=5, run_id="demo")
+    cfg = LoopConfig(buffer=path, model=model, recipe=recipe, iterations=iterations, eval_every=5, run_id="demo")
     summary = run_with_display(cfg, console)
     wall = time.perf_counter() - t0
     evals = summary["evals"]

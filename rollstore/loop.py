@@ -44,7 +44,7 @@ class LoopConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     loss: str = "grpo"
-    lr: float = 2e-4
+    lr: float = 2e-5
     warmup_steps: int = 0
     epochs: int = 1
     micro_batch_size: int = 64

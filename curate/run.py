@@ -32,7 +32,7 @@ from storage.shardio import ROW_GROUP_BYTES
 from storage.snapshot import sql_string
 
 from .custom import apply_custom_recipe
-from .params import ParamError, Params, Recipe, budget, resolve, token_budget
+from .params import ParamError, Params, Recipe, resolve, token_budget
 
 FILL_ENTROPIES = "`rollstore generate` fills entropies (learner scoring) when it writes rollouts"
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
@@ -63,14 +63,14 @@ class _Stages:
         self.text: list[str] = []
 
     def run(self, name: str, params: dict | None = None, **subs: str):
-        sql, args = self._prepare(name, params, subs)
+        sql, args = self.prepare(name, params, subs)
         return self.session.execute(sql, args if args else None)
 
     def table(self, name: str, params: dict | None = None, **subs: str) -> pa.Table:
-        sql, args = self._prepare(name, params, subs)
+        sql, args = self.prepare(name, params, subs)
         return self.session.con.sql(sql, params=args or None).to_arrow_table()
 
-    def _prepare(self, name: str, params: dict | None, subs: dict[str, str]) -> tuple[str, dict]:
+    def prepare(self, name: str, params: dict | None, subs: dict[str, str]) -> tuple[str, dict]:
         sql = load_sql(name)
         for key, value in subs.items():
             sql = sql.replace("{" + key + "}", value)
@@ -253,10 +253,10 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
         "thr_pos": threshold[2] if threshold else 0,
     }
     mask_score = _score_expr(token, "h", "w.advantage_final")
-    materialise_sql, _ = stages._prepare("curate_materialise", mask_params, {"score": mask_score})
+    materialise_sql, _ = stages.prepare("curate_materialise", mask_params, {"score": mask_score})
     stages.text.append(materialise_sql)
     for name in ("curate_audit", "curate_record"):
-        stages.text.append(stages._prepare(name, {"pods": False, "curation_id": ""}, {})[0])
+        stages.text.append(stages.prepare(name, {"pods": False, "curation_id": ""}, {})[0])
     sql_sha = stages.sha256()
     params_json = params.to_json()
     curation_id = curation_id_for(snap.seq, recipe.name, params_json, sql_sha)

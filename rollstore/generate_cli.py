@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from storage.buffer import Buffer
+from storage.snapshot import sql_string
 
 
 def _next_step(buf: Buffer, run_id: str) -> int:
@@ -61,7 +62,7 @@ def run_generate(buffer, prompts_ref, model, backend_name, group_size, num_promp
                 from curate.params import load_recipe
                 from curate.run import curate
 
-                cur = curate(buf, load_recipe(recipe), {**(sets or {}), "where": f"run_id = '{run_id}' AND step = {step}",
+                cur = curate(buf, load_recipe(recipe), {**(sets or {}), "where": f"run_id = {sql_string(run_id)} AND step = {step}",
                                                         "progress": str(i / steps),
                                                         "max_policy_lag": str(max_policy_lag)})
                 err.print(f"step {step}: curation {cur.curation_id} kept {cur.record['n_selected']} samples",

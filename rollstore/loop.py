@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import pyarrow as pa
 from curate.params import load_recipe, resolve
 from curate.run import CurationResult, curate
 from storage.buffer import Buffer
-from storage.errors import RollstoreError
+from storage.snapshot import sql_string
 
 
 @dataclass
@@ -190,7 +189,7 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
                     if batches >= cfg.max_gen_batches:
                         note = f"only {sum(_surviving_groups(t) for t in generated)} groups survived after {batches} batches"
                         break
-            where = f"run_id = '{run_id}' AND step = {it}"
+            where = f"run_id = {sql_string(run_id)} AND step = {it}"
             cur: CurationResult = curate(
                 buf, recipe, {**sets, "where": where, "progress": str(it / cfg.iterations)},
             )

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curate.params import ParamError, load_recipe
-from curate.run import CurationError, curate
+from curate.run import curate
 from rollstore.synthetic import rollouts_table
 from storage.buffer import Buffer
 

@@ -50,6 +50,15 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
+CPU_MEMORY_FRACTION = 0.25
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class VLLMBackend:
     name = "vllm"
 
@@ -60,6 +69,10 @@ class VLLMBackend:
         self._vllm = _import_vllm()
         self.dtype = dtype
         self.engine_kwargs = dict(engine_kwargs)
+        if not _has_cuda():
+            # On the CPU build this fraction is of host memory (KV cache); vLLM's 0.92 default
+            # exceeds what a shared machine has free.
+            self.engine_kwargs.setdefault("gpu_memory_utilization", CPU_MEMORY_FRACTION)
         self.llm = None
         self._build(model_dir)
 

@@ -1,10 +1,19 @@
-"""Curation speed and memory against the scan floor, side by side in one run.
+"""Curation speed and memory against the scan floor and an in-memory reference, side by side.
 
-For a generated buffer of N tokens, each measurement runs in a fresh child process (so peak RSS is
-its own): (a) the floor — one DuckDB scan over the same columns computing the same |A|·H token
-scores (advantages from a group-by) without selecting anything; (b) `rollstore curate` with the
-given recipe over the whole buffer (`where = true`). Prints a table and appends it to
-bench/RESULTS.md with the machine, versions and command.
+For a generated buffer of N tokens, each measurement runs in a fresh child process (so its peak
+RSS is its own):
+
+- **floor** — one DuckDB scan over the same columns computing the same |A|·H token scores
+  (advantages from a group-by) without selecting anything: what any engine must at least pay;
+- **in-memory reference** (`bench/inmemory.py`) — the trainer's way: pyarrow loads the batch into
+  memory, numpy computes advantages, filter/amplification, the max-variance top-M (sort + prefix
+  sums) and the top-κ tokens (`np.partition`), and keeps the training batch in memory;
+- **rollstore curate** — the recipe over the whole buffer (`where = true`), committing curated
+  shards, one audit row per candidate and the record.
+
+Reports seconds (best of `--repeat`), both ratios, tokens per second, peak RSS, the agreement of
+the reference with rollstore (same selected rollouts, same tokens kept per rollout, advantages)
+and where rollstore's time goes, stage by stage.
 
     python -m bench.curation --tokens 10_000_000 --recipes d3s da3po --memory-limit 1GB
 """
@@ -12,134 +21,275 @@ bench/RESULTS.md with the machine, versions and command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import resource
-import subprocess
-import sys
+import shutil
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from bench import common
 
 FLOOR_SQL = """
 WITH adv AS (
     SELECT rollout_id, entropies,
            (reward - avg(reward) OVER g) / (stddev_samp(reward) OVER g + 1e-6) AS a
-    FROM rollouts WINDOW g AS (PARTITION BY group_id)
+    FROM rollouts WHERE ({where}) WINDOW g AS (PARTITION BY group_id)
 )
 SELECT count(*), sum(abs(a) * h) FROM (SELECT a, unnest(entropies) AS h FROM adv)
 """
 
 
-def build(root: str, tokens: int, seed: int = 0, mean_tokens: int = 256, group_size: int = 8) -> dict:
-    from rollstore.synthetic import rollouts_table
+# ---------------------------------------------------------------------------------------------
+# children (one measurement per fresh process)
+# ---------------------------------------------------------------------------------------------
+
+class StageClock:
+    """Wall time per curation stage: the named SQL stages, the threshold passes, materialise+commit."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, label=None):
+        original = getattr(owner, attr)
+        clock = self
+
+        def timed(*args, **kwargs):
+            name = label(args) if label else attr
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def install(self):
+        import curate.run as run
+        from storage.buffer import Buffer
+
+        self.wrap(run._Stages, "run", lambda a: a[1])
+        self.wrap(run._Stages, "table", lambda a: a[1])
+        self.wrap(run, "_threshold", lambda a: "token threshold (2 passes)")
+        self.wrap(Buffer, "commit", lambda a: "materialise + write + commit")
+
+
+def child_floor(root: str, memory_limit: str, where: str) -> dict:
+    from queries.session import Session
     from storage.buffer import Buffer
 
-    buf = Buffer.init(root)
-    per_step_groups = 500
-    total, step = 0, 0
-    while total < tokens:
-        table = rollouts_table(n_groups=per_step_groups, group_size=group_size, mean_tokens=mean_tokens,
-                               seed=seed, step=step, policy_version=step // 4, n_prompts=2000)
-        shard = buf.append_rollouts(table, f"bench-step-{step}")
-        total += shard.tokens
-        step += 1
-    buf.close()
-    return describe(root)
-
-
-def describe(root: str) -> dict:
-    from storage.buffer import Buffer
-
-    with Buffer.open(root) as buf:
-        shards = buf.snapshot().shards("rollouts")
-    return {"tokens": sum(s.tokens for s in shards), "rows": sum(s.rows for s in shards), "shards": len(shards),
-            "bytes": sum(s.bytes for s in shards)}
-
-
-def child(kind: str, root: str, recipe: str, memory_limit: str, progress: str) -> dict:
+    base = common.rss_mib()
     t0 = time.perf_counter()
-    if kind == "floor":
-        from queries.session import Session
-        from storage.buffer import Buffer
+    with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap, memory_limit) as s:
+        n = s.one(FLOOR_SQL.format(where=where))[0]
+    return {"seconds": time.perf_counter() - t0, "baseline_rss_mib": base, "scored_tokens": int(n)}
 
-        with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap, memory_limit) as s:
-            s.one(FLOOR_SQL)
-        out = {}
-    else:
-        from curate.params import load_recipe
-        from curate.run import curate
-        from storage.buffer import Buffer
 
+def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where: str, out: str | None,
+                 prof: bool) -> dict:
+    from curate.params import load_recipe
+    from curate.run import curate
+    from storage.buffer import Buffer
+
+    clock = StageClock()
+    clock.install()
+    base = common.rss_mib()
+
+    def go():
         with Buffer.open(root) as buf:
-            r = curate(buf, load_recipe(recipe), {"where": "true", "progress": progress}, memory_limit=memory_limit)
-        out = {"n_selected": r.record["n_selected"], "tokens_kept": r.record["tokens_kept"]}
-    out["seconds"] = time.perf_counter() - t0
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return out
+            return curate(buf, load_recipe(recipe), {"where": where, "progress": progress}, memory_limit=memory_limit)
+
+    t0 = time.perf_counter()
+    if prof:
+        r, top = common.profile(go)
+    else:
+        r, top = go(), None
+    seconds = time.perf_counter() - t0
+    res = {"seconds": seconds, "baseline_rss_mib": base, "n_selected": r.record["n_selected"],
+           "tokens_kept": r.record["tokens_kept"], "tokens_candidate": r.record["tokens_candidate"],
+           "stages": clock.seconds, "profile": top, "peak_rss_mib": common.peak_rss_mib()}
+    if out and r.audit is not None:
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        sel = r.audit.filter(r.audit["selected"])
+        pq.write_table(sel.select(["rollout_id", "tokens_kept", "advantage_final"]).rename_columns(
+            ["rollout_id", "tokens_kept", "advantage"]).sort_by("rollout_id"), out)
+        assert pc.sum(sel["tokens_kept"]).as_py() == r.record["tokens_kept"]
+    return res
 
 
-def run_child(kind: str, root: str, recipe: str, memory_limit: str, progress: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.curation", "--child", kind, "--root", root, "--recipe-one", recipe,
-           "--memory-limit", memory_limit, "--progress", progress]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if res.returncode != 0:
-        raise SystemExit(f"child {kind} failed: {res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def child_reference(root: str, recipe: str, progress: str, out: str | None, prof: bool) -> dict:
+    from fractions import Fraction
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bench.inmemory import RECIPES, curate_in_memory
+
+    files = common.rollout_files(root)
+    spec = RECIPES[recipe](Fraction(progress))
+    base = common.rss_mib()
+    t0 = time.perf_counter()
+    if prof:
+        r, top = common.profile(lambda: curate_in_memory(files, spec))
+    else:
+        r, top = curate_in_memory(files, spec), None
+    seconds = time.perf_counter() - t0
+    res = {"seconds": seconds, "load_seconds": r["load_seconds"], "baseline_rss_mib": base,
+           "n_selected": r["batch"].num_rows, "tokens_kept": int(r["tokens_kept"].sum()),
+           "profile": top, "peak_rss_mib": common.peak_rss_mib()}
+    if out:
+        b = r["batch"]
+        pq.write_table(pa.table({"rollout_id": b["rollout_id"], "tokens_kept": pa.array(r["tokens_kept"], pa.int32()),
+                                 "advantage": b["advantage"]}).sort_by("rollout_id"), out)
+    return res
 
 
-def versions() -> str:
-    import duckdb
-    import pyarrow
+def run_one(kind: str, root: str, recipe: str = "", memory_limit: str = "1GB", progress: str = "0",
+            where: str = "true", out: str | None = None, profile: bool = False) -> dict:
+    args = ["--child", kind, "--root", root, "--recipe-one", recipe or "d3s", "--memory-limit", memory_limit,
+            "--progress", progress, "--where", where]
+    if out:
+        args += ["--out", out]
+    if profile:
+        args += ["--profile"]
+    return common.run_child("bench.curation", args)
 
-    return f"python {platform.python_version()}, duckdb {duckdb.__version__}, pyarrow {pyarrow.__version__}"
+
+# ---------------------------------------------------------------------------------------------
+# agreement of the reference with rollstore
+# ---------------------------------------------------------------------------------------------
+
+def agreement(rollstore_out: str, reference_out: str) -> dict:
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    a = pq.read_table(rollstore_out)
+    b = pq.read_table(reference_out)
+    ids_a, ids_b = set(a["rollout_id"].to_pylist()), set(b["rollout_id"].to_pylist())
+    same_rows = ids_a == ids_b
+    common_ids = a.join(b, "rollout_id", right_suffix="_ref")
+    ka = common_ids["tokens_kept"].to_numpy()
+    kb = common_ids["tokens_kept_ref"].to_numpy()
+    da = np.abs(common_ids["advantage"].to_numpy().astype(np.float64)
+                - common_ids["advantage_ref"].to_numpy().astype(np.float64))
+    return {"selected": (len(ids_a), len(ids_b)), "same_rollouts": same_rows,
+            "only_one_side": len(ids_a ^ ids_b),
+            "tokens_kept": (int(a["tokens_kept"].to_numpy().sum()), int(b["tokens_kept"].to_numpy().sum())),
+            "rows_same_tokens_kept": float((ka == kb).mean()) if len(ka) else 1.0,
+            "max_abs_adv_diff": float(da.max()) if len(da) else 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# the measurement and its section
+# ---------------------------------------------------------------------------------------------
+
+def measure(root: str, recipes, memory_limit: str = "1GB", progress: str = "0", repeat: int = 1,
+            workdir: str | None = None) -> dict:
+    workdir = workdir or tempfile.mkdtemp(prefix="rs-bench-cmp-")
+    info = common.describe(root)
+    floor = common.best_of(lambda: run_one("floor", root, memory_limit=memory_limit), repeat)
+    per = {}
+    for recipe in recipes:
+        rs_out, ref_out = os.path.join(workdir, f"{recipe}-rollstore.parquet"), os.path.join(workdir, f"{recipe}-ref.parquet")
+        rs = common.best_of(lambda: run_one("curate", root, recipe, memory_limit, progress, out=rs_out), repeat)
+        ref = common.best_of(lambda: run_one("reference", root, recipe, memory_limit, progress, out=ref_out), repeat)
+        per[recipe] = {"rollstore": rs, "reference": ref, "agreement": agreement(rs_out, ref_out)}
+    return {"info": info, "floor": floor, "recipes": per, "memory_limit": memory_limit, "progress": progress,
+            "repeat": repeat}
+
+
+def ratios(m: dict) -> dict:
+    """recipe -> (× floor, × in-memory) of rollstore's time."""
+    return {r: (v["rollstore"]["seconds"] / m["floor"]["seconds"], v["rollstore"]["seconds"] / v["reference"]["seconds"])
+            for r, v in m["recipes"].items()}
+
+
+def tables(m: dict) -> str:
+    info, floor = m["info"], m["floor"]
+    tokens = info["tokens"]
+    rows = [["scan floor (one DuckDB scan: same columns, \\|A\\|·H, no selection)", floor["seconds"], 1.0, None,
+             tokens / floor["seconds"] / 1e6, floor["peak_rss_mib"], None, None]]
+    for recipe, v in m["recipes"].items():
+        rs, ref = v["rollstore"], v["reference"]
+        rows.append([f"{recipe}: in-memory reference (numpy; load {ref['load_seconds']:.2f} s of it)", ref["seconds"],
+                     ref["seconds"] / floor["seconds"], 1.0, tokens / ref["seconds"] / 1e6, ref["peak_rss_mib"],
+                     ref["n_selected"], ref["tokens_kept"]])
+        rows.append([f"**{recipe}: rollstore curate**", rs["seconds"], rs["seconds"] / floor["seconds"],
+                     rs["seconds"] / ref["seconds"], tokens / rs["seconds"] / 1e6, rs["peak_rss_mib"],
+                     rs["n_selected"], rs["tokens_kept"]])
+    out = [common.md_table(["run", "seconds", "× floor", "× in-memory", "Mtokens/s", "peak RSS (MiB)", "selected",
+                            "tokens kept"], rows)]
+    out.append("")
+    out.append("Agreement of the in-memory reference with rollstore (selected rollouts, tokens kept per rollout, "
+               "final advantages):")
+    out.append("")
+    agr = []
+    for recipe, v in m["recipes"].items():
+        a = v["agreement"]
+        agr.append([recipe, f"{a['selected'][0]:,} / {a['selected'][1]:,}", a["same_rollouts"],
+                    f"{a['tokens_kept'][0]:,} / {a['tokens_kept'][1]:,}", f"{100 * a['rows_same_tokens_kept']:.3f} %",
+                    f"{a['max_abs_adv_diff']:.2e}"])
+    out.append(common.md_table(["recipe", "selected (rollstore / ref)", "same rollouts", "tokens kept (rollstore / ref)",
+                                "rows with equal tokens kept", "max \\|ΔA\\|"], agr))
+    out.append("")
+    out.append("Where rollstore's time goes (stage wall time inside the curate call, best run):")
+    out.append("")
+    names = []
+    for v in m["recipes"].values():
+        for k in v["rollstore"]["stages"]:
+            if k not in names:
+                names.append(k)
+    srows = []
+    for name in names:
+        srows.append([name] + [v["rollstore"]["stages"].get(name) for v in m["recipes"].values()])
+    srows.append(["other (snapshot, session, Python)"] + [
+        v["rollstore"]["seconds"] - sum(v["rollstore"]["stages"].values()) for v in m["recipes"].values()])
+    out.append(common.md_table(["stage"] + [f"{r} (s)" for r in m["recipes"]], srows))
+    return "\n".join(out)
+
+
+def section(m: dict, command: str | None = None, level: int = 3) -> str:
+    info = m["info"]
+    extra = [f"Buffer: {info['tokens']:,} response tokens, {info['rows']:,} rollouts in {info['shards']} shards, "
+             f"{info['bytes'] / 2**20:.1f} MiB on disk; DuckDB memory_limit {m['memory_limit']}; progress "
+             f"{m['progress']}; seconds are the best of {m['repeat']} fresh-process runs"]
+    return common.header("Curation vs scan floor and in-memory reference", command, extra, level) + "\n\n" + tables(m)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--shard-tokens", type=int, default=1_000_000)
     ap.add_argument("--recipes", nargs="+", default=["d3s", "da3po"])
     ap.add_argument("--memory-limit", default="1GB")
     ap.add_argument("--progress", default="0")
-    ap.add_argument("--root", default=None)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--root", default=None, help="reuse (or create) this buffer")
+    ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--child", default=None)
     ap.add_argument("--recipe-one", default="d3s")
-    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--where", default="true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
-    if a.child:
-        print(json.dumps(child(a.child, a.root, a.recipe_one, a.memory_limit, a.progress)))
-        return
+    if a.child == "floor":
+        return common.child_result(child_floor(a.root, a.memory_limit, a.where))
+    if a.child == "curate":
+        return common.child_result(child_curate(a.root, a.recipe_one, a.memory_limit, a.progress, a.where, a.out,
+                                                a.profile))
+    if a.child == "reference":
+        return common.child_result(child_reference(a.root, a.recipe_one, a.progress, a.out, a.profile))
     root = a.root or tempfile.mkdtemp(prefix="rs-bench-")
-    info = build(root, a.tokens) if not os.path.exists(os.path.join(root, "manifest.sqlite")) else describe(root)
-    floor = run_child("floor", root, "", a.memory_limit, a.progress)
-    rows = [("scan floor (DuckDB, same columns, \\|A\\|·H)", floor, 1.0)]
-    for recipe in a.recipes:
-        r = run_child("curate", root, recipe, a.memory_limit, a.progress)
-        rows.append((f"rollstore curate {recipe} (progress {a.progress})", r, r["seconds"] / floor["seconds"]))
-    tokens = info.get("tokens", a.tokens)
-    lines = [
-        f"### Curation vs scan floor — {time.strftime('%Y-%m-%d')}",
-        "",
-        f"Command: `python -m bench.curation --tokens {a.tokens} --recipes {' '.join(a.recipes)} "
-        f"--memory-limit {a.memory_limit} --progress {a.progress}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {versions()}  ",
-        f"Buffer: {tokens:,} tokens, {info.get('rows', '?')} rollouts in {info.get('shards', '?')} shards, "
-        f"{info.get('bytes', 0) / 2**20:.1f} MiB on disk; DuckDB memory_limit {a.memory_limit}",
-        "",
-        "| run | seconds | × floor | Mtokens/s | peak RSS (MiB) | selected | tokens kept |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r, ratio in rows:
-        lines.append(f"| {name} | {r['seconds']:.2f} | {ratio:.2f} | {tokens / r['seconds'] / 1e6:.2f} | "
-                     f"{r['peak_rss_mb']:.0f} | {r.get('n_selected', '')} | {r.get('tokens_kept', '')} |")
-    text = "\n".join(lines) + "\n"
+    try:
+        common.build_buffer(root, a.tokens, a.shard_tokens)
+        m = measure(root, a.recipes, a.memory_limit, a.progress, a.repeat)
+    finally:
+        if not a.root:
+            shutil.rmtree(root, ignore_errors=True)
+    text = section(m)
     print(text)
     if not a.no_record:
-        with open(os.path.join(HERE, "RESULTS.md"), "a", encoding="utf-8") as fh:
-            fh.write("\n" + text)
+        common.append_results(text)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,23 @@ def audit(
 
 @app.command()
 @guarded
+def report(
+    buffer: str,
+    out_file: str = typer.Option(..., "--out", "-o", help="The HTML file to write (replaced atomically)."),
+    curation: Optional[str] = typer.Option(None, "--curation", help="Scope the candidate-level sections to this curation (default: all)."),
+    snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to report (default: latest)."),
+):
+    """One self-contained HTML report (charts, token views, the SQL behind each) of a buffer."""
+    from rollstore.report import build_report
+
+    with open_buffer(buffer) as buf:
+        info = build_report(buf, out_file, curation_id=curation, snapshot=snapshot)
+    out.print(f"wrote {info.path} ({info.bytes / 1024:.0f} KiB, snapshot {info.snapshot_seq}, "
+              f"{info.seconds:.2f} s)", highlight=False)
+
+
+@app.command()
+@guarded
 def generate(
     buffer: str,
     prompts: str = typer.Option("builtin:arith", "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),

@@ -1,0 +1,52 @@
+-- Report, tokens: a handful of candidates of the curations in scope ($curation_id, or every
+-- curation when NULL), with their tokens: up to 6 selected rows (partly pruned ones first) and up
+-- to 6 rejected ones taken in turn from each reason; within a reason the order is md5 of
+-- (curation_id, rollout_id), so the same snapshot always shows the same rollouts. Each token's
+-- score is |advantage_final|·H (null when the row has no advantage or no entropies) and `kept` is
+-- the curated loss mask (all false for rejected rows). At most 400 tokens of a response are shown.
+WITH scoped AS (
+    SELECT * FROM selections
+    WHERE $curation_id IS NULL OR curation_id = $curation_id
+),
+ranked AS (
+    SELECT
+        *,
+        row_number() OVER (
+            PARTITION BY selected, CASE WHEN selected THEN '' ELSE reason END
+            ORDER BY (selected AND tokens_kept > 0 AND tokens_kept < tokens_total) DESC,
+                     md5(curation_id || '/' || rollout_id)
+        ) AS rank_in_reason
+    FROM scoped
+),
+picks AS (
+    (SELECT * FROM ranked WHERE selected ORDER BY rank_in_reason LIMIT 6)
+    UNION ALL
+    (SELECT * FROM ranked WHERE NOT selected ORDER BY rank_in_reason, reason LIMIT 6)
+)
+SELECT
+    p.curation_id,
+    p.rollout_id,
+    p.selected,
+    p.reason,
+    p.group_accuracy,
+    p.difficulty,
+    p.advantage_raw,
+    p.amplification,
+    p.advantage_final,
+    p.tokens_total,
+    p.tokens_kept,
+    r.prompt,
+    r.response,
+    r.correct,
+    r.reward,
+    r.finish_reason,
+    list_slice(r.response_token_ids, 1, 400)                                     AS token_ids,
+    list_slice(r.entropies, 1, 400)                                              AS entropies,
+    list_transform(list_slice(r.entropies, 1, 400),
+                   lambda h: abs(p.advantage_final::DOUBLE) * h::DOUBLE)         AS scores,
+    list_slice(coalesce(c.loss_mask,
+                        list_transform(r.response_token_ids, lambda t: false)), 1, 400) AS kept
+FROM picks p
+JOIN rollouts r USING (rollout_id)
+LEFT JOIN curated c ON c.curation_id = p.curation_id AND c.rollout_id = p.rollout_id
+ORDER BY p.selected DESC, p.rank_in_reason, p.reason;

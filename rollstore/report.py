@@ -1,0 +1,524 @@
+"""`rollstore report`: one self-contained HTML page of a buffer, built from the audit and training tables.
+
+Invariants:
+- Every number on the page is a value returned by one of the queries in `queries/report_*.sql`, run
+  over ONE pinned snapshot. Beside each chart the page prints the exact SQL text that ran (its one
+  parameter, `$curation_id`, bound as a literal, so the text runs as is with `rollstore sql`) and
+  embeds that query's result as JSON (`<script type="application/json" id="data-report_…">`).
+- The page loads nothing from anywhere: inline CSS, inline SVG charts and one inline script (which
+  only records that the sections rendered, and any script error, as attributes of `<html>`). It
+  opens offline.
+- Its size does not grow with the number of rollouts: per-token views are a fixed sample (at most
+  12 rollouts × 400 tokens, chosen in SQL); everything else is aggregated in SQL (per policy
+  version, step, curation, band, histogram bin). Long per-step tables are cut in the page (the JSON
+  block keeps every row).
+- `--curation ID` scopes the candidate-level sections (bands, advantages, tokens); the accuracy,
+  curation timeline and training sections always cover the whole snapshot.
+- The output file appears atomically (written beside its target, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from html import escape
+
+from queries import load_sql
+from queries.session import Session
+from rollstore.output import _jsonable
+from rollstore.report_svg import (
+    PALETTE,
+    Series,
+    fmt,
+    grouped_hbars,
+    histogram,
+    line_chart,
+    stacked_bars,
+)
+from storage.buffer import Buffer
+from storage.errors import RollstoreError
+from storage.snapshot import sql_string
+
+# (section id, heading): the page's sections, in order.
+SECTIONS = [
+    ("overview", "Buffer"),
+    ("accuracy", "Accuracy and reward"),
+    ("curations", "Curations"),
+    ("bands", "Keep rate by difficulty band"),
+    ("advantages", "Advantages before and after amplification and selection"),
+    ("tokens", "Selected and rejected rollouts, token by token"),
+    ("training", "Training"),
+]
+
+# Query files (queries/<name>.sql) the report runs, in order.
+QUERIES = [
+    "report_overview",
+    "report_accuracy_by_version",
+    "report_accuracy_by_step",
+    "report_evaluations",
+    "report_curations",
+    "report_bands",
+    "report_advantages",
+    "report_advantage_stats",
+    "report_tokens",
+    "report_training",
+]
+
+REASON_COLORS = {
+    "selected": "#009E73",
+    "not_selected": "#E69F00",
+    "zero_variance": "#9a9a9a",
+    "invalid": "#D55E00",
+    "truncated": "#CC79A7",
+    "stale": "#0072B2",
+    "reused": "#56B4E9",
+}
+SERIES_COLORS = {"raw": "#7f7f7f", "pool": "#0072B2", "selected": "#009E73"}
+MAX_TABLE_ROWS = 200
+
+
+@dataclass
+class Result:
+    name: str
+    sql: str  # the exact text that ran
+    rows: list[dict]
+
+
+@dataclass
+class ReportInfo:
+    path: str
+    bytes: int
+    seconds: float
+    snapshot_seq: int
+    curation_id: str | None
+
+
+def bind(sql: str, params: dict) -> str:
+    """`sql` with each `$name` replaced by the SQL literal of params[name] (NULL for None)."""
+
+    def literal(m: re.Match) -> str:
+        v = params[m.group(1)]
+        if v is None:
+            return "NULL"
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return repr(v)
+        return sql_string(str(v))
+
+    return re.sub(r"\$([A-Za-z_][A-Za-z0-9_]*)", literal, sql)
+
+
+def run_query(session: Session, name: str, curation_id: str | None) -> Result:
+    sql = bind(load_sql(name), {"curation_id": curation_id})
+    rows = [_jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
+    return Result(name, sql, rows)
+
+
+def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
+    if session.one("SELECT count(*) FROM rollouts")[0] == 0:
+        raise RollstoreError(f"{session.root}: the buffer has no rollouts: nothing to report "
+                             "(append some with `rollstore generate` or `rollstore import`)")
+    if curation_id is not None and session.one(
+            "SELECT count(*) FROM curations WHERE curation_id = $c", {"c": curation_id})[0] == 0:
+        n = session.one("SELECT count(*) FROM curations")[0]
+        raise RollstoreError(f"no curation {curation_id!r} in this buffer ({n} curations; "
+                             "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
+    return {name: run_query(session, name, curation_id) for name in QUERIES}
+
+
+# ---- tokens as text ---------------------------------------------------------------------------
+
+
+class TokenText:
+    """Token ids as text: the tokenizer of the newest checkpoint in the buffer when it has one,
+    else one character per token when the response text has that length (character-level
+    policies, as `rollstore audit --rollout` does), else `[id]`."""
+
+    def __init__(self, tokenizer=None, source: str | None = None):
+        self.tokenizer = tokenizer
+        self.source = source
+
+    @classmethod
+    def for_snapshot(cls, session: Session) -> TokenText:
+        from tokenizers import Tokenizer
+
+        rows = session.execute("SELECT path FROM checkpoints ORDER BY version DESC").fetchall()
+        for (path,) in rows:
+            file = os.path.join(session.root, path, "tokenizer.json")
+            if os.path.exists(file):
+                try:
+                    return cls(Tokenizer.from_file(file), os.path.join(path, "tokenizer.json"))
+                except Exception as exc:  # noqa: BLE001  (tokenizers raises plain Exception; it only costs decoding)
+                    warnings.warn(f"{file}: not readable ({exc}); tokens are shown without it", stacklevel=2)
+        return cls()
+
+    def pieces(self, response: str, token_ids: list[int], tokens_total: int) -> tuple[list[str], list[bool]]:
+        """(text of each token, whether it is a special/undecodable token shown by name or id)."""
+        if self.tokenizer is not None:
+            out, special = [], []
+            for t in token_ids:
+                text = self.tokenizer.decode([t], skip_special_tokens=False) if t >= 0 else ""
+                if not text:
+                    out.append(f"[{t}]")
+                    special.append(True)
+                else:
+                    is_special = self.tokenizer.decode([t], skip_special_tokens=True) == ""
+                    out.append(text)
+                    special.append(is_special)
+            return out, special
+        if len(response) in (tokens_total, tokens_total - 1):
+            return ([response[i] if i < len(response) else f"[{t}]" for i, t in enumerate(token_ids)],
+                    [i >= len(response) for i in range(len(token_ids))])
+        return [f"[{t}]" for t in token_ids], [True] * len(token_ids)
+
+
+# ---- HTML pieces ------------------------------------------------------------------------------
+
+
+def _json_block(result: Result) -> str:
+    text = json.dumps(result.rows, ensure_ascii=False, separators=(",", ":"))
+    text = text.replace("</", "<\\/")
+    return f'<script type="application/json" id="data-{result.name}">{text}</script>'
+
+
+def sql_block(result: Result) -> str:
+    return (f'<details class="sql"><summary>SQL: <code>queries/{result.name}.sql</code> '
+            f"({len(result.rows)} rows)</summary><pre>{escape(result.sql.strip())}</pre></details>"
+            + _json_block(result))
+
+
+def table(rows: list[dict], columns: list[str], *, highlight=None, limit: int = MAX_TABLE_ROWS,
+          name: str = "") -> str:
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = []
+    for r in rows[:limit]:
+        cls = ' class="focus"' if highlight and highlight(r) else ""
+        cells = "".join(
+            f'<td class="{"num" if isinstance(r.get(c), (int, float)) else "txt"}" data-col="{escape(c)}">'
+            f"{escape(fmt(r.get(c)))}</td>" for c in columns)
+        body.append(f"<tr{cls}>{cells}</tr>")
+    note = ""
+    if len(rows) > limit:
+        note = (f'<p class="note">First {limit} of {len(rows)} rows; every row is in the JSON block '
+                f"<code>data-{escape(name)}</code> and the query below.</p>")
+    return (f'<div class="tw"><table data-query="{escape(name)}"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>{note}')
+
+
+def _section(sid: str, title: str, intro: str, body: str) -> str:
+    return (f'<section id="{sid}" data-section="{sid}"><h2>{escape(title)}</h2>'
+            f'<p class="intro">{intro}</p>{body}</section>')
+
+
+def _charts(*svgs: str) -> str:
+    return '<div class="charts">' + "".join(f'<figure>{s}</figure>' for s in svgs) + "</div>"
+
+
+def _by(rows: list[dict], key: str) -> dict:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r)
+    return groups
+
+
+def _unit_range(values) -> tuple[float, float] | None:
+    vals = [v for v in values if isinstance(v, (int, float))]
+    return (0.0, 1.0) if vals and all(0 <= v <= 1 for v in vals) else None
+
+
+def section_overview(res: dict[str, Result], root: str, seq: int, curation_id: str | None) -> str:
+    o = res["report_overview"].rows[0]
+    scope = (f"the curation <code>{escape(curation_id)}</code>" if curation_id
+             else f"every curation of the buffer ({o['curations']})")
+    cells = "".join(f'<div class="stat"><div class="v" data-col="{k}">{escape(fmt(v))}</div>'
+                    f'<div class="k">{escape(k.replace("_", " "))}</div></div>' for k, v in o.items())
+    intro = (f"Buffer <code>{escape(root)}</code> at snapshot {seq}. Candidate-level sections (bands, "
+             f"advantages, tokens) cover {scope}; the rest cover the whole snapshot. Every number below "
+             "is the result of the SQL printed under its chart (open <em>SQL</em>); paste it into "
+             "<code>rollstore sql BUFFER \"…\" --snapshot " + str(seq) + "</code> to rebuild the chart.")
+    return _section("overview", "Buffer", intro, f'<div class="stats">{cells}</div>' + sql_block(res["report_overview"]))
+
+
+def section_accuracy(res: dict[str, Result]) -> str:
+    ver = res["report_accuracy_by_version"].rows
+    step = res["report_accuracy_by_step"].rows
+    evals = res["report_evaluations"].rows
+    acc = [Series("sampled accuracy", [(r["policy_version"], r["accuracy"]) for r in ver])]
+    for i, ((run, split, metric), rows) in enumerate(sorted(
+            _by([dict(r, key=(r["run_id"], r["split"], r["metric"])) for r in evals
+                 if r["policy_version"] is not None], "key").items(), key=lambda kv: str(kv[0]))):
+        label = f"{split or 'eval'} {metric}" + (f" ({run})" if len({e['run_id'] for e in evals}) > 1 else "")
+        acc.append(Series(label, [(r["policy_version"], r["value"]) for r in rows], PALETTE[(i + 1) % 8], dashed=True))
+    yr = _unit_range([p[1] for s in acc for p in s.points])
+    runs = _by(step, "run_id")
+    step_acc = [Series(f"{run}", [(r["step"], r["accuracy"]) for r in rows]) for run, rows in runs.items()]
+    step_rew = [Series(f"{run}", [(r["step"], r["reward_mean"]) for r in rows]) for run, rows in runs.items()]
+    charts = _charts(
+        line_chart(acc, title="Accuracy by policy version (held-out dashed)", x_label="policy version",
+                   y_label="accuracy", y_range=yr, integer_x=True),
+        line_chart([Series("reward mean", [(r["policy_version"], r["reward_mean"]) for r in ver], PALETTE[1])],
+                   title="Reward by policy version", x_label="policy version", y_label="mean reward", integer_x=True),
+        line_chart(step_acc, title="Sampled accuracy by step (per run)", x_label="step", y_label="accuracy",
+                   y_range=_unit_range([r["accuracy"] for r in step]), integer_x=True),
+        line_chart(step_rew, title="Reward by step (per run)", x_label="step", y_label="mean reward", integer_x=True),
+    )
+    ev = ("<p class=\"note\">No held-out evaluation in this buffer (<code>rollstore loop --eval-every N</code> "
+          "or <code>rollstore eval --buffer</code> records one).</p>" if not evals else
+          "<h3>Held-out evaluations</h3>" + table(evals, ["run_id", "split", "metric", "policy_version", "iteration",
+                                                          "value", "n_problems", "n_samples"], name="report_evaluations"))
+    body = (charts + "<h3>By policy version</h3>"
+            + table(ver, ["policy_version", "rollouts", "groups", "judged", "accuracy", "reward_mean", "reward_std",
+                          "mean_response_tokens"], name="report_accuracy_by_version")
+            + sql_block(res["report_accuracy_by_version"]) + ev + sql_block(res["report_evaluations"])
+            + "<details><summary>By step</summary>"
+            + table(step, ["run_id", "step", "min_policy_version", "max_policy_version", "rollouts", "judged",
+                           "accuracy", "reward_mean", "mean_response_tokens"], name="report_accuracy_by_step")
+            + "</details>" + sql_block(res["report_accuracy_by_step"]))
+    intro = ("Accuracy (mean of <code>correct</code> over judged rollouts) and mean reward of the sampled "
+             "rollouts, by the policy version that sampled them and by generation step; held-out evaluations "
+             "(greedy accuracy of each published version in the loop, pass@k of <code>rollstore eval</code>) "
+             "are drawn dashed against the version they measured.")
+    return _section("accuracy", "Accuracy and reward", intro, body)
+
+
+def _per_recipe(rows: list[dict], fields: list[tuple[str, str]], dashed: set[str] = frozenset()) -> list[Series]:
+    """One series per (recipe, field); recipe names are left out when there is a single recipe."""
+    recipes = _by(rows, "recipe")
+    out = []
+    for j, (recipe, rs) in enumerate(recipes.items()):
+        for i, (col, label) in enumerate(fields):
+            name = label if len(recipes) == 1 else f"{recipe} · {label}"
+            out.append(Series(name, [(r["seq"], r[col]) for r in rs], PALETTE[(i + j * len(fields)) % 8],
+                              dashed=col in dashed))
+    return out
+
+
+def section_curations(res: dict[str, Result], curation_id: str | None) -> str:
+    rows = res["report_curations"].rows
+    if not rows:
+        return _section("curations", "Curations", "No curation in this buffer yet (<code>rollstore curate</code>).",
+                        sql_block(res["report_curations"]))
+    reasons = [r for r in REASON_COLORS if any(row[r] for row in rows)]
+    charts = _charts(
+        stacked_bars([str(r["seq"]) for r in rows], [(k, [r[k] for r in rows], REASON_COLORS[k]) for k in reasons],
+                     title="Candidates by reason", x_label="curation", y_label="candidates"),
+        line_chart(_per_recipe(rows, [("n_candidates", "candidates"), ("sample_budget", "budget"),
+                                      ("n_selected", "kept")], {"sample_budget"}),
+                   title="Samples: candidates, budget, kept", x_label="curation", y_label="rollouts", integer_x=True),
+        line_chart(_per_recipe(rows, [("progress", "progress t"), ("token_fraction", "κ"),
+                                      ("sample_keep_rate", "samples kept"), ("token_keep_rate", "tokens kept")],
+                               {"progress", "token_fraction"}),
+                   title="Schedule as it ran (fractions)", x_label="curation", y_label="fraction",
+                   y_range=(0.0, 1.0), integer_x=True),
+        line_chart(_per_recipe(rows, [("adv_var_before", "Var(A) before"), ("adv_var_after", "Var(A) after")]),
+                   title="Variance of advantages before / after selection", x_label="curation",
+                   y_label="Var(A)", integer_x=True),
+    )
+    cols = ["seq", "curation_id", "recipe", "progress", "n_candidates", "sample_budget", "n_selected",
+            "token_fraction", "token_threshold", "tokens_candidate", "tokens_kept", "token_keep_rate",
+            "adv_var_before", "adv_var_after"] + reasons
+    body = charts + table(rows, cols, highlight=lambda r: r["curation_id"] == curation_id,
+                          name="report_curations") + sql_block(res["report_curations"])
+    intro = ("One point per curation run, in the order they ran (<code>seq</code>): the audit's reason counts, "
+             "the sample budget against what was kept, the schedule position t with the token fraction κ it "
+             "gave, the fractions of samples and tokens actually kept, and the population variance of the "
+             "final advantages over the selection pool (before) and over the selected rows (after)."
+             + (" The row of the focused curation is highlighted." if curation_id else ""))
+    return _section("curations", "Curations", intro, body)
+
+
+def section_bands(res: dict[str, Result]) -> str:
+    rows = res["report_bands"].rows
+    charts = []
+    for measure, title in (("group accuracy", "Keep rate by group accuracy (dynamic sampling)"),
+                           ("difficulty", "Keep rate by estimated difficulty q̂ (amplification)")):
+        rs = [r for r in rows if r["measure"] == measure]
+        if rs:
+            charts.append(grouped_hbars([r["band"] for r in rs],
+                                        [("samples kept", [r["keep_rate"] for r in rs], PALETTE[2]),
+                                         ("tokens kept", [r["token_keep_rate"] for r in rs], PALETTE[0])],
+                                        title=title, x_label="fraction kept"))
+    if not any(r["measure"] == "difficulty" for r in rows):
+        charts.append('<p class="note">No difficulty q̂ recorded: it is estimated with <code>amplify=da3po</code>.</p>')
+    body = (_charts(*charts) + table(rows, ["measure", "band", "candidates", "selected", "keep_rate", "tokens_total",
+                                            "tokens_kept", "token_keep_rate", "amplified", "max_amplification"],
+                                     name="report_bands") + sql_block(res["report_bands"]))
+    intro = ("Candidates banded by their group's accuracy (dynamic sampling drops acc = 0 and acc = 1) and by "
+             "the prompt's estimated success rate q̂ (amplification scales correct answers of hard groups); "
+             "<em>ineligible</em> rows left before group statistics (invalid, truncated, stale, reused).")
+    return _section("bands", "Keep rate by difficulty band", intro, body)
+
+
+def section_advantages(res: dict[str, Result]) -> str:
+    hist = res["report_advantages"].rows
+    stats = res["report_advantage_stats"].rows
+    series = _by(hist, "series")
+    if hist:
+        first = next(iter(series.values()))
+        edges = [r["bin_lo"] for r in first] + [first[-1]["bin_hi"]]
+        chart = histogram(edges, [(name, [r["n"] for r in rs], SERIES_COLORS.get(name, PALETTE[0]))
+                                  for name, rs in series.items()],
+                          title="Advantages: raw, selection pool, selected", x_label="advantage", y_label="rollouts")
+    else:
+        chart = '<p class="note">No candidate reached group statistics.</p>'
+    body = (_charts(chart) + table(stats, ["series", "n", "mean", "var_pop", "min", "max", "amplified",
+                                           "mean_amplification"], name="report_advantage_stats")
+            + sql_block(res["report_advantages"]) + sql_block(res["report_advantage_stats"]))
+    intro = ("<b>raw</b>: group-normalised advantages of every row that reached group statistics, before the "
+             "filter and amplification; <b>pool</b>: final advantages (after amplification) of the rows that "
+             "entered sample selection; <b>selected</b>: final advantages of the selected rows, what the "
+             "learner receives. Var over the pool and over the selected rows is what selection trades.")
+    return _section("advantages", "Advantages before and after amplification and selection", intro, body)
+
+
+def _token_card(r: dict, text: TokenText, top: float) -> str:
+    pieces, special = text.pieces(r["response"], r["token_ids"], r["tokens_total"])
+    scores = r["scores"] or [None] * len(pieces)
+    kept = r["kept"] or [False] * len(pieces)
+    ents = r["entropies"] or [None] * len(pieces)
+    spans = []
+    for i, (p, sp) in enumerate(zip(pieces, special)):
+        s = scores[i]
+        alpha = 0.06 + 0.84 * (s / top) if isinstance(s, (int, float)) and top > 0 else 0.0
+        cls = "tok" + (" kept" if kept[i] else "") + (" sp" if sp else "") + (" na" if s is None else "")
+        shown = p.replace("\n", "⏎").replace("\t", "⇥")
+        tip = (f"#{i + 1} id {r['token_ids'][i]}  H={fmt(ents[i])}  |A|·H={fmt(s)}  "
+               f"{'kept' if kept[i] else 'not kept'}")
+        style = f' style="background:rgba(213,94,0,{alpha:.3f})"' if alpha else ""
+        spans.append(f'<span class="{cls}"{style} title="{escape(tip)}">{escape(shown)}</span>')
+    more = r["tokens_total"] - len(pieces)
+    if more > 0:
+        spans.append(f'<span class="more">… {more} more tokens</span>')
+    badge = f'<span class="badge" style="background:{REASON_COLORS.get(r["reason"], "#777")}">{escape(r["reason"])}</span>'
+    facts = (f"A<sub>final</sub> {escape(fmt(r['advantage_final']))} · w {escape(fmt(r['amplification']))} · "
+             f"group acc {escape(fmt(r['group_accuracy']))} · q̂ {escape(fmt(r['difficulty']))} · "
+             f"tokens kept {r['tokens_kept']}/{r['tokens_total']} · correct {escape(fmt(r['correct']))} · "
+             f"reward {escape(fmt(r['reward']))} · {escape(r['finish_reason'])}")
+    return (f'<div class="card" data-rollout="{escape(r["rollout_id"])}">{badge} <code>{escape(r["rollout_id"])}</code> '
+            f'<span class="cid">in {escape(r["curation_id"])}</span><div class="facts">{facts}</div>'
+            f'<div class="resp"><span class="prompt" title="prompt">{escape(r["prompt"][-300:])}</span>'
+            f'<span class="arrow">→</span>{"".join(spans)}</div></div>')
+
+
+def section_tokens(res: dict[str, Result], text: TokenText) -> str:
+    rows = res["report_tokens"].rows
+    scores = [s for r in rows for s in (r["scores"] or []) if isinstance(s, (int, float))]
+    top = max(scores, default=0.0)
+    cards = "".join(_token_card(r, text, top) for r in rows) or '<p class="note">No candidates in scope.</p>'
+    decoded = (f"decoded with <code>{escape(text.source)}</code>" if text.source else
+               "shown as characters when the response has one character per token, else as <code>[id]</code>")
+    legend = ('<p class="legend"><span class="tok" style="background:rgba(213,94,0,0.9)">high</span> '
+              '<span class="tok" style="background:rgba(213,94,0,0.3)">low</span> |A|·H score (shared scale, max '
+              f"{escape(fmt(top))}) · <span class=\"tok kept\">kept</span> token in the loss · "
+              '<span class="tok sp">special</span> token</p>')
+    intro = ("A fixed sample of candidates: selected rows (partly pruned ones first) and rejected rows from each "
+             "reason in turn. Each token is shaded by its |A|·H score (|advantage_final| × entropy) and "
+             f"framed green when the curated loss mask kept it; tokens are {decoded}. Hover a token for its numbers.")
+    return _section("tokens", "Selected and rejected rollouts, token by token", intro,
+                    legend + cards + sql_block(res["report_tokens"]))
+
+
+def section_training(res: dict[str, Result]) -> str:
+    rows = res["report_training"].rows
+    if not rows:
+        return _section("training", "Training", "No training step in this buffer yet (<code>rollstore train</code> "
+                        "or <code>rollstore loop</code>).", sql_block(res["report_training"]))
+    runs = _by(rows, "run_id")
+
+    def chart(col: str, title: str) -> str:
+        return line_chart([Series(run, [(r["step"], r[col]) for r in rs], PALETTE[i % 8]) for i, (run, rs) in
+                           enumerate(runs.items())], title=title, x_label="optimiser step", y_label=col, integer_x=True)
+
+    body = (_charts(chart("loss", "Loss"), chart("clip_fraction", "Clip fraction"), chart("approx_kl", "Approx. KL"),
+                    chart("entropy", "Entropy of kept tokens"))
+            + "<details><summary>Every step</summary>"
+            + table(rows, ["run_id", "step", "version", "curation_id", "loss", "clip_fraction", "approx_kl", "entropy",
+                           "grad_norm", "tokens", "samples", "lr"], name="report_training")
+            + "</details>" + sql_block(res["report_training"]))
+    intro = ("The learner's metrics per optimiser step (one line per run), each a mean over the step's kept tokens.")
+    return _section("training", "Training", intro, body)
+
+
+CSS = """
+:root{--fg:#1d232a;--mut:#5b6670;--line:#d9dee3;--bg:#fff;--card:#f7f8fa}
+*{box-sizing:border-box}body{margin:0;font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg)}
+header{padding:18px 28px 8px;border-bottom:1px solid var(--line)}h1{font-size:22px;margin:0 0 6px}
+nav a{margin-right:14px;color:#0072B2;text-decoration:none;font-size:13px}
+main{padding:0 28px 40px;max-width:1180px}section{padding-top:18px;border-bottom:1px solid var(--line);padding-bottom:14px}
+h2{font-size:18px;margin:6px 0}h3{font-size:15px;margin:14px 0 6px}.intro{color:var(--mut);max-width:900px;margin:4px 0 10px}
+.charts{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;background:var(--card);border:1px solid var(--line);border-radius:6px;padding:4px}
+svg.chart{display:block;font-family:inherit}svg .ct{font-size:13px;font-weight:600;fill:var(--fg)}
+svg .tick{font-size:10.5px;fill:var(--mut)}svg .al{font-size:11px;fill:var(--mut)}svg .lg{font-size:11px;fill:var(--fg)}
+svg .grid{stroke:#e7eaee}svg .axis{stroke:#8a949e}
+div.tw{overflow-x:auto;max-width:100%}table{border-collapse:collapse;margin:10px 0;font-size:12.5px}th,td{border-bottom:1px solid var(--line);padding:3px 8px;text-align:right;white-space:nowrap}
+th{background:var(--card);font-weight:600}td.txt{text-align:left}tr.focus td{background:#fff3cd}
+details.sql{margin:6px 0}details.sql pre{background:#f2f4f7;border:1px solid var(--line);padding:8px;overflow:auto;font-size:12px;max-height:360px}
+summary{cursor:pointer;color:var(--mut)}.note{color:var(--mut);font-style:italic}
+.stats{display:flex;flex-wrap:wrap;gap:10px;margin:8px 0}.stat{background:var(--card);border:1px solid var(--line);border-radius:6px;padding:6px 12px;min-width:110px}
+.stat .v{font-size:18px;font-weight:600}.stat .k{color:var(--mut);font-size:12px}
+.card{border:1px solid var(--line);border-radius:6px;padding:6px 10px;margin:6px 0;background:var(--card)}
+.badge{color:#fff;border-radius:4px;padding:1px 6px;font-size:12px}.cid{color:var(--mut);font-size:12px}
+.facts{color:var(--mut);font-size:12px;margin:2px 0}.prompt{color:var(--mut)}.arrow{color:var(--mut);margin:0 6px}
+.resp{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:15px;line-height:2;white-space:pre-wrap;word-break:break-all}
+.tok{padding:1px 1px;margin:0 1px;border:2px solid transparent;border-radius:3px}.tok.kept{border-color:#009E73}
+.tok.sp{font-size:11px;color:var(--mut)}.tok.na{background-image:repeating-linear-gradient(45deg,#0000 0 3px,#0001 3px 6px)}
+.more{color:var(--mut);font-size:12px}.legend{font-size:12.5px}
+"""
+
+HEAD_SCRIPT = ("<script>window.addEventListener('error',function(e){var d=document.documentElement;"
+               "d.setAttribute('data-errors',(d.getAttribute('data-errors')||'')+(e.message||'error')+';');});</script>")
+TAIL_SCRIPT = ("<script>(function(){var ok=[];document.querySelectorAll('section[data-section]').forEach(function(s){"
+               "var r=s.getBoundingClientRect();if(r.width>0&&r.height>0)ok.push(s.id);});"
+               "document.documentElement.setAttribute('data-rendered',ok.join(' '));})();</script>")
+
+
+def render(res: dict[str, Result], text: TokenText, root: str, seq: int, curation_id: str | None) -> str:
+    nav = "".join(f'<a href="#{sid}">{escape(title.split(",")[0])}</a>' for sid, title in SECTIONS)
+    sections = [
+        section_overview(res, root, seq, curation_id),
+        section_accuracy(res),
+        section_curations(res, curation_id),
+        section_bands(res),
+        section_advantages(res),
+        section_tokens(res, text),
+        section_training(res),
+    ]
+    title = f"rollstore report — {os.path.basename(os.path.normpath(root))} @ snapshot {seq}"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{escape(title)}</title>"
+            f"<style>{CSS}</style>{HEAD_SCRIPT}</head><body><header><h1>{escape(title)}</h1><nav>{nav}</nav></header>"
+            f"<main>{''.join(sections)}</main>{TAIL_SCRIPT}</body></html>\n")
+
+
+def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, snapshot: int | None = None,
+                 memory_limit: str | None = None) -> ReportInfo:
+    """Write the report of `buf` (at `snapshot`, default the latest) to `out_path`, atomically."""
+    t0 = time.perf_counter()
+    kwargs = {"memory_limit": memory_limit} if memory_limit else {}
+    with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:
+        res = collect(session, curation_id)
+        text = TokenText.for_snapshot(session)
+        page = render(res, text, buf.root, snap.seq, curation_id)
+        seq = snap.seq
+    target = os.path.abspath(out_path)
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise RollstoreError(f"{out_path}: the folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(page)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return ReportInfo(target, os.path.getsize(target), time.perf_counter() - t0, seq, curation_id)
+
+
+__all__ = ["QUERIES", "SECTIONS", "ReportInfo", "TokenText", "bind", "build_report", "collect", "render"]

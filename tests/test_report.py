@@ -1,0 +1,321 @@
+"""`rollstore report`: the HTML report of a loop-built buffer, rendered in headless Chromium; its numbers
+recomputed from the documented queries (queries/report_*.sql) and independently from the raw tables;
+the 100k-rollout size check; errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import time
+from collections import Counter, defaultdict
+
+import duckdb
+import pytest
+
+from queries import load_sql
+from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
+from rollstore.report import QUERIES, SECTIONS, bind, build_report
+from rollstore.report_svg import Series, fmt, line_chart, nice_ticks
+from storage.buffer import Buffer
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+# ---- fixtures and helpers ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loop_buffer(tmp_path_factory, default_tiny):  # noqa: F811
+    """A buffer built by the real loop: 3 iterations of d3s + DA3PO amplification on builtin:tiny,
+    with a held-out evaluation every iteration."""
+    from rollstore.loop import LoopConfig, run_loop
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = str(tmp_path_factory.mktemp("report") / "buf")
+    Buffer.init(root).close()
+    run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=3, recipe="d3s", sets={"amplify": "da3po"},
+                        prompts_per_iter=16, group_size=4, eval_every=1, eval_prompts=24, run_id="rep", seed=3))
+    return root
+
+
+@pytest.fixture(scope="module")
+def report_html(loop_buffer, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("report-out") / "report.html")
+    with Buffer.open(loop_buffer) as buf:
+        build_report(buf, path)
+    with open(path, encoding="utf-8") as fh:
+        return path, fh.read()
+
+
+def data_blocks(html: str) -> dict[str, list[dict]]:
+    """The JSON result of every query, as embedded in the page."""
+    blocks = re.findall(r'<script type="application/json" id="data-([a-z_]+)">(.*?)</script>', html, re.S)
+    return {name: json.loads(text) for name, text in blocks}
+
+
+def documented(root: str, name: str, curation_id: str | None = None) -> list[dict]:
+    """Run queries/<name>.sql straight with DuckDB over the buffer's latest snapshot (own connection,
+    the snapshot's views and the user views of queries/views.sql), as a user would."""
+    from rollstore.output import _jsonable
+
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        con = duckdb.connect()
+        snap.register_duckdb(con)
+        con.execute(load_sql("views"))
+        rows = con.sql(bind(load_sql(name), {"curation_id": curation_id})).to_arrow_table().to_pylist()
+        con.close()
+    return [_jsonable(r) for r in rows]
+
+
+def raw(root: str, table: str) -> list[dict]:
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        return snap.arrow(table).to_table().to_pylist()
+
+
+def same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def table_cells(html: str, query: str, column: str) -> list[str]:
+    """Text of one column of the page's table of `query`."""
+    m = re.search(rf'<table data-query="{query}">(.*?)</table>', html, re.S)
+    assert m, query
+    return re.findall(rf'<td class="[a-z]+" data-col="{column}">(.*?)</td>', m.group(1))
+
+
+def find_chromium() -> str | None:
+    for name in CHROMIUM_NAMES:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def png_size(path: str) -> tuple[int, int]:
+    with open(path, "rb") as fh:
+        head = fh.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+# ---- the browser ------------------------------------------------------------------------------
+
+
+def test_report_renders_in_headless_chromium(report_html, tmp_path):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary (chromium, chromium-browser or google-chrome) on PATH: "
+                    "`make browser` installs Debian's chromium when run as root; the browser check is skipped")
+    path, html = report_html
+    # nothing to fetch: no remote or local resources, only inline CSS/SVG/script
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//|file:)""", html, re.I)
+    assert "<link" not in html and "@import" not in html and "url(" not in html
+    base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+            "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2400"]
+    shot = str(tmp_path / "report.png")
+    run = subprocess.run(base + [f"--screenshot={shot}", "--enable-logging=stderr", "--v=0", f"file://{path}"],
+                         capture_output=True, text=True, timeout=120)
+    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    assert console == [], console  # the page writes nothing to the console: no error, no warning
+    assert os.path.exists(shot), run.stderr[-2000:]
+    assert png_size(shot) == (1280, 2400)
+    assert os.path.getsize(shot) > 50_000  # a real page, not a blank one
+    dom = subprocess.run(base + ["--dump-dom", f"file://{path}"], capture_output=True, text=True, timeout=120)
+    root_tag = re.search(r"<html[^>]*>", dom.stdout)
+    assert root_tag, dom.stderr[-2000:]
+    rendered = re.search(r'data-rendered="([^"]*)"', root_tag.group(0))
+    assert rendered, "the page's script did not run"
+    assert rendered.group(1).split() == [sid for sid, _ in SECTIONS]  # every section laid out, in order
+    assert "data-errors" not in root_tag.group(0)
+
+
+# ---- the numbers ------------------------------------------------------------------------------
+
+
+def test_every_embedded_result_equals_its_documented_query(report_html, loop_buffer):
+    _, html = report_html
+    blocks = data_blocks(html)
+    assert set(blocks) == set(QUERIES)
+    for name in QUERIES:
+        expected = documented(loop_buffer, name)
+        assert same(blocks[name], expected), name
+        sql = re.search(rf"<summary>SQL: <code>queries/{name}.sql</code>.*?<pre>(.*?)</pre>", html, re.S).group(1)
+        assert "$curation_id" not in sql and "SELECT" in sql  # the bound text, runnable as printed
+
+
+def test_numbers_recomputed_from_the_raw_tables(report_html, loop_buffer):
+    _, html = report_html
+    blocks = data_blocks(html)
+    rollouts = raw(loop_buffer, "rollouts")
+    selections = raw(loop_buffer, "selections")
+    curations = {c["curation_id"]: c for c in raw(loop_buffer, "curations")}
+    assert len(curations) == 3
+
+    # accuracy by policy version, and the page's table cells print it
+    judged = defaultdict(list)
+    for r in rollouts:
+        if r["correct"] is not None:
+            judged[r["policy_version"]].append(r["correct"])
+    by_version = blocks["report_accuracy_by_version"]
+    assert [r["policy_version"] for r in by_version] == sorted(judged)
+    for row in by_version:
+        assert row["accuracy"] == pytest.approx(sum(judged[row["policy_version"]]) / len(judged[row["policy_version"]]))
+    assert table_cells(html, "report_accuracy_by_version", "accuracy") == [fmt(r["accuracy"]) for r in by_version]
+
+    # held-out evaluations: one per iteration plus the initial one
+    assert [e["iteration"] for e in blocks["report_evaluations"]] == [0, 1, 2, 3]
+
+    # candidates by reason, Var(A) before / after, per curation
+    for row in blocks["report_curations"]:
+        sel = [s for s in selections if s["curation_id"] == row["curation_id"]]
+        counts = Counter(s["reason"] for s in sel)
+        assert {k: row[k] for k in counts} == dict(counts)
+        assert sum(row[k] for k in ("selected", "not_selected", "zero_variance", "invalid", "truncated", "stale",
+                                    "reused")) == len(sel) == row["n_candidates"]
+        pool = [s["advantage_final"] for s in sel if s["reason"] in ("selected", "not_selected")]
+        kept = [s["advantage_final"] for s in sel if s["selected"]]
+        assert row["adv_var_before"] == pytest.approx(var_pop(pool), rel=1e-6)
+        assert row["adv_var_after"] == pytest.approx(var_pop(kept), rel=1e-6)
+        assert row["sample_budget"] == curations[row["curation_id"]]["sample_budget"]
+        assert row["token_fraction"] == curations[row["curation_id"]]["token_fraction"]
+
+    # keep rate by group-accuracy band
+    band = {r["band"]: r for r in blocks["report_bands"] if r["measure"] == "group accuracy"}
+    zero = [s for s in selections if s["group_accuracy"] == 0]
+    assert band["acc = 0"]["candidates"] == len(zero)
+    assert band["acc = 0"]["keep_rate"] == pytest.approx(sum(s["selected"] for s in zero) / len(zero))
+    assert sum(r["candidates"] for r in band.values()) == len(selections)
+    assert any(r["measure"] == "difficulty" for r in blocks["report_bands"])  # da3po records q̂
+
+    # advantage distribution: counts and variance of the selected series
+    stats = {r["series"]: r for r in blocks["report_advantage_stats"]}
+    selected = [s["advantage_final"] for s in selections if s["selected"]]
+    assert stats["selected"]["n"] == len(selected)
+    assert stats["selected"]["var_pop"] == pytest.approx(var_pop(selected), rel=1e-6)
+    hist = defaultdict(int)
+    for r in blocks["report_advantages"]:
+        hist[r["series"]] += r["n"]
+    assert hist["selected"] == len(selected)
+    assert hist["raw"] == sum(1 for s in selections if s["advantage_raw"] is not None)
+
+    # training curves: every step of the training table
+    assert len(blocks["report_training"]) == len(raw(loop_buffer, "training")) >= 3
+
+
+def test_token_views_score_and_mark_tokens_as_the_audit_does(report_html, loop_buffer):
+    _, html = report_html
+    cards = data_blocks(html)["report_tokens"]
+    assert 1 <= sum(c["selected"] for c in cards) <= 6 and 1 <= sum(not c["selected"] for c in cards) <= 6
+    rollouts = {r["rollout_id"]: r for r in raw(loop_buffer, "rollouts")}
+    curated = {(c["curation_id"], c["rollout_id"]): c for c in raw(loop_buffer, "curated")}
+    for card in cards:
+        r = rollouts[card["rollout_id"]]
+        assert card["token_ids"] == r["response_token_ids"][:400]
+        for h, score in zip(r["entropies"], card["scores"]):
+            assert score == pytest.approx(abs(card["advantage_final"]) * h, rel=1e-6)
+        mask = curated.get((card["curation_id"], card["rollout_id"]))
+        assert card["kept"] == (mask["loss_mask"] if mask else [False] * len(r["response_token_ids"]))[:400]
+        assert sum(card["kept"]) == card["tokens_kept"]
+        # the card is on the page, and the char-level tokenizer of the checkpoints decoded its tokens
+        assert f'data-rollout="{card["rollout_id"]}"' in html
+    assert "checkpoints/v3/tokenizer.json" in html
+    # the audit's per-rollout query gives the same scores and marks
+    card = next(c for c in cards if c["selected"])
+    audit = documented_audit_rollout(loop_buffer, card["curation_id"], card["rollout_id"])
+    assert [t["kept"] for t in audit] == card["kept"]
+    assert same([t["score"] for t in audit], card["scores"])
+
+
+def documented_audit_rollout(root, curation_id, rollout_id):
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        con = duckdb.connect()
+        snap.register_duckdb(con)
+        rows = con.sql(load_sql("audit_rollout"), params={"curation_id": curation_id, "rollout_id": rollout_id})
+        out = rows.to_arrow_table().to_pylist()
+        con.close()
+    return out
+
+
+def var_pop(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / len(xs)
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_report_command_scope_and_errors(cli, loop_buffer, tmp_path, buffer_dir):
+    cid = raw(loop_buffer, "curations")[0]["curation_id"]
+    out = tmp_path / "one.html"
+    res = cli("report", loop_buffer, "--out", out, "--curation", cid)
+    assert res.code == 0 and "wrote" in res.stdout
+    html = out.read_text(encoding="utf-8")
+    blocks = data_blocks(html)
+    n = next(c["n_candidates"] for c in blocks["report_curations"] if c["curation_id"] == cid)
+    assert sum(r["candidates"] for r in blocks["report_bands"] if r["measure"] == "group accuracy") == n
+    assert {c["curation_id"] for c in blocks["report_tokens"]} == {cid}
+    assert len(blocks["report_curations"]) == 3  # the timeline keeps every curation
+    assert same(blocks["report_bands"], documented(loop_buffer, "report_bands", cid))
+    assert '<tr class="focus">' in html
+
+    res = cli("report", loop_buffer, "--out", tmp_path / "x.html", "--curation", "cur-nope")
+    assert res.code == 1 and "no curation 'cur-nope'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = cli("report", buffer_dir, "--out", tmp_path / "y.html")
+    assert res.code == 1 and "no rollouts" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = cli("report", loop_buffer, "--out", tmp_path / "missing" / "z.html")
+    assert res.code == 1 and "does not exist" in res.stderr
+    assert not (tmp_path / "x.html").exists() and not (tmp_path / "y.html").exists()
+
+
+# ---- size at 100k rollouts --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_report_of_100k_rollouts_is_small(tmp_path):
+    """10 steps × 10 000 rollouts (~3.2 M tokens), one d3s + DA3PO curation per step. The page stays
+    a few hundred KB: token views are sampled and everything else is aggregated in SQL."""
+    from curate.params import load_recipe
+    from curate.run import curate
+    from rollstore.synthetic import rollouts_table
+
+    root = str(tmp_path / "big")
+    with Buffer.init(root) as buf:
+        for step in range(10):
+            buf.append_rollouts(rollouts_table(n_groups=1250, group_size=8, mean_tokens=32, step=step,
+                                               policy_version=step, seed=1, n_prompts=4000))
+        for step in range(10):
+            curate(buf, load_recipe("d3s"), {"where": f"step = {step}", "progress": str(step / 10),
+                                             "amplify": "da3po", "filter": "dynamic"})
+        t0 = time.perf_counter()
+        info = build_report(buf, str(tmp_path / "big.html"))
+        seconds = time.perf_counter() - t0
+    print(f"\n100k-rollout report: {seconds:.2f} s, {info.bytes / 1024:.0f} KiB")  # measured, never asserted
+    html = (tmp_path / "big.html").read_text(encoding="utf-8")
+    blocks = data_blocks(html)
+    assert blocks["report_overview"][0]["rollouts"] == 100_000
+    assert len(blocks["report_curations"]) == 10
+    assert len(blocks["report_tokens"]) <= 12
+    assert info.bytes < 2 * 2**20
+
+
+# ---- charts -----------------------------------------------------------------------------------
+
+
+def test_charts_escape_text_and_skip_missing_values():
+    svg = line_chart([Series("<b>&", [(0, 1.0), (1, None), (2, float("nan")), (3, 2.0)])],
+                     title="a<b", x_label="x", y_label="y")
+    assert "<b>" not in svg and "&lt;b&gt;&amp;" in svg and "a&lt;b" in svg
+    assert svg.count("<circle") == 2 and "<polyline" not in svg  # the gap breaks the line
+    assert nice_ticks(0, 1) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(5, 5)  # a constant series still gets an axis

@@ -16,9 +16,9 @@ from collections import Counter, defaultdict
 
 import duckdb
 import pytest
+from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 from queries import load_sql
-from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 from rollstore.report import QUERIES, SECTIONS, bind, build_report
 from rollstore.report_svg import Series, fmt, line_chart, nice_ticks
 from storage.buffer import Buffer
@@ -54,7 +54,7 @@ def report_html(loop_buffer, tmp_path_factory):
 
 def data_blocks(html: str) -> dict[str, list[dict]]:
     """The JSON result of every query, as embedded in the page."""
-    blocks = re.findall(r'<script type="application/json" id="data-([a-z_]+)">(.*?)</script>', html, re.S)
+    blocks = re.findall(r'<script type="application/json" id="data-([a-z_]+)">(.*?)</script>', html, re.DOTALL)
     return {name: json.loads(text) for name, text in blocks}
 
 
@@ -89,7 +89,7 @@ def same(a, b) -> bool:
 
 def table_cells(html: str, query: str, column: str) -> list[str]:
     """Text of one column of the page's table of `query`."""
-    m = re.search(rf'<table data-query="{query}">(.*?)</table>', html, re.S)
+    m = re.search(rf'<table data-query="{query}">(.*?)</table>', html, re.DOTALL)
     assert m, query
     return re.findall(rf'<td class="[a-z]+" data-col="{column}">(.*?)</td>', m.group(1))
 
@@ -119,19 +119,19 @@ def test_report_renders_in_headless_chromium(report_html, tmp_path):
                     "`make browser` installs Debian's chromium when run as root; the browser check is skipped")
     path, html = report_html
     # nothing to fetch: no remote or local resources, only inline CSS/SVG/script
-    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//|file:)""", html, re.I)
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//|file:)""", html, re.IGNORECASE)
     assert "<link" not in html and "@import" not in html and "url(" not in html
     base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
             "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2400"]
     shot = str(tmp_path / "report.png")
     run = subprocess.run(base + [f"--screenshot={shot}", "--enable-logging=stderr", "--v=0", f"file://{path}"],
-                         capture_output=True, text=True, timeout=120)
+                         check=False, capture_output=True, text=True, timeout=120)
     console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
     assert console == [], console  # the page writes nothing to the console: no error, no warning
     assert os.path.exists(shot), run.stderr[-2000:]
     assert png_size(shot) == (1280, 2400)
     assert os.path.getsize(shot) > 50_000  # a real page, not a blank one
-    dom = subprocess.run(base + ["--dump-dom", f"file://{path}"], capture_output=True, text=True, timeout=120)
+    dom = subprocess.run(base + ["--dump-dom", f"file://{path}"], check=False, capture_output=True, text=True, timeout=120)
     root_tag = re.search(r"<html[^>]*>", dom.stdout)
     assert root_tag, dom.stderr[-2000:]
     rendered = re.search(r'data-rendered="([^"]*)"', root_tag.group(0))
@@ -150,7 +150,7 @@ def test_every_embedded_result_equals_its_documented_query(report_html, loop_buf
     for name in QUERIES:
         expected = documented(loop_buffer, name)
         assert same(blocks[name], expected), name
-        sql = re.search(rf"<summary>SQL: <code>queries/{name}.sql</code>.*?<pre>(.*?)</pre>", html, re.S).group(1)
+        sql = re.search(rf"<summary>SQL: <code>queries/{name}.sql</code>.*?<pre>(.*?)</pre>", html, re.DOTALL).group(1)
         assert "$curation_id" not in sql and "SELECT" in sql  # the bound text, runnable as printed
 
 

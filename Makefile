@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-vllm bench clean
+.PHONY: setup demo test test-vllm bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,7 +18,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rollstore demo
 
-test: $(STAMP)
+# Debian's chromium, for the browser test of `rollstore report` (tests/test_report.py skips without one):
+# installed only when missing, as root, with apt-get; never fails the build.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+	echo "browser: chromium not installed (needs root and apt-get); the report's browser test will be skipped"
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see

@@ -173,12 +173,14 @@ def audit(
     buffer: str,
     curation_id: Optional[str] = typer.Argument(None, help="Curation id (default: the latest)."),
     rollout: Optional[str] = typer.Option(None, "--rollout", help="Show one rollout's tokens, scores and kept marks."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="A second curation id: both side by side, and what one kept that the other did not."),
+    format: str = typer.Option("table", "--format", "-f", help="table|json|csv"),
 ):
-    """Reason counts and keep rates of a curation, or one rollout's kept tokens."""
+    """Reason counts and keep rates of a curation, one rollout's kept tokens, or two curations compared."""
     from rollstore.curation_cli import run_audit
 
     with open_buffer(buffer) as buf:
-        run_audit(buf, curation_id, rollout, out)
+        run_audit(buf, curation_id, rollout, out, format, compare)
 
 
 @app.command()

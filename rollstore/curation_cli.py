@@ -1,7 +1,7 @@
 """`rollstore curate` and `rollstore audit`: run a recipe, print its summary; read the audit back.
 
 Invariants: `curate` prints the curation id alone on the last line of stdout; the audit views are
-plain SQL over the `selections`, `curated` and `rollouts` tables (queries/audit_*.sql).
+plain SQL over the `selections`, `curated` and `rollouts` tables (queries/audit_*.sql, rollstore/audit.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from rich.text import Text
 
 from curate.params import load_recipe, parse_sets
 from curate.run import CurationResult, curate
-from queries import load_sql
 from queries.session import Session
-from rollstore.output import render_table
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 
@@ -63,28 +61,12 @@ def latest_curation(session: Session) -> str:
     return row[0]
 
 
-def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out: Console) -> None:
-    with buf.snapshot(pin=True) as snap, Session(snap) as s:
-        cid = curation_id or latest_curation(s)
-        rec = s.one("SELECT recipe, params, n_candidates, n_selected FROM curations WHERE curation_id = $c",
-                        {"c": cid})
-        if rec is None:
-            raise RollstoreError(f"no curation {cid!r} in this buffer")
-        if rollout_id:
-            tokens = s.con.sql(load_sql("audit_rollout"), params={"curation_id": cid, "rollout_id": rollout_id}).to_arrow_table()
-            if tokens.num_rows == 0:
-                raise RollstoreError(f"rollout {rollout_id!r} is not a candidate of curation {cid}")
-            row = s.one(
-                "SELECT s.reason, s.advantage_final, r.response FROM selections s JOIN rollouts r USING (rollout_id) "
-                "WHERE s.curation_id = $c AND s.rollout_id = $r", {"c": cid, "r": rollout_id})
-            out.print(f"curation {cid}  rollout {rollout_id}  reason {row[0]}  advantage_final {row[1]}", highlight=False)
-            out.print(render_marked(row[2], tokens.to_pylist()))
-            render_table(tokens, out, title="tokens (kept = in the loss)")
-            return
-        out.print(f"curation {cid}  recipe {rec[0]}  candidates {rec[2]}  selected {rec[3]}", highlight=False)
-        out.print(f"params {rec[1]}", highlight=False, markup=False)
-        render_table(s.con.sql(load_sql("audit_reasons"), params={"curation_id": cid}).to_arrow_table(), out, "reasons")
-        render_table(s.con.sql(load_sql("audit_bands"), params={"curation_id": cid}).to_arrow_table(), out, "keep rate by difficulty band")
+def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out: Console, fmt: str = "table",
+              compare: str | None = None) -> None:
+    """The audit views (rollstore/audit.py): one curation, one rollout's tokens, or two curations."""
+    from rollstore.audit import run_audit as run
+
+    run(buf, curation_id, rollout_id, out, fmt, compare)
 
 
 def render_marked(response: str, tokens: list[dict]) -> Text:

@@ -1,0 +1,192 @@
+"""`rollstore audit`: a curation's audit, one rollout's tokens, or two curations side by side, as a
+table, JSON or CSV.
+
+Invariants:
+- Every view is the result of one SQL file of `queries/` (`audit_reasons`, `audit_bands`,
+  `audit_rollout`, `audit_compare_summary`, `audit_compare_reasons`, `audit_compare_rows`) run
+  over one pinned snapshot; the formats only render those rows (plus, in compare mode, the
+  parameters whose effective values differ, read from the two `curations.params` records).
+- `--format json` prints one JSON object: the record(s) of the curation(s) under `curation` (or `a`
+  and `b`) and each view as an array of row objects (lists as arrays, NULL as null).
+- `--format csv` prints one header line then rows: a leading `view` column names the view each row
+  belongs to, and the columns are the union of the views' columns (empty where a view has none).
+- Compare mode matches candidates by rollout_id; a rollout that is a candidate of only one side has
+  a null reason on the other side.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pyarrow as pa
+from rich.console import Console
+
+from queries import load_sql
+from queries.session import Session
+from rollstore.curation_cli import latest_curation, render_marked
+from rollstore.output import _csv_ready, _jsonable, render_table
+from storage.buffer import Buffer
+from storage.errors import RollstoreError
+
+FORMATS = ("table", "json", "csv")
+RECORD_FIELDS = ("curation_id", "recipe", "snapshot_seq", "progress", "n_candidates", "n_selected", "sample_budget",
+                 "token_fraction", "token_threshold", "tokens_candidate", "tokens_kept", "adv_var_before",
+                 "adv_var_after", "params")
+TABLE_ROWS = 50  # rows of the compare differences printed in table format
+
+
+def record(session: Session, cid: str) -> dict:
+    cols = ", ".join(RECORD_FIELDS)
+    row = session.one(f"SELECT {cols} FROM curations WHERE curation_id = $c", {"c": cid})
+    if row is None:
+        raise RollstoreError(f"no curation {cid!r} in this buffer")
+    rec = dict(zip(RECORD_FIELDS, row))
+    rec["params"] = json.loads(rec["params"])
+    return _jsonable(rec)
+
+
+def view(session: Session, name: str, params: dict) -> pa.Table:
+    return session.con.sql(load_sql(name), params=params).to_arrow_table()
+
+
+def params_diff(a: dict, b: dict) -> pa.Table:
+    """The parameters whose effective values differ: words as written, numbers and null as JSON."""
+
+    def text(v) -> str:
+        return v if isinstance(v, str) else json.dumps(v)
+
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return pa.table({"parameter": pa.array(keys, pa.string()),
+                     "a": pa.array([text(a.get(k)) for k in keys], pa.string()),
+                     "b": pa.array([text(b.get(k)) for k in keys], pa.string())})
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def write_json(head: dict, views: list[tuple[str, pa.Table]]) -> None:
+    doc = dict(head)
+    for name, table in views:
+        doc[name] = [_jsonable(r) for r in table.to_pylist()]
+    sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def write_csv(views: list[tuple[str, pa.Table]]) -> None:
+    import pyarrow.csv as pacsv
+
+    parts = []
+    for name, table in views:
+        table = _csv_ready(table)  # lists and structs as JSON text
+        parts.append(table.add_column(0, "view", pa.array([name] * table.num_rows, pa.string())))
+    merged = pa.concat_tables(parts, promote_options="permissive")
+    sink = pa.BufferOutputStream()
+    pacsv.write_csv(merged, sink)
+    sys.stdout.write(sink.getvalue().to_pybytes().decode())
+    sys.stdout.flush()
+
+
+def emit(fmt: str, head: dict, views: list[tuple[str, pa.Table]], table_fn) -> None:
+    if fmt == "json":
+        write_json(head, views)
+    elif fmt == "csv":
+        write_csv(views)
+    else:
+        table_fn()
+
+
+# ---- the three modes --------------------------------------------------------------------------
+
+
+def audit_one(s: Session, cid: str, fmt: str, out: Console) -> None:
+    rec = record(s, cid)
+    views = [("reasons", view(s, "audit_reasons", {"curation_id": cid})),
+             ("bands", view(s, "audit_bands", {"curation_id": cid}))]
+
+    def as_table():
+        out.print(f"curation {cid}  recipe {rec['recipe']}  candidates {rec['n_candidates']}  "
+                  f"selected {rec['n_selected']}", highlight=False)
+        out.print(f"params {json.dumps(rec['params'])}", highlight=False, markup=False)
+        render_table(views[0][1], out, "reasons")
+        render_table(views[1][1], out, "keep rate by difficulty band")
+
+    emit(fmt, {"curation": rec}, views, as_table)
+
+
+def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console) -> None:
+    record(s, cid)
+    tokens = view(s, "audit_rollout", {"curation_id": cid, "rollout_id": rollout_id})
+    if tokens.num_rows == 0:
+        raise RollstoreError(f"rollout {rollout_id!r} is not a candidate of curation {cid}")
+    reason, adv, response = s.one(
+        "SELECT s.reason, s.advantage_final, r.response FROM selections s JOIN rollouts r USING (rollout_id) "
+        "WHERE s.curation_id = $c AND s.rollout_id = $r", {"c": cid, "r": rollout_id})
+    head = {"curation_id": cid, "rollout_id": rollout_id, "reason": reason, "advantage_final": adv,
+            "response": response}
+
+    def as_table():
+        out.print(f"curation {cid}  rollout {rollout_id}  reason {reason}  advantage_final {adv}", highlight=False)
+        out.print(render_marked(response, tokens.to_pylist()))
+        render_table(tokens, out, title="tokens (kept = in the loss)")
+
+    emit(fmt, _jsonable(head), [("tokens", tokens)], as_table)
+
+
+def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
+    rec_a, rec_b = record(s, a), record(s, b)
+    params = {"a": a, "b": b}
+    summary = view(s, "audit_compare_summary", params)
+    views = [
+        ("summary", summary),
+        ("params", params_diff(rec_a["params"], rec_b["params"])),
+        ("reasons", view(s, "audit_compare_reasons", params)),
+        ("differences", view(s, "audit_compare_rows", params)),
+    ]
+
+    def as_table():
+        same = rec_a["snapshot_seq"] == rec_b["snapshot_seq"]
+        out.print(f"A {a} ({rec_a['recipe']})  vs  B {b} ({rec_b['recipe']})", highlight=False)
+        out.print(f"snapshot {rec_a['snapshot_seq']}" if same else
+                  f"note: different snapshots (A {rec_a['snapshot_seq']}, B {rec_b['snapshot_seq']}): "
+                  "candidates may differ, not only the recipe", highlight=False)
+        rows = summary.to_pylist()
+        side = {r["side"]: r for r in rows}
+        fields = [c for c in summary.column_names if c != "side"]
+        render_table(pa.table({"": fields, "A": [_cell(side.get("A", {}).get(f)) for f in fields],
+                               "B": [_cell(side.get("B", {}).get(f)) for f in fields]}), out, "side by side")
+        render_table(views[1][1], out, "parameters that differ")
+        render_table(views[2][1], out, "candidates by reason in A and in B")
+        diff = views[3][1]
+        shown = diff.select(["kind", "rollout_id", "reason_a", "reason_b", "advantage_a", "advantage_b",
+                             "tokens_kept_a", "tokens_kept_b", "tokens_total"])
+        render_table(shown.slice(0, TABLE_ROWS), out, "rollouts treated differently (a_only: kept by A only)")
+        if diff.num_rows > TABLE_ROWS:
+            out.print(f"({diff.num_rows} rows, first {TABLE_ROWS} shown; --format csv or json for all)",
+                      highlight=False)
+
+    emit(fmt, {"a": rec_a, "b": rec_b}, views, as_table)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out: Console, fmt: str = "table",
+              compare: str | None = None) -> None:
+    if fmt not in FORMATS:
+        raise RollstoreError(f"--format must be table, json or csv, not {fmt!r}")
+    if compare is not None and rollout_id is not None:
+        raise RollstoreError("--compare and --rollout cannot be used together")
+    with buf.snapshot(pin=True) as snap, Session(snap) as s:
+        cid = curation_id or latest_curation(s)
+        if compare is not None:
+            audit_compare(s, cid, compare, fmt, out)
+        elif rollout_id is not None:
+            audit_rollout(s, cid, rollout_id, fmt, out)
+        else:
+            audit_one(s, cid, fmt, out)

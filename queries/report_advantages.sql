@@ -1,5 +1,5 @@
 -- Report, advantages: histograms (30 equal bins over the common range) of the candidates' advantages
--- in the curations in scope ($curation_id, or every curation when NULL), at three points:
+-- in the curations in scope (the curation $curation_id; every curation when that is NULL), at three points:
 --   raw        advantage_raw of every row that reached group statistics (before filter and amplification)
 --   pool       advantage_final of the rows that entered sample selection (after filter and amplification)
 --   selected   advantage_final of the selected rows (what the learner receives)

@@ -1,5 +1,5 @@
--- Report, keep rate by difficulty band: candidates of the curations in scope ($curation_id, or
--- every curation when NULL) banded by their group's accuracy (where dynamic sampling acts) and by
+-- Report, keep rate by difficulty band: candidates of the curations in scope (the curation $curation_id;
+-- every curation when that is NULL) banded by their group's accuracy (where dynamic sampling acts) and by
 -- the estimated difficulty q̂ (where amplification acts; only recorded with amplify=da3po).
 WITH scoped AS (
     SELECT * FROM selections

@@ -1,5 +1,5 @@
--- Report, tokens: a handful of candidates of the curations in scope ($curation_id, or every
--- curation when NULL), with their tokens: up to 6 selected rows (partly pruned ones first) and up
+-- Report, tokens: a handful of candidates of the curations in scope (the curation $curation_id;
+-- every curation when that is NULL), with their tokens: up to 6 selected rows (partly pruned ones first) and up
 -- to 6 rejected ones taken in turn from each reason; within a reason the order is md5 of
 -- (curation_id, rollout_id), so the same snapshot always shows the same rollouts. Each token's
 -- score is |advantage_final|·H (null when the row has no advantage or no entropies) and `kept` is

@@ -238,8 +238,9 @@ def section_overview(res: dict[str, Result], root: str, seq: int, curation_id: s
                     f'<div class="k">{escape(k.replace("_", " "))}</div></div>' for k, v in o.items())
     intro = (f"Buffer <code>{escape(root)}</code> at snapshot {seq}. Candidate-level sections (bands, "
              f"advantages, tokens) cover {scope}; the rest cover the whole snapshot. Every number below "
-             "is the result of the SQL printed under its chart (open <em>SQL</em>); paste it into "
-             "<code>rollstore sql BUFFER \"…\" --snapshot " + str(seq) + "</code> to rebuild the chart.")
+             "is the result of the SQL printed under its chart (open <em>SQL</em>); it runs as printed: "
+             f"<code>rollstore sql BUFFER --snapshot {seq} -- \"…\"</code> (the <code>--</code> lets the "
+             "text start with a comment).")
     return _section("overview", "Buffer", intro, f'<div class="stats">{cells}</div>' + sql_block(res["report_overview"]))
 
 
@@ -333,6 +334,9 @@ def section_curations(res: dict[str, Result], curation_id: str | None) -> str:
 
 def section_bands(res: dict[str, Result]) -> str:
     rows = res["report_bands"].rows
+    if not rows:
+        return _section("bands", "Keep rate by difficulty band", "No candidates in scope (no curation yet: "
+                        "<code>rollstore curate</code>).", sql_block(res["report_bands"]))
     charts = []
     for measure, title in (("group accuracy", "Keep rate by group accuracy (dynamic sampling)"),
                            ("difficulty", "Keep rate by estimated difficulty q̂ (amplification)")):
@@ -356,15 +360,16 @@ def section_bands(res: dict[str, Result]) -> str:
 def section_advantages(res: dict[str, Result]) -> str:
     hist = res["report_advantages"].rows
     stats = res["report_advantage_stats"].rows
-    series = _by(hist, "series")
-    if hist:
-        first = next(iter(series.values()))
-        edges = [r["bin_lo"] for r in first] + [first[-1]["bin_hi"]]
-        chart = histogram(edges, [(name, [r["n"] for r in rs], SERIES_COLORS.get(name, PALETTE[0]))
-                                  for name, rs in series.items()],
-                          title="Advantages: raw, selection pool, selected", x_label="advantage", y_label="rollouts")
-    else:
-        chart = '<p class="note">No candidate reached group statistics.</p>'
+    if not stats:
+        return _section("advantages", "Advantages before and after amplification and selection",
+                        "No candidate in scope reached group statistics.",
+                        sql_block(res["report_advantages"]) + sql_block(res["report_advantage_stats"]))
+    series = _by(hist, "series")  # every series has the same 30 bins (queries/report_advantages.sql)
+    first = next(iter(series.values()))
+    edges = [r["bin_lo"] for r in first] + [first[-1]["bin_hi"]]
+    chart = histogram(edges, [(name, [r["n"] for r in rs], SERIES_COLORS.get(name, PALETTE[0]))
+                              for name, rs in series.items()],
+                      title="Advantages: raw, selection pool, selected", x_label="advantage", y_label="rollouts")
     body = (_charts(chart) + table(stats, ["series", "n", "mean", "var_pop", "min", "max", "amplified",
                                            "mean_amplification"], name="report_advantage_stats")
             + sql_block(res["report_advantages"]) + sql_block(res["report_advantage_stats"]))

@@ -156,6 +156,8 @@ def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str,
         y_lo = 0.0  # small positive values: start the axis at zero
     yticks = nice_ticks(y_lo, y_hi)
     x_lo, x_hi = min(xs), max(xs)
+    if x_hi == x_lo:  # one x value: centre it
+        x_lo, x_hi = x_lo - 1, x_hi + 1
     xticks = nice_ticks(x_lo, x_hi, 6)
     if integer_x:
         xticks = sorted({round(t) for t in xticks if x_lo - 1e-9 <= t <= x_hi + 1e-9} | {round(x_lo), round(x_hi)})
@@ -163,7 +165,7 @@ def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str,
             xticks = xticks[:: math.ceil(len(xticks) / 8)]
     else:
         xticks = [t for t in xticks if x_lo - 1e-9 <= t <= x_hi + 1e-9]
-    p = Plot(x_lo, x_hi if x_hi > x_lo else x_lo + 1, yticks[0], yticks[-1])
+    p = Plot(x_lo, x_hi, yticks[0], yticks[-1])
     parts = _open(title)
     parts += _axes(p, xticks, yticks, x_label, y_label)
     legend = []

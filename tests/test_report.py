@@ -13,6 +13,7 @@ import struct
 import subprocess
 import time
 from collections import Counter, defaultdict
+from html import unescape
 
 import duckdb
 import pytest
@@ -268,6 +269,12 @@ def test_report_command_scope_and_errors(cli, loop_buffer, tmp_path, buffer_dir)
     assert len(blocks["report_curations"]) == 3  # the timeline keeps every curation
     assert same(blocks["report_bands"], documented(loop_buffer, "report_bands", cid))
     assert '<tr class="focus">' in html
+    # the SQL printed beside the chart runs as printed through `rollstore sql` and gives the page's rows
+    printed = re.search(r"<summary>SQL: <code>queries/report_bands.sql</code>.*?<pre>(.*?)</pre>", html,
+                        re.DOTALL).group(1)
+    res = cli("sql", loop_buffer, "--format", "json", "--", unescape(printed))
+    assert res.code == 0, res.stderr
+    assert same(json.loads(res.stdout), blocks["report_bands"])
 
     res = cli("report", loop_buffer, "--out", tmp_path / "x.html", "--curation", "cur-nope")
     assert res.code == 1 and "no curation 'cur-nope'" in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -367,10 +367,12 @@ def section_advantages(res: dict[str, Result]) -> str:
     series = _by(hist, "series")  # every series has the same 30 bins (queries/report_advantages.sql)
     first = next(iter(series.values()))
     edges = [r["bin_lo"] for r in first] + [first[-1]["bin_hi"]]
-    chart = histogram(edges, [(name, [r["n"] for r in rs], SERIES_COLORS.get(name, PALETTE[0]))
-                              for name, rs in series.items()],
-                      title="Advantages: raw, selection pool, selected", x_label="advantage", y_label="rollouts")
-    body = (_charts(chart) + table(stats, ["series", "n", "mean", "var_pop", "min", "max", "amplified",
+    titles = {"raw": "raw (before filter and amplification)", "pool": "selection pool (after amplification)",
+              "selected": "selected (what the learner gets)"}
+    charts = [histogram(edges, [(name, [r["n"] for r in rs], SERIES_COLORS.get(name, PALETTE[0]))],
+                        title=titles.get(name, name), x_label="advantage", y_label="rollouts", width=350)
+              for name, rs in series.items()]  # one panel each: shared bins, own count scale
+    body = (_charts(*charts) + table(stats, ["series", "n", "mean", "var_pop", "min", "max", "amplified",
                                            "mean_amplification"], name="report_advantage_stats")
             + sql_block(res["report_advantages"]) + sql_block(res["report_advantage_stats"]))
     intro = ("<b>raw</b>: group-normalised advantages of every row that reached group statistics, before the "

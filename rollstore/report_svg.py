@@ -266,15 +266,15 @@ def grouped_hbars(categories: list[str], groups: list[tuple[str, list[float | No
 
 
 def histogram(edges: list[float], series: list[tuple[str, list[int], str]], *, title: str, x_label: str,
-              y_label: str) -> str:
+              y_label: str, width: int = WIDTH) -> str:
     """Overlaid histograms on shared bins (len(edges) == bins + 1), drawn as outlined steps."""
     if not edges or not series:
         return empty_chart(title, "no data")
     top = max((max(c) for _, c, _ in series if c), default=0) or 1
     yticks = nice_ticks(0, top)
     lo, hi = edges[0], edges[-1]
-    p = Plot(lo, hi if hi > lo else lo + 1, 0, yticks[-1])
-    parts = _open(title)
+    p = Plot(lo, hi if hi > lo else lo + 1, 0, yticks[-1], width=width)
+    parts = _open(title, width)
     parts += _axes(p, [t for t in nice_ticks(lo, hi, 6) if lo - 1e-9 <= t <= hi + 1e-9], yticks, x_label, y_label)
     for name, counts, color in series:
         path = [f"M{p.sx(edges[0]):.1f},{p.sy(0):.1f}"]
@@ -288,6 +288,6 @@ def histogram(edges: list[float], series: list[tuple[str, list[int], str]], *, t
                 parts.append(f'<rect x="{x:.1f}" y="{p.sy(c):.1f}" width="{max(w, 0.5):.1f}" height="{p.sy(0) - p.sy(c):.1f}" '
                              f'fill="transparent"><title>{escape(name)}: [{fmt(edges[i])}, {fmt(edges[i + 1])}) '
                              f"{c}</title></rect>")
-    parts += _legend([(name, color, False) for name, _, color in series], WIDTH)
+    parts += _legend([(name, color, False) for name, _, color in series], width)
     parts.append("</svg>")
     return "".join(parts)

@@ -2,7 +2,8 @@
 
 Invariants:
 - Every contender that reports a peak RSS runs in a fresh child process (`run_child`), and the
-  peak is that child's own `ru_maxrss`: measurements never contaminate each other.
+  peak is that child's own high-water mark (VmHWM, which starts afresh at exec — unlike
+  `ru_maxrss`, which a child inherits from its parent): measurements never contaminate each other.
 - A section appended to RESULTS.md always carries its command, machine, versions, date and the
   load average at its start (others may share the machine: only ratios measured side by side in
   one run are meant to be compared).
@@ -64,8 +65,26 @@ def load_avg() -> str:
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set of this process, in MiB.
+
+    On Linux this is VmHWM of /proc/self/status, which starts afresh at exec. `ru_maxrss` does
+    not: a child started by a parent holding 400 MiB reports at least 400 MiB, whatever it used.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform != "darwin" else 2**20)
+
+
+def arrow_peak_mib() -> float:
+    """Peak bytes allocated from pyarrow's default memory pool in this process."""
+    import pyarrow as pa
+
+    return pa.default_memory_pool().max_memory() / 2**20
 
 
 def rss_mib() -> float:
@@ -231,3 +250,10 @@ def profile(fn: Callable[[], object], top: int = 15) -> tuple[object, str]:
     duration = next((ln.split("Duration:")[1].strip() for ln in lines if "Duration:" in ln), "?")
     body = [ln.strip() for ln in lines if ln.strip()[:1].isdigit() and "[self]" not in ln]
     return result, "\n".join([f"pyinstrument, self time per function (seconds); duration {duration}"] + body[:top])
+
+
+def method(doc: str) -> str:
+    """A module docstring as a RESULTS.md method note: without its title line and its usage line."""
+    paras = [p for p in doc.strip().split("\n\n")]
+    body = [p for p in paras[1:] if not p.startswith("    ")]
+    return "**Method.** " + "\n\n".join(body)

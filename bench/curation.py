@@ -105,7 +105,8 @@ def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where
     seconds = time.perf_counter() - t0
     res = {"seconds": seconds, "baseline_rss_mib": base, "n_selected": r.record["n_selected"],
            "tokens_kept": r.record["tokens_kept"], "tokens_candidate": r.record["tokens_candidate"],
-           "stages": clock.seconds, "profile": top, "peak_rss_mib": common.peak_rss_mib()}
+           "stages": clock.seconds, "profile": top, "peak_rss_mib": common.peak_rss_mib(),
+           "arrow_peak_mib": common.arrow_peak_mib()}
     if out and r.audit is not None:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
@@ -117,7 +118,8 @@ def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where
     return res
 
 
-def child_reference(root: str, recipe: str, progress: str, out: str | None, prof: bool) -> dict:
+def child_reference(root: str, recipe: str, progress: str, out: str | None, prof: bool,
+                    first_shards: int | None = None) -> dict:
     from fractions import Fraction
 
     import pyarrow as pa
@@ -125,7 +127,7 @@ def child_reference(root: str, recipe: str, progress: str, out: str | None, prof
 
     from bench.inmemory import RECIPES, curate_in_memory
 
-    files = common.rollout_files(root)
+    files = common.rollout_files(root)[:first_shards or None]
     spec = RECIPES[recipe](Fraction(progress))
     base = common.rss_mib()
     t0 = time.perf_counter()
@@ -145,9 +147,9 @@ def child_reference(root: str, recipe: str, progress: str, out: str | None, prof
 
 
 def run_one(kind: str, root: str, recipe: str = "", memory_limit: str = "1GB", progress: str = "0",
-            where: str = "true", out: str | None = None, profile: bool = False) -> dict:
+            where: str = "true", out: str | None = None, profile: bool = False, first_shards: int = 0) -> dict:
     args = ["--child", kind, "--root", root, "--recipe-one", recipe or "d3s", "--memory-limit", memory_limit,
-            "--progress", progress, "--where", where]
+            "--progress", progress, "--where", where, "--first-shards", first_shards]
     if out:
         args += ["--out", out]
     if profile:
@@ -186,6 +188,7 @@ def agreement(rollstore_out: str, reference_out: str) -> dict:
 def measure(root: str, recipes, memory_limit: str = "1GB", progress: str = "0", repeat: int = 1,
             workdir: str | None = None) -> dict:
     workdir = workdir or tempfile.mkdtemp(prefix="rs-bench-cmp-")
+    os.makedirs(workdir, exist_ok=True)
     info = common.describe(root)
     floor = common.best_of(lambda: run_one("floor", root, memory_limit=memory_limit), repeat)
     per = {}
@@ -253,7 +256,8 @@ def section(m: dict, command: str | None = None, level: int = 3) -> str:
     extra = [f"Buffer: {info['tokens']:,} response tokens, {info['rows']:,} rollouts in {info['shards']} shards, "
              f"{info['bytes'] / 2**20:.1f} MiB on disk; DuckDB memory_limit {m['memory_limit']}; progress "
              f"{m['progress']}; seconds are the best of {m['repeat']} fresh-process runs"]
-    return common.header("Curation vs scan floor and in-memory reference", command, extra, level) + "\n\n" + tables(m)
+    return (common.header("Curation vs scan floor and in-memory reference", command, extra, level) + "\n\n"
+            + common.method(__doc__) + "\n\n" + tables(m))
 
 
 def main() -> None:
@@ -271,6 +275,7 @@ def main() -> None:
     ap.add_argument("--where", default="true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--first-shards", type=int, default=0, help="reference child: only the first K shards")
     a = ap.parse_args()
     if a.child == "floor":
         return common.child_result(child_floor(a.root, a.memory_limit, a.where))
@@ -278,7 +283,8 @@ def main() -> None:
         return common.child_result(child_curate(a.root, a.recipe_one, a.memory_limit, a.progress, a.where, a.out,
                                                 a.profile))
     if a.child == "reference":
-        return common.child_result(child_reference(a.root, a.recipe_one, a.progress, a.out, a.profile))
+        return common.child_result(child_reference(a.root, a.recipe_one, a.progress, a.out, a.profile,
+                                                   a.first_shards or None))
     root = a.root or tempfile.mkdtemp(prefix="rs-bench-")
     try:
         common.build_buffer(root, a.tokens, a.shard_tokens)

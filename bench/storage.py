@@ -272,7 +272,7 @@ def section(m: dict, command: str | None = None, level: int = 3) -> str:
              "format, written interleaved; write = from the Arrow table in memory to an fsynced file; read = "
              "`entropies` of all files into one float32 array, page cache warm, checked equal to the source"]
     return (common.header("Storage: size, write throughput, one-column read-back", command, extra, level,
-                          libs=("pyarrow", "torch", "numpy")) + "\n\n" + tables(m) + "\n\n"
+                          libs=("pyarrow", "torch", "numpy")) + "\n\n" + common.method(__doc__) + "\n\n" + tables(m) + "\n\n"
             "Synthetic log-probs and entropies are random floats, so they compress less than real ones would; "
             "the ratios are the numbers to carry over.")
 

@@ -36,7 +36,6 @@ def loop_buffer(tmp_path_factory, default_tiny):  # noqa: F811
     with a held-out evaluation every iteration."""
     from rollstore.loop import LoopConfig, run_loop
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = str(tmp_path_factory.mktemp("report") / "buf")
     Buffer.init(root).close()
     run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=3, recipe="d3s", sets={"amplify": "da3po"},

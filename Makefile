@@ -45,9 +45,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_rollout_vllm.py
 
+# Benchmark suite (bench/run_all.py: storage, curation, beyond memory, learner input, growth), about
+# 10 minutes on two cores; appends to bench/RESULTS.md. Larger: make bench BENCH_ARGS="--scale 4".
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python bench/storage_size.py
-	$(BIN)/python -m bench.curation --tokens 10000000
+	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

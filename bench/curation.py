@@ -47,9 +47,20 @@ class StageClock:
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.originals: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> "StageClock":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, original in reversed(self.originals):
+            setattr(owner, attr, original)
+        self.originals.clear()
 
     def wrap(self, owner, attr: str, label=None):
         original = getattr(owner, attr)
+        self.originals.append((owner, attr, original))
         clock = self
 
         def timed(*args, **kwargs):
@@ -89,20 +100,19 @@ def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where
     from curate.run import curate
     from storage.buffer import Buffer
 
-    clock = StageClock()
-    clock.install()
     base = common.rss_mib()
 
     def go():
         with Buffer.open(root) as buf:
             return curate(buf, load_recipe(recipe), {"where": where, "progress": progress}, memory_limit=memory_limit)
 
-    t0 = time.perf_counter()
-    if prof:
-        r, top = common.profile(go)
-    else:
-        r, top = go(), None
-    seconds = time.perf_counter() - t0
+    with StageClock() as clock:
+        t0 = time.perf_counter()
+        if prof:
+            r, top = common.profile(go)
+        else:
+            r, top = go(), None
+        seconds = time.perf_counter() - t0
     res = {"seconds": seconds, "baseline_rss_mib": base, "n_selected": r.record["n_selected"],
            "tokens_kept": r.record["tokens_kept"], "tokens_candidate": r.record["tokens_candidate"],
            "stages": clock.seconds, "profile": top, "peak_rss_mib": common.peak_rss_mib(),

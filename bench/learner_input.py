@@ -61,16 +61,19 @@ def prepare(root: str, n_rows: int, mean_tokens: int, recipe: str, progress: str
     return [os.path.join(root, p) for p in r.output_files if p.startswith("curated/")]
 
 
-def child(shards: list[str], repeat: int, prof: bool) -> dict:
+def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
+    """Both paths in this process; `model` defaults to `builtin:tiny` (tests pass a smaller one)."""
     import torch
 
     torch.set_num_threads(1)
     import learner.trainer as trainer
     from learner.batches import iter_steps, read_curated
-    from learner.models import load_policy
-    from rollstore.models import resolve_model
 
-    model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))
+    if model is None:
+        from learner.models import load_policy
+        from rollstore.models import resolve_model
+
+        model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     real_read, real_iter = trainer.read_curated, trainer.iter_steps
 

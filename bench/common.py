@@ -93,6 +93,20 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def commit() -> str:
+    """The code measured: `git describe` of ROOT (+ "dirty" when tracked files differ), else $ROLLSTORE_COMMIT."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + (" (working tree with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("ROLLSTORE_COMMIT", "unknown")
+
+
 def command_line() -> str:
     argv = sys.argv[:]
     if argv and argv[0].endswith(".py"):

@@ -171,7 +171,8 @@ def main() -> None:
     head = [f"## Suite run — {time.strftime('%Y-%m-%d %H:%M')}", "",
             f"Command: `{cmd}` (`make bench`)  ",
             f"Machine: {common.machine()}; load average at start {load_start} (1/5/15 min)  ",
-            f"Versions: {common.versions('duckdb', 'pyarrow', 'numpy', 'torch', 'transformers')}  ",
+            f"Versions: {common.versions('duckdb', 'pyarrow', 'numpy', 'torch', 'transformers')}; rollstore at "
+            f"commit {common.commit()}  ",
             f"Wall time of the whole suite: {wall / 60:.1f} min", "",
             "Other processes share this machine, so absolute seconds are noisy; every comparison is a ratio of runs "
             "made side by side in this one invocation (each measurement in a fresh process, best of the repeats)."]

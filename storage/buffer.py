@@ -3,7 +3,9 @@
 Invariants:
 - `commit` writes every file first (fsynced, linked into place), then records all of them in ONE
   manifest transaction; if anything fails before that transaction commits, the files are unlinked
-  and nothing becomes visible (a crash leaves only orphans for `gc`).
+  and nothing becomes visible (a crash leaves only orphans for `gc`). A `WrittenPart` (a file
+  another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
+  into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
   nothing.
 """
@@ -21,7 +23,7 @@ import pyarrow.compute as pc
 from .errors import ValidationError
 from .manifest import Manifest, NewShard, Shard
 from .schema import TABLES
-from .shardio import compact_entropies, new_shard_name, publish_file
+from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file
 from .snapshot import Snapshot
 from .validate import validate_rollouts
 
@@ -52,6 +54,21 @@ class Part:
         if self.subdir:
             folder = f"{folder}/{self.subdir}"
         return f"{folder}/{self.name or new_shard_name()}.parquet"
+
+
+@dataclass
+class WrittenPart:
+    """A file already written complete and fsynced under `tmp/` (by `shardio.write_tmp`, possibly in
+    another process or host), to be published by `Buffer.commit` at `relpath`."""
+
+    table_name: str
+    tmp_relpath: str  # relative to the buffer root, under tmp/
+    relpath: str  # final path relative to the buffer root, inside the table's directory
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
+    key: str | None = None
 
 
 def token_count(table: pa.Table) -> int:
@@ -96,7 +113,7 @@ class Buffer:
     # ---- writing ---------------------------------------------------------------------------
     def commit(
         self,
-        parts: Iterable[Part],
+        parts: Iterable[Part | WrittenPart],
         kind: str,
         detail: dict | None = None,
         on_commit: Callable[[sqlite3.Connection, int, list[int]], None] | None = None,
@@ -109,6 +126,14 @@ class Buffer:
         ids: list[int] = []
         try:
             for part in parts:
+                if isinstance(part, WrittenPart):
+                    folder = TABLE_DIRS[part.table_name] + "/"
+                    if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
+                        raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
+                    link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes)
+                    written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
+                                            part.bytes, part.sha256, part.key))
+                    continue
                 schema = TABLES[part.table_name]
                 table = part.table.select(schema.names).cast(schema)
                 rel = part.relpath()

@@ -106,6 +106,49 @@ def publish_file(table: pa.Table, root: str, relpath: str) -> tuple[int, str]:
     return os.path.getsize(final), digest
 
 
+def write_tmp(table: pa.Table, root: str, folder: str = "tmp") -> tuple[str, int, str]:
+    """Write `table` complete and fsynced to a fresh name in root/<folder>, an existing folder under
+    `tmp/` (never created here: once its owner removed it, a late writer fails instead of leaving a
+    file); return (path relative to root, bytes, sha256). The file stays an orphan (never read,
+    collected by `gc`) until `link_into_place` publishes it and its manifest row commits. Used when
+    the writer is another process than the committer (a Dask worker writes, the client commits)."""
+    rel = os.path.join(folder, f"{uuid.uuid4().hex}.parquet")
+    _check_inside(root, rel, "tmp")
+    path = os.path.join(root, rel)
+    write_parquet(table, path)
+    return rel, os.path.getsize(path), sha256_file(path)
+
+
+def link_into_place(root: str, tmp_rel: str, final_rel: str, nbytes: int) -> None:
+    """Publish a file `write_tmp` wrote (maybe on another host): check its size, fsync it, hard-link
+    it to root/final_rel (a link never overwrites: FileExistsError), unlink the temp name, fsync
+    both directories — the same steps and crash safety as `publish_file`."""
+    _check_inside(root, tmp_rel, "tmp")
+    tmp, final = os.path.join(root, tmp_rel), os.path.join(root, final_rel)
+    if _inside(root, final_rel, "tmp") or not _inside(root, final_rel, ""):
+        raise ValueError(f"{final_rel}: a published file lives inside the buffer, outside tmp/")
+    size = os.path.getsize(tmp)
+    if size != nbytes:
+        raise OSError(f"{tmp}: {size} bytes on disk, but its writer reported {nbytes}")
+    fsync_dir(tmp)  # O_RDONLY + fsync works on files too: durable whoever wrote it
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    os.link(tmp, final)
+    os.unlink(tmp)
+    fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(tmp))
+
+
+def _inside(root: str, rel: str, top: str) -> bool:
+    base = os.path.realpath(os.path.join(root, top))
+    full = os.path.realpath(os.path.join(root, rel))
+    return not os.path.isabs(rel) and full != base and os.path.commonpath([full, base]) == base
+
+
+def _check_inside(root: str, rel: str, top: str) -> None:
+    if not _inside(root, rel, top):
+        raise ValueError(f"{rel}: expected a path under {top}/ of the buffer")
+
+
 def compact_entropies(table: pa.Table) -> pa.Table:
     """Round `entropies` to bf16 precision (nearest, ties to even; low 16 mantissa bits zero), kept
     as float32: relative error <= 2^-8, like a real bf16 cast (plain truncation would be 2^-7)."""

@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -89,16 +90,41 @@ class Snapshot:
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
         """Create a view per table (named as the table) over this snapshot's files."""
-        for name in tables or list(TABLES):
-            files = self.files(name)
-            if files:
-                listing = ", ".join(sql_string(f) for f in files)
-                con.execute(
-                    f"CREATE OR REPLACE VIEW {name} AS "
-                    f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false)"
-                )
-            else:
-                empty = pa.Table.from_batches([], schema=TABLES[name])
-                con.register(f"_empty_{name}", empty)
-                con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
-                con.unregister(f"_empty_{name}")
+        _register_duckdb(con, self.files, tables)
+
+    def frozen(self) -> "SnapshotFiles":
+        """This snapshot's file lists as a plain, picklable value (for processes that must not open
+        the manifest, e.g. Dask workers on other hosts); it does not pin anything."""
+        return SnapshotFiles(self.root, self.seq, {name: tuple(self.files(name)) for name in TABLES})
+
+
+@dataclass(frozen=True)
+class SnapshotFiles:
+    """A snapshot's absolute file paths per table, taken from the manifest by the process that holds
+    the pin. Reads exactly those files, like `Snapshot`; the holder keeps them from gc."""
+
+    root: str
+    seq: int
+    listing: dict
+
+    def files(self, table: str) -> list[str]:
+        return list(self.listing[table])
+
+    def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
+        _register_duckdb(con, self.files, tables)
+
+
+def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None) -> None:
+    for name in tables or list(TABLES):
+        files = files_of(name)
+        if files:
+            listing = ", ".join(sql_string(f) for f in files)
+            con.execute(
+                f"CREATE OR REPLACE VIEW {name} AS "
+                f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false)"
+            )
+        else:
+            empty = pa.Table.from_batches([], schema=TABLES[name])
+            con.register(f"_empty_{name}", empty)
+            con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
+            con.unregister(f"_empty_{name}")

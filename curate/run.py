@@ -8,7 +8,9 @@ Invariants:
 - Curated shards, audit rows and the record are published in ONE manifest commit; a failure
   before it leaves nothing visible. The curation id is a hash of the snapshot, the recipe, the
   effective parameters and the SQL text, so re-running the same curation is idempotent and gives
-  byte-identical files.
+  byte-identical files. The SQL text hashed is `stage_texts` (the plan of the run, a function of
+  the parameters alone); the run checks that it executed exactly that plan. The engine is not part
+  of the hash: `curate.distributed` runs the same stage helpers and SQL on Dask with the same id.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -56,11 +60,13 @@ class CurationResult:
 
 
 class _Stages:
-    """Runs the stage files in one session and keeps the exact SQL text for the record's hash."""
+    """Runs the stage files in one session and keeps the exact SQL text for the record's hash.
+    `sql` maps stage names to their text (default: queries/<name>.sql of this installation)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, sql: dict[str, str] | None = None):
         self.session = session
         self.text: list[str] = []
+        self.sql = sql
 
     def run(self, name: str, params: dict | None = None, **subs: str):
         sql, args = self.prepare(name, params, subs)
@@ -71,9 +77,7 @@ class _Stages:
         return self.session.con.sql(sql, params=args or None).to_arrow_table()
 
     def prepare(self, name: str, params: dict | None, subs: dict[str, str]) -> tuple[str, dict]:
-        sql = load_sql(name)
-        for key, value in subs.items():
-            sql = sql.replace("{" + key + "}", value)
+        sql = _substitute(self.sql[name] if self.sql is not None else load_sql(name), subs)
         self.text.append(sql)
         needed = set(re.findall(r"\$([a-z_]+)", sql))
         args = {k: v for k, v in (params or {}).items() if k in needed}
@@ -83,7 +87,155 @@ class _Stages:
         return sql, args
 
     def sha256(self) -> str:
-        return hashlib.sha256("\n;\n".join(self.text).encode()).hexdigest()
+        return texts_sha256(self.text)
+
+
+def _substitute(sql: str, subs: dict[str, str]) -> str:
+    for key, value in subs.items():
+        sql = sql.replace("{" + key + "}", value)
+    return sql
+
+
+def texts_sha256(texts: list[str]) -> str:
+    return hashlib.sha256("\n;\n".join(texts).encode()).hexdigest()
+
+
+# Relations the stages read, as substituted into their text (part of the hashed plan).
+ELIGIBLE = "(SELECT * FROM work WHERE reason IS NULL)"
+CHOSEN = "(SELECT * FROM work WHERE selected)"
+HISTORY_ROWS = "(SELECT * FROM rollouts WHERE prompt_id IN (SELECT prompt_id FROM work WHERE group_size IS NOT NULL))"
+EMPTY_DIFFICULTY = ("CREATE OR REPLACE TEMP TABLE difficulty AS "
+                    "SELECT NULL::VARCHAR AS group_id, NULL::DOUBLE AS q_hat WHERE false")
+EMPTY_SUBSET = ("CREATE OR REPLACE TEMP TABLE subset_adv AS SELECT NULL::VARCHAR AS rollout_id, "
+                "0 AS g_size, 0 AS g_correct, 0.0::FLOAT AS adv WHERE false")
+SELECT_ALL = ("CREATE OR REPLACE TEMP TABLE picked AS SELECT rollout_id, true AS selected, "
+              "NULL::INTEGER AS sample_rank FROM work WHERE reason IS NULL")
+MISSING_ENTROPIES = ("SELECT w.rollout_id FROM work w JOIN rollouts r USING (rollout_id) "
+                     "WHERE w.selected AND r.entropies IS NULL ORDER BY w.rollout_id LIMIT 1")
+HISTOGRAM = "SELECT bucket, count(*) FROM token_scores GROUP BY bucket ORDER BY bucket DESC"
+TOKEN_ORDER = "ORDER BY score DESC, rollout_id ASC, pos ASC"
+SUMMARY_COUNTS = "SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected"
+REASONS = "SELECT reason, count(*) FROM work GROUP BY reason ORDER BY reason"
+
+
+def stage_texts(params: Params, recipe: Recipe, custom_statement: str | None = None) -> list[str]:
+    """The SQL text of every stage of a run with these (resolved) parameters, in the order the
+    embedded engine runs them: what the curation id hashes, whatever engine runs the stages."""
+    p = params
+    pods, token = p["sample"] == "pods", p["token"]
+    out: list[str] = []
+
+    def add(name: str, times: int = 1, **subs: str) -> None:
+        out.extend([_substitute(load_sql(name), subs)] * times)
+
+    add("curate_candidates", rollouts="rollouts", selections="selections", where=p["where"])
+    add("curate_group_stats", rows=ELIGIBLE, out="full_groups")
+    add("curate_advantages", rows=ELIGIBLE, groups="full_groups", out="full_adv")
+    add("curate_filter")
+    if p["amplify"] == "da3po":
+        add("curate_batch_accuracy")
+        add("curate_history", rows=HISTORY_ROWS, out="prompt_history")
+        add("curate_difficulty")
+    if not pods:
+        add("curate_amplify_inputs")
+        add("curate_amplify")
+    if recipe.sql is not None:
+        out.append(custom_statement or "")
+    elif p["sample"] == "none":
+        add("curate_apply_selection")
+    else:
+        add("curate_select", **_select_subs(p))
+        add("curate_apply_selection")
+    if pods:
+        add("curate_group_stats", rows=CHOSEN, out="subset_groups")
+        add("curate_advantages", rows=CHOSEN, groups="subset_groups", out="subset_adv")
+        add("curate_amplify_inputs")
+        add("curate_amplify")
+    if token != "none":
+        add("curate_token_scores", score=_score_expr(token, "h", "advantage_final"))
+    add("curate_materialise", 2, score=_score_expr(token, "h", "w.advantage_final"))
+    add("curate_audit", 2)
+    add("curate_record", 2)
+    add("curate_record_values", 2)
+    return out
+
+
+def stage_params(p: Params) -> dict:
+    """The named parameters ($name) of the stage SQL."""
+    tau = p["amplify_tau"]
+    f = p.sample_fraction()
+    return {
+        "drop_truncated": p["truncated"] == "drop",
+        "max_policy_lag": p["max_policy_lag"],
+        "max_reuse": p["max_reuse"],
+        "current_version": 0 if p["current_version"] is None else p["current_version"],
+        "std_mode": p["std"],
+        "dynamic": p["filter"] == "dynamic",
+        "window": p["difficulty_window"],
+        "prior": float(p["difficulty_prior"]),
+        "tau_num": tau.numerator,
+        "tau_den": tau.denominator,
+        "w_max": float(p["amplify_max"]),
+        "mode": p["amplify"],
+        "amplify_on": p["amplify"] != "none",
+        "pods": p["sample"] == "pods",
+        "f_num": f.numerator,
+        "f_den": f.denominator,
+    }
+
+
+def _select_subs(p: Params) -> dict[str, str]:
+    return {"pool_key": "'batch'" if p["sample"] == "cross_group" else "group_id",
+            "value": "reward" if p["sample"] == "pods" else "advantage_final"}
+
+
+# ---- stage groups shared by the engines (each runs in one session over `work`) --------------
+def stage_groups(stages: _Stages, q: dict) -> None:
+    """Steps 2–4 over the eligible rows: group statistics, advantages, the filter. Group-local."""
+    stages.run("curate_group_stats", q, rows=ELIGIBLE, out="full_groups")
+    stages.run("curate_advantages", q, rows=ELIGIBLE, groups="full_groups", out="full_adv")
+    stages.run("curate_filter", q)
+
+
+def batch_accuracy(stages: _Stages, q: dict) -> tuple[int, int]:
+    """(k, n) of the rows that reached group statistics; μ = k / n (`batch_mu`)."""
+    k, n = stages.run("curate_batch_accuracy", q).fetchall()[0]
+    return int(k or 0), int(n or 0)
+
+
+def batch_mu(k: int, n: int) -> float | None:
+    return k / n if n else None
+
+
+def stage_amplify(stages: _Stages, q: dict, p: Params, mu: float | None) -> None:
+    """Step 5 for every recipe but PODS (whose amplification follows its selection): difficulty
+    (da3po; `prompt_history` must hold the history of the groups' prompts), then amplification."""
+    if p["amplify"] == "da3po":
+        stages.run("curate_difficulty", {**q, "mu": mu})
+    else:
+        stages.session.execute(EMPTY_DIFFICULTY)
+    if p["sample"] != "pods":
+        stages.session.execute(EMPTY_SUBSET)
+        stages.run("curate_amplify_inputs", q)
+        stages.run("curate_amplify", q)
+
+
+def stage_select(stages: _Stages, q: dict, p: Params) -> None:
+    """Steps 6–7 over the pools present in `work`: the table `picked`."""
+    if p["sample"] == "none":
+        stages.session.execute(SELECT_ALL)
+    else:
+        stages.run("curate_select", q, **_select_subs(p))
+
+
+def stage_apply(stages: _Stages, q: dict, p: Params) -> None:
+    """Record `picked` in `work`; with PODS, re-normalise on the chosen subset and amplify."""
+    stages.run("curate_apply_selection", q)
+    if p["sample"] == "pods":
+        stages.run("curate_group_stats", q, rows=CHOSEN, out="subset_groups")
+        stages.run("curate_advantages", q, rows=CHOSEN, groups="subset_groups", out="subset_adv")
+        stages.run("curate_amplify_inputs", q)
+        stages.run("curate_amplify", q)
 
 
 def _default_where(session: Session) -> str | None:
@@ -105,22 +257,124 @@ def _default_version(session: Session) -> int | None:
 
 def _threshold(session: Session, k: int) -> tuple[float, str, int] | None:
     """The K-th token in (score desc, rollout_id asc, pos asc) order, in two streaming passes."""
+    found = pick_bucket(session.execute(HISTOGRAM).fetchall(), k)
+    if found is None:
+        return None
+    row = session.one(
+        f"SELECT score, rollout_id, pos FROM token_scores WHERE bucket = $b {TOKEN_ORDER} LIMIT 1 OFFSET $o",
+        {"b": found[0], "o": found[1]},
+    )
+    return float(row[0]), str(row[1]), int(row[2])
+
+
+def pick_bucket(hist: list[tuple[int, int]], k: int) -> tuple[int, int] | None:
+    """(bucket, offset inside it) of the K-th token, from the (bucket, count) histogram in bucket
+    order descending. Counts add exactly, so summed per-shard histograms give the same answer."""
     if k <= 0:
         return None
-    hist = session.execute(
-        "SELECT bucket, count(*) FROM token_scores GROUP BY bucket ORDER BY bucket DESC"
-    ).fetchall()
     above = 0
     for bucket, n in hist:
         if above + n >= k:
-            row = session.one(
-                "SELECT score, rollout_id, pos FROM token_scores WHERE bucket = $b "
-                "ORDER BY score DESC, rollout_id ASC, pos ASC LIMIT 1 OFFSET $o",
-                {"b": bucket, "o": k - above - 1},
-            )
-            return float(row[0]), str(row[1]), int(row[2])
+            return bucket, k - above - 1
         above += n
     return None
+
+
+def missing_entropies_error(rollout_id: str, token: str) -> CurationError:
+    return CurationError(
+        f"rollout_id={rollout_id!r}: column 'entropies' is null, but token={token} needs "
+        f"per-token entropies; {FILL_ENTROPIES} (or run with --set token=none)"
+    )
+
+
+def mask_parameters(token: str, threshold: tuple[float, str, int] | None) -> dict:
+    return {
+        "token_stage": token != "none",
+        "thr": threshold[0] if threshold else float("inf"),
+        "thr_rollout": threshold[1] if threshold else "",
+        "thr_pos": threshold[2] if threshold else 0,
+    }
+
+
+def run_summary(stages: _Stages, p: Params) -> dict:
+    """The record's numbers over the whole `work` table (every candidate of the run)."""
+    session = stages.session
+    n_candidates, n_selected, tokens_candidate = stages.run("curate_record").fetchall()[0]
+    values = stages.table("curate_record_values", {"pods": p["sample"] == "pods"})
+    selected = values.column("selected").to_numpy(zero_copy_only=False).astype(bool)
+    after = values.column("after").to_numpy(zero_copy_only=False)[selected]
+    var_before = exact_var_pop(values.column("before").to_numpy(zero_copy_only=False))
+    var_after = exact_var_pop(after)
+    curated_tokens = int(session.one(SUMMARY_COUNTS)[0])
+    return {
+        "n_candidates": int(n_candidates),
+        "n_selected": int(n_selected),
+        "tokens_candidate": int(tokens_candidate),
+        "adv_var_before": var_before,
+        "adv_var_after": var_after,
+        "reasons": dict(session.execute(REASONS).fetchall()),
+        "curated_tokens": curated_tokens,
+    }
+
+
+def curated_rows_per_shard(summary: dict) -> int:
+    """Rows per curated shard: about CURATED_SHARD_BYTES of learner input each."""
+    n_selected = summary["n_selected"]
+    per_row = max(1, (summary["curated_tokens"] * 14 + n_selected * 64) // max(1, n_selected))
+    return max(1, CURATED_SHARD_BYTES // per_row)
+
+
+def exact_var_pop(values: np.ndarray) -> float | None:
+    """Population variance with exactly rounded sums: the same float whatever the order of values."""
+    values = values[~np.isnan(values)] if values.dtype.kind == "f" else values.astype(np.float64)
+    if len(values) == 0:
+        return None
+    mean = math.fsum(values) / len(values)
+    return math.fsum((values - mean) ** 2) / len(values)
+
+
+def new_record(curation_id: str, snapshot_seq: int, recipe: Recipe, params: Params, sql_sha: str,
+               summary: dict, sample_budget: int | None, threshold) -> dict:
+    p = params
+    kappa = p.token_fraction() if p["token"] != "none" else None
+    return {
+        "curation_id": curation_id,
+        "created_at": dt.datetime.now(dt.timezone.utc),
+        "recipe": recipe.name,
+        "params": params.to_json(),
+        "sql_sha256": sql_sha,
+        "snapshot_seq": snapshot_seq,
+        "progress": float(p["progress"]),
+        "sample_budget": sample_budget,
+        "token_fraction": float(kappa) if kappa is not None else None,
+        "token_threshold": threshold[0] if threshold else None,
+        "n_candidates": summary["n_candidates"],
+        "n_selected": summary["n_selected"],
+        "tokens_candidate": summary["tokens_candidate"],
+        "tokens_kept": 0,
+        "adv_var_before": summary["adv_var_before"],
+        "adv_var_after": summary["adv_var_after"],
+        "old_logprobs_fallback": 0,
+        "output_files": "[]",
+    }
+
+
+def materialise_shard(session: Session, path: str, materialise_sql: str, mask_params: dict) -> pa.Table:
+    """The curated rows of one input shard (the selected rows of `work` in it), by rollout_id."""
+    session.execute(f"CREATE OR REPLACE TEMP VIEW shard_rows AS SELECT * FROM read_parquet({sql_string(path)})")
+    table = session.con.sql(materialise_sql, params=mask_params).to_arrow_table()
+    return table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
+
+
+def curated_table(pieces: list[pa.Table], curation_id: str) -> pa.Table:
+    """One curated shard's table from consecutive slices of materialised input shards."""
+    table = pa.concat_tables(pieces)
+    table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
+    return table.select(CURATED.names).cast(CURATED)
+
+
+def kept_counts_table(ids: list[str], counts: list[int]) -> pa.Table:
+    return pa.table({"rollout_id": pa.array(ids, pa.string()), "tokens_kept": pa.array(counts, pa.int32())})
 
 
 def _score_expr(token: str, entropy: str, advantage: str) -> str:
@@ -142,8 +396,24 @@ def curate(
     commit: bool = True,
     memory_limit: str = DEFAULT_MEMORY_LIMIT,
     threads: int | None = None,
+    engine: str = "embedded",
+    scheduler=None,
+    partitions: int | None = None,
 ) -> CurationResult:
-    """Run `recipe` (with `sets` overrides) over a snapshot; commit unless `commit` is False."""
+    """Run `recipe` (with `sets` overrides) over a snapshot; commit unless `commit` is False.
+
+    `engine="dask"` runs the same curation on dask.distributed (`scheduler`: "local:N", a scheduler
+    address, or a `distributed.Client`; `partitions`: hash partitions of the batch) with the same
+    curation id and byte-identical output; see `curate.distributed`."""
+    if engine == "dask":
+        from .distributed import curate_dask
+
+        return curate_dask(buf, recipe, sets, snapshot_seq=snapshot_seq, commit=commit, memory_limit=memory_limit,
+                           threads=threads, scheduler=scheduler, partitions=partitions)
+    if engine != "embedded":
+        raise ParamError(f"unknown engine {engine!r} (embedded or dask)")
+    if scheduler is not None or partitions is not None:
+        raise ParamError("a scheduler and partitions are options of the dask engine: add --engine dask")
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
@@ -164,67 +434,25 @@ def curate(
 
 def _run_stages(stages: _Stages, session: Session, params: Params, recipe: Recipe) -> dict:
     p = params
-    pods = p["sample"] == "pods"
-    tau = p["amplify_tau"]
-    f = p.sample_fraction()
-    q = {
-        "drop_truncated": p["truncated"] == "drop",
-        "max_policy_lag": p["max_policy_lag"],
-        "max_reuse": p["max_reuse"],
-        "current_version": p["current_version"],
-        "std_mode": p["std"],
-        "dynamic": p["filter"] == "dynamic",
-        "window": p["difficulty_window"],
-        "prior": float(p["difficulty_prior"]),
-        "tau_num": tau.numerator,
-        "tau_den": tau.denominator,
-        "w_max": float(p["amplify_max"]),
-        "mode": p["amplify"],
-        "amplify_on": p["amplify"] != "none",
-        "pods": pods,
-        "f_num": f.numerator,
-        "f_den": f.denominator,
-    }
-    if q["current_version"] is None:
-        q["current_version"] = 0
-    stages.run("curate_candidates", q, where=p["where"])
+    q = stage_params(p)
+    stages.run("curate_candidates", q, rollouts="rollouts", selections="selections", where=p["where"])
     n_candidates = session.one("SELECT count(*) FROM work")[0]
     if n_candidates == 0:
         raise CurationError(f"empty batch: no rollouts match where = {p['where']}")
-    eligible = "(SELECT * FROM work WHERE reason IS NULL)"
-    stages.run("curate_group_stats", q, rows=eligible, out="full_groups")
-    stages.run("curate_advantages", q, rows=eligible, groups="full_groups", out="full_adv")
-    stages.run("curate_filter", q)
+    stage_groups(stages, q)
+    mu = None
     if p["amplify"] == "da3po":
-        stages.run("curate_difficulty", q)
-    else:
-        session.execute("CREATE OR REPLACE TEMP TABLE difficulty AS SELECT NULL::VARCHAR AS group_id, NULL::DOUBLE AS q_hat WHERE false")
-    empty_subset = "CREATE OR REPLACE TEMP TABLE subset_adv AS SELECT NULL::VARCHAR AS rollout_id, 0 AS g_size, 0 AS g_correct, 0.0::FLOAT AS adv WHERE false"
-    if not pods:
-        session.execute(empty_subset)
-        stages.run("curate_amplify_inputs", q)
-        stages.run("curate_amplify", q)
+        mu = batch_mu(*batch_accuracy(stages, q))
+        stages.run("curate_history", q, rows=HISTORY_ROWS, out="prompt_history")
+    stage_amplify(stages, q, p, mu)
     sample_budget = None
     if recipe.sql is not None:
         sample_budget = apply_custom_recipe(session, stages, recipe.sql)
-    elif p["sample"] == "none":
-        session.execute(
-            "CREATE OR REPLACE TEMP TABLE picked AS SELECT rollout_id, true AS selected, "
-            "NULL::INTEGER AS sample_rank FROM work WHERE reason IS NULL"
-        )
-        stages.run("curate_apply_selection", q)
     else:
-        pool_key = "'batch'" if p["sample"] == "cross_group" else "group_id"
-        value = "reward" if pods else "advantage_final"
-        stages.run("curate_select", q, pool_key=pool_key, value=value)
-        stages.run("curate_apply_selection", q)
-        sample_budget = session.one("SELECT count(*) FROM work WHERE selected")[0]
-    if pods:
-        chosen = "(SELECT * FROM work WHERE selected)"
-        stages.run("curate_group_stats", q, rows=chosen, out="subset_groups")
-        stages.run("curate_advantages", q, rows=chosen, groups="subset_groups", out="subset_adv")
-        stages.run("curate_amplify_inputs", q)
-        stages.run("curate_amplify", q)
+        stage_select(stages, q, p)
+        stage_apply(stages, q, p)
+        if p["sample"] != "none":
+            sample_budget = session.one("SELECT count(*) FROM work WHERE selected")[0]
     return {"sample_budget": sample_budget}
 
 
@@ -234,68 +462,35 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
     kappa: Fraction | None = p.token_fraction() if token != "none" else None
     threshold = None
     if token != "none":
-        missing = session.one(
-            "SELECT w.rollout_id FROM work w JOIN rollouts r USING (rollout_id) "
-            "WHERE w.selected AND r.entropies IS NULL ORDER BY w.rollout_id LIMIT 1"
-        )
+        missing = session.one(MISSING_ENTROPIES)
         if missing:
-            raise CurationError(
-                f"rollout_id={missing[0]!r}: column 'entropies' is null, but token={token} needs "
-                f"per-token entropies; {FILL_ENTROPIES} (or run with --set token=none)"
-            )
+            raise missing_entropies_error(missing[0], token)
         stages.run("curate_token_scores", score=_score_expr(token, "h", "advantage_final"))
-        n_tokens = session.one("SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected")[0]
+        n_tokens = session.one(SUMMARY_COUNTS)[0]
         threshold = _threshold(session, token_budget(int(n_tokens), kappa))
-    mask_params = {
-        "token_stage": token != "none",
-        "thr": threshold[0] if threshold else float("inf"),
-        "thr_rollout": threshold[1] if threshold else "",
-        "thr_pos": threshold[2] if threshold else 0,
-    }
+    mask_params = mask_parameters(token, threshold)
     mask_score = _score_expr(token, "h", "w.advantage_final")
     materialise_sql, _ = stages.prepare("curate_materialise", mask_params, {"score": mask_score})
     stages.text.append(materialise_sql)
-    for name in ("curate_audit", "curate_record"):
+    for name in ("curate_audit", "curate_record", "curate_record_values"):
         stages.text.append(stages.prepare(name, {"pods": False, "curation_id": ""}, {})[0])
+    custom = session.check_user_sql(recipe.sql)[0] if recipe.sql is not None else None
+    if stages.text != stage_texts(params, recipe, custom):
+        raise RuntimeError("curate.run: the stages run differ from stage_texts(); update the plan with the run")
     sql_sha = stages.sha256()
-    params_json = params.to_json()
-    curation_id = curation_id_for(snap.seq, recipe.name, params_json, sql_sha)
+    curation_id = curation_id_for(snap.seq, recipe.name, params.to_json(), sql_sha)
 
-    rec = stages.run("curate_record", {"pods": p["sample"] == "pods"}).fetchall()[0]
-    n_candidates, n_selected, tokens_candidate, var_before, var_after = rec
-    reasons = dict(session.execute("SELECT reason, count(*) FROM work GROUP BY reason ORDER BY reason").fetchall())
-    curated_tokens = int(session.one("SELECT coalesce(sum(tokens_total), 0) FROM work WHERE selected")[0])
-    per_row = max(1, (curated_tokens * 14 + int(n_selected) * 64) // max(1, int(n_selected)))
-    rows_per_shard = max(1, CURATED_SHARD_BYTES // per_row)
-    record = {
-        "curation_id": curation_id,
-        "created_at": dt.datetime.now(dt.timezone.utc),
-        "recipe": recipe.name,
-        "params": params_json,
-        "sql_sha256": sql_sha,
-        "snapshot_seq": snap.seq,
-        "progress": float(p["progress"]),
-        "sample_budget": result["sample_budget"],
-        "token_fraction": float(kappa) if kappa is not None else None,
-        "token_threshold": threshold[0] if threshold else None,
-        "n_candidates": int(n_candidates),
-        "n_selected": int(n_selected),
-        "tokens_candidate": int(tokens_candidate),
-        "tokens_kept": 0,
-        "adv_var_before": var_before,
-        "adv_var_after": var_after,
-        "old_logprobs_fallback": 0,
-        "output_files": "[]",
-    }
-    out = CurationResult(curation_id, record, reasons, snap.seq, committed=False)
+    summary = run_summary(stages, p)
+    rows_per_shard = curated_rows_per_shard(summary)
+    record = new_record(curation_id, snap.seq, recipe, params, sql_sha, summary, result["sample_budget"], threshold)
+    out = CurationResult(curation_id, record, summary["reasons"], snap.seq, committed=False)
 
     def curated_tables():
         """Curated rows, input shard by input shard, each sorted by rollout_id (bounded memory)."""
         for path in snap.files("rollouts"):
-            session.execute(f"CREATE OR REPLACE TEMP VIEW shard_rows AS SELECT * FROM read_parquet({sql_string(path)})")
-            table = session.con.sql(materialise_sql, params=mask_params).to_arrow_table()
+            table = materialise_shard(session, path, materialise_sql, mask_params)
             if table.num_rows:
-                yield table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
+                yield table
 
     def parts():
         kept_ids, kept_counts, output_files = [], [], []
@@ -306,11 +501,10 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
         def flush():
             nonlocal pending, pending_rows, index
             name = f"part-{index:05d}"
-            table = pa.concat_tables(pending)
-            table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
+            table = curated_table(pending, curation_id)
             output_files.append(f"curated/{curation_id}/{name}.parquet")
             pending, pending_rows, index = [], 0, index + 1
-            return Part("curated", table.select(CURATED.names).cast(CURATED), curation_id, curation_id, name)
+            return Part("curated", table, curation_id, curation_id, name)
 
         for table in curated_tables():
             kept_ids.extend(table.column("rollout_id").to_pylist())
@@ -326,8 +520,7 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
         if pending_rows:
             yield flush()
         record["tokens_kept"] = int(sum(kept_counts))
-        session.con.register("kept_counts", pa.table({
-            "rollout_id": pa.array(kept_ids, pa.string()), "tokens_kept": pa.array(kept_counts, pa.int32())}))
+        session.con.register("kept_counts", kept_counts_table(kept_ids, kept_counts))
         out.audit = stages.table("curate_audit", {"curation_id": curation_id}).cast(SELECTIONS)
         session.con.unregister("kept_counts")
         output_files.append(f"audit/{curation_id}/audit.parquet")
@@ -342,6 +535,19 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
         out.curated = pa.concat_tables(curated) if curated else CURATED.empty_table()
         return out
 
+    return publish(buf, parts, curation_id, out)
+
+
+def already_committed(buf: Buffer, curation_id: str) -> bool:
+    return bool(buf.manifest.con.execute(
+        "SELECT count(*) FROM shards WHERE table_name = 'curations' AND key = ?", (curation_id,)
+    ).fetchone()[0])
+
+
+def publish(buf: Buffer, parts, curation_id: str, out: CurationResult) -> CurationResult:
+    """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
+    this curation is already committed (then nothing is written: the run is idempotent)."""
+
     def refuse_duplicate(con, _seq, _ids):
         row = con.execute(
             "SELECT count(*) FROM shards WHERE table_name = 'curations' AND key = ? AND removed_seq IS NULL",
@@ -350,11 +556,8 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
         if row[0] > 1:
             raise _AlreadyCommitted()
 
-    existing = buf.manifest.con.execute(
-        "SELECT count(*) FROM shards WHERE table_name = 'curations' AND key = ?", (curation_id,)
-    ).fetchone()[0]
     out.committed = True
-    if existing:
+    if already_committed(buf, curation_id):
         out.already_existed = True
         return out
     try:

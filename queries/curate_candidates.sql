@@ -6,12 +6,12 @@ CREATE OR REPLACE TEMP TABLE work AS
 WITH batch AS (
     SELECT rollout_id, group_id, prompt_id, policy_version, reward, correct, verify_error,
            finish_reason, len(response_token_ids)::INTEGER AS tokens_total
-    FROM rollouts
+    FROM {rollouts}
     WHERE ({where})
 ),
 times_selected AS (  -- distinct committed curations that selected each rollout
     SELECT rollout_id, count(DISTINCT curation_id) AS n
-    FROM selections
+    FROM {selections}
     WHERE selected AND curation_id IN (SELECT curation_id FROM curations)
     GROUP BY rollout_id
 )

@@ -1,24 +1,13 @@
 -- Step 5a — difficulty q̂ per group (algorithms.md 3 and step 5): pooled accuracy of the judged
--- attempts at the group's prompt within the last $window policy versions (any run, any step,
--- whatever their eligibility here), plus the group's own rows that reached step 2 (counted once,
--- even below the window), smoothed by a Beta prior centred on μ (accuracy of the batch's eligible
--- rows) with strength $prior:  q̂ = (Σk + s·μ) / (Σn + s).
+-- attempts at the group's prompt within the last $window policy versions (`prompt_history`, from
+-- curate_history.sql), plus the group's own rows that reached step 2 (counted once, even below the
+-- window), smoothed by a Beta prior centred on $mu (accuracy of the batch's eligible rows,
+-- curate_batch_accuracy.sql) with strength $prior:  q̂ = (Σk + s·μ) / (Σn + s).
 -- A group's rows share one policy_version, and the rows that reached step 2 are judged, so they
 -- are either all inside the window (already counted) or all outside it (added once).
 CREATE OR REPLACE TEMP TABLE difficulty AS
 WITH reached AS (
     SELECT group_id, prompt_id, policy_version, correct FROM work WHERE group_size IS NOT NULL
-),
-mu AS (
-    SELECT avg(correct::DOUBLE) AS mu FROM reached
-),
-window_by_prompt AS (
-    SELECT prompt_id, count(*) AS n, count(*) FILTER (WHERE correct) AS k
-    FROM rollouts
-    WHERE correct IS NOT NULL AND verify_error IS NULL
-      AND policy_version BETWEEN $current_version - $window + 1 AND $current_version
-      AND prompt_id IN (SELECT DISTINCT prompt_id FROM reached)
-    GROUP BY prompt_id
 ),
 own_outside AS (  -- a group's own rows when its version is outside the window
     SELECT group_id, any_value(prompt_id) AS prompt_id,
@@ -29,11 +18,10 @@ own_outside AS (  -- a group's own rows when its version is outside the window
 )
 SELECT
     o.group_id,
-    coalesce(w.n, 0) + o.n                          AS n_hist,
-    coalesce(w.k, 0) + o.k                          AS k_hist,
-    CASE WHEN coalesce(w.n, 0) + o.n + $prior = 0 THEN NULL
-         ELSE (coalesce(w.k, 0) + o.k + $prior * mu.mu) / (coalesce(w.n, 0) + o.n + $prior)
+    coalesce(h.n, 0) + o.n                          AS n_hist,
+    coalesce(h.k, 0) + o.k                          AS k_hist,
+    CASE WHEN coalesce(h.n, 0) + o.n + $prior = 0 THEN NULL
+         ELSE (coalesce(h.k, 0) + o.k + $prior * $mu) / (coalesce(h.n, 0) + o.n + $prior)
     END                                             AS q_hat
 FROM own_outside o
-CROSS JOIN mu
-LEFT JOIN window_by_prompt w USING (prompt_id);
+LEFT JOIN prompt_history h USING (prompt_id);

@@ -158,12 +158,16 @@ def curate_(
     snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print, commit nothing."),
     memory_limit: str = typer.Option("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
+    engine: str = typer.Option("embedded", "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
+    partitions: Optional[int] = typer.Option(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
     from rollstore.curation_cli import print_summary, run_curate
 
     with open_buffer(buffer) as buf:
-        result = run_curate(buf, recipe, set_, progress, snapshot, dry_run, memory_limit)
+        result = run_curate(buf, recipe, set_, progress, snapshot, dry_run, memory_limit,
+                            engine=engine, scheduler=scheduler, partitions=partitions)
     print_summary(result, out)
 
 

@@ -10,6 +10,9 @@ Invariants:
 - The held-out partition is fixed by the prompt text alone (`is_heldout`, about 10 % of all
   expressions), so no training prompt or warm-up example is ever a held-out prompt, whatever the
   seeds; `heldout_prompts(n)` is a prefix of `heldout_prompts(m)` for n < m.
+- Held-out prompts are distinct: a level whose held-out expressions run out (levels 1 and 3 have
+  only a few dozen: their whole domain is a few hundred expressions) drops out of the rotation
+  instead of repeating one, so no single expression weighs more than another in an accuracy.
 - Every prompt carries its difficulty level (1 = easiest, `MAX_LEVEL` = hardest) and
   `source == "builtin:arith"`; `prompt_id` is `prompt_hash` of the text, like any file dataset.
 - Levels are interleaved round-robin, so any prefix of a list has a balanced mix of its split.
@@ -18,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -27,6 +31,7 @@ SOURCE = "builtin:arith"
 HELDOUT_SEED = "heldout-v1"  # fixed: the held-out list never depends on a caller's seed
 HELDOUT_PERCENT = 10
 _MAX_TRIES = 200  # draws spent looking for an unseen expression before accepting a repeat
+_ENUMERATE_UP_TO = 5000  # levels with at most this many expressions are enumerated, not sampled
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,57 @@ def _draw(rng: random.Random, spec: Level) -> str:
     return expr + "="
 
 
+def _domain(spec: Level) -> list[str] | None:
+    """Every expression of a small level, in a fixed order; None when the level is large."""
+    lo, hi = spec.digits
+    values = [x for d in range(lo, hi + 1) for x in (range(10) if d == 1 else range(10 ** (d - 1), 10**d))]
+    size = sum(len(values) ** n * len(spec.ops) ** (n - 1) for n in spec.operands)
+    if size > _ENUMERATE_UP_TO:
+        return None
+    out = []
+    for n in spec.operands:
+        for nums in itertools.product(values, repeat=n):
+            for ops in itertools.product(spec.ops, repeat=n - 1):
+                if spec.need_mul and "*" not in ops:
+                    continue
+                out.append(str(nums[0]) + "".join(op + str(x) for op, x in zip(ops, nums[1:])) + "=")
+    return out
+
+
+def _distinct_heldout(n: int, stream: str, levels: tuple[int, ...]) -> list[Prompt]:
+    """n distinct held-out prompts, levels round-robin; an exhausted level leaves the rotation."""
+    rng = random.Random(stream)
+    pools: dict[int, list[str]] = {}
+    for lv in levels:
+        domain = _domain(LEVELS[lv])
+        if domain is not None:
+            pool = [e for e in domain if is_heldout(e)]
+            random.Random(f"{stream}:{lv}").shuffle(pool)
+            pools[lv] = pool[::-1]  # pop() from the end takes them in shuffled order
+    seen: set[str] = set()
+    out: list[Prompt] = []
+    active = list(levels)
+    i = 0
+    while len(out) < n and active:
+        lv = active[i % len(active)]
+        text = None
+        if lv in pools:
+            text = pools[lv].pop() if pools[lv] else None
+        else:
+            for _ in range(_MAX_TRIES):
+                cand = _draw(rng, LEVELS[lv])
+                if is_heldout(cand) and cand not in seen:
+                    text = cand
+                    break
+        if text is None:
+            active.remove(lv)  # the next level takes this turn; i stays
+            continue
+        seen.add(text)
+        out.append(make_prompt(text, lv))
+        i += 1
+    return out
+
+
 def _levels_of(split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
     if levels is not None:
         bad = [lv for lv in levels if lv not in LEVELS]
@@ -160,9 +216,12 @@ def train_prompts(
 def heldout_prompts(
     n: int, split: str = "train", levels: tuple[int, ...] | None = None
 ) -> list[Prompt]:
-    """The first n prompts of the fixed held-out list of a split (same on every call)."""
+    """The first n prompts of the fixed held-out list of a split (same on every call), all distinct.
+
+    Fewer than n only when the split's whole held-out partition is smaller than n.
+    """
     lv = _levels_of(split, levels)
-    return _generate(n, f"arith:heldout:{split}:{lv}:{HELDOUT_SEED}", True, lv)
+    return _distinct_heldout(n, f"arith:heldout:{split}:{lv}:{HELDOUT_SEED}", lv)
 
 
 def warmup_examples(

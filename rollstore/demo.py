@@ -57,6 +57,7 @@ def run_demo(path: str, iterations: int, recipe: str, console: Console, model: s
         console.print(f'  rollstore sql {path} "{sql}"', highlight=False, markup=False)
     console.print(f"\nThe audit of the last curation:  rollstore audit {path}", highlight=False)
     console.print(f"One rollout's kept tokens:      rollstore audit {path} --rollout ROLLOUT_ID", highlight=False)
+    console.print(f"Everything as one HTML page:    rollstore report {path} --out report.html", highlight=False)
     summary["wall_seconds"] = wall
     summary["before"], summary["after"] = before, after
     return summary

@@ -54,6 +54,8 @@ class LoopConfig:
     eval_every: int = 5
     eval_prompts: int = 200
     eval_split: str = "heldout"
+    eval_samples: int = 0  # > 0: each evaluation also samples this many responses per prompt (pass@k)
+    eval_ks: tuple[int, ...] = (1, 8)
     seed: int = 0
     run_id: str | None = None
     backend: str = "hf"
@@ -94,6 +96,20 @@ def greedy_accuracy(backend, prompts, reward_pool, max_new_tokens: int) -> float
     verdicts = reward_pool.rewards([p.gold_answer for p in prompts], [g[0].text for g in gens],
                                    [len(g[0].response_token_ids) for g in gens], None)
     return sum(1 for v in verdicts if v.correct) / len(prompts)
+
+
+def sampled_metrics(backend, prompts, reward_pool, cfg: "LoopConfig", version: int) -> dict[str, float]:
+    """pass@k (unbiased) and avg@n from cfg.eval_samples samples per prompt at cfg.temperature."""
+    from learner.evaluate import summarize
+
+    n = cfg.eval_samples
+    gens = backend.generate([p.prompt for p in prompts], n, cfg.max_new_tokens, temperature=cfg.temperature,
+                            seed=cfg.seed * 7919 + 104729 + version)
+    flat = [x for g in gens for x in g]
+    verdicts = reward_pool.rewards([p.gold_answer for p, g in zip(prompts, gens) for _ in g], [x.text for x in flat],
+                                   [len(x.response_token_ids) for x in flat], None)
+    correct = [[v.correct for v in verdicts[i * n:(i + 1) * n]] for i in range(len(prompts))]
+    return summarize(correct, [k for k in cfg.eval_ks if k <= n])
 
 
 def record_eval(buf: Buffer, run_id: str, version: int, iteration: int, split: str, metrics: dict,
@@ -157,15 +173,25 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
     backend = get_backend(cfg.backend, gen_dir)
     reports: list[IterationReport] = []
     evals: list[tuple[int, int, float]] = []
+    eval_metrics: list[dict] = []
     pool = RewardPool()
     heldout = heldout_prompts(cfg) if cfg.eval_every else []
     try:
-        if heldout and start_iteration == 0:
+        def evaluate(iteration: int) -> float:
             acc = greedy_accuracy(backend, heldout, pool, cfg.max_new_tokens)
-            record_eval(buf, run_id, version, 0, cfg.eval_split, {"greedy_accuracy": acc}, len(heldout), 1)
-            evals.append((0, version, acc))
+            metrics = {"greedy_accuracy": acc}
+            if cfg.eval_samples:
+                metrics.update(sampled_metrics(backend, heldout, pool, cfg, version))
+            record_eval(buf, run_id, version, iteration, cfg.eval_split, metrics, len(heldout),
+                        max(1, cfg.eval_samples))
+            evals.append((iteration, version, acc))
+            eval_metrics.append({"iteration": iteration, "version": version, **metrics})
             if on_eval:
-                on_eval(0, version, acc)
+                on_eval(iteration, version, acc)
+            return acc
+
+        if heldout and start_iteration == 0:
+            evaluate(0)
         for it in range(start_iteration, cfg.iterations):
             t0 = time.perf_counter()
             note = ""
@@ -209,11 +235,7 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
             batch_acc = _batch_accuracy(buf, run_id, it)
             held = None
             if heldout and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
-                held = greedy_accuracy(backend, heldout, pool, cfg.max_new_tokens)
-                record_eval(buf, run_id, version, it + 1, cfg.eval_split, {"greedy_accuracy": held}, len(heldout), 1)
-                evals.append((it + 1, version, held))
-                if on_eval:
-                    on_eval(it + 1, version, held)
+                held = evaluate(it + 1)
             rep = IterationReport(
                 iteration=it, version=version, batch_accuracy=batch_acc[0], rollouts=batch_acc[1],
                 gen_batches=batches, samples_kept=cur.record["n_selected"], tokens_kept=cur.record["tokens_kept"],
@@ -227,7 +249,7 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
         pool.close()
         buf.close()
     return {"run_id": run_id, "iterations": [dataclasses.asdict(r) for r in reports], "evals": evals,
-            "version": version}
+            "eval_metrics": eval_metrics, "version": version}
 
 
 def _batch_accuracy(buf: Buffer, run_id: str, step: int) -> tuple[float, int]:

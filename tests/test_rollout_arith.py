@@ -56,7 +56,18 @@ def test_heldout_is_fixed_disjoint_and_prefix_stable():
     warm = {q for q, _ in arith.warmup_examples(3000, seed=0)}
     held_texts = {p.prompt for p in held}
     assert not (held_texts & train) and not (held_texts & warm)
-    assert len(held_texts) > 150  # unique while the small levels allow
+    assert len(held_texts) == len(held)  # distinct: no expression weighs more than another
+
+
+def test_small_levels_leave_the_heldout_rotation_when_exhausted():
+    held = arith.heldout_prompts(600)
+    for lv in (1, 3):  # whole domains of 200 and 100 expressions: every held-out one, once
+        domain = [e for e in arith._domain(arith.LEVELS[lv]) if arith.is_heldout(e)]
+        assert sorted(p.prompt for p in held if p.difficulty == lv) == sorted(domain)
+    big = [sum(p.difficulty == lv for p in held) for lv in (2, 4, 5)]
+    assert max(big) - min(big) <= 1 and sum(big) == 600 - sum(p.difficulty in (1, 3) for p in held)
+    only3 = arith.heldout_prompts(50, levels=(3,))
+    assert 0 < len(only3) < 50  # a split smaller than n gives all it has
 
 
 def test_harder_split_and_explicit_levels():

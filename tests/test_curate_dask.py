@@ -119,14 +119,18 @@ def test_every_recipe_is_byte_identical(pair, client, recipe):
     assert_identical(pair, ra, rb, rows_a, rows_b)
 
 
-@pytest.mark.parametrize("sets", [
-    {"amplify": "da3po", "filter": "dynamic", "sample": "cross_group", "token": "abs_adv_entropy",
-     "schedule": "linear", "progress": "0.3", "difficulty_window": "2"},
-    {"sample": "pods", "amplify": "da3po", "std": "population", "truncated": "drop", "max_policy_lag": "1"},
-    {"sample": "in_group", "sample_fraction": "0.07", "token": "entropy", "token_fraction": "0.33"},
+@pytest.mark.parametrize("sets, partitions", [
+    ({"amplify": "da3po", "filter": "dynamic", "sample": "cross_group", "token": "abs_adv_entropy",
+      "schedule": "linear", "progress": "0.3", "difficulty_window": "2"}, 3),
+    ({"sample": "pods", "amplify": "da3po", "std": "population", "truncated": "drop", "max_policy_lag": "1"}, 3),
+    ({"sample": "in_group", "sample_fraction": "0.07", "token": "entropy", "token_fraction": "0.33"}, 3),
+    # groups of one only: dynamic sampling empties the pool; more partitions than prompts
+    ({"where": "step = 3", "filter": "dynamic", "sample": "cross_group", "token": "abs_adv_entropy"}, 12),
 ])
-def test_combinations_are_byte_identical(pair, client, sets):
-    ra, rb, rows_a, rows_b = _both(pair, client, "grpo", {"where": "step >= 1", **sets}, partitions=3)
+def test_combinations_are_byte_identical(pair, client, sets, partitions):
+    ra, rb, rows_a, rows_b = _both(pair, client, "grpo", {"where": "step >= 1", **sets}, partitions=partitions)
+    if sets.get("where") == "step = 3":
+        assert ra.record["n_selected"] == 0 and ra.record["adv_var_before"] is None
     assert_identical(pair, ra, rb, rows_a, rows_b)
 
 

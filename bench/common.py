@@ -245,11 +245,13 @@ def append_results(text: str, path: str = RESULTS) -> None:
 # profiles
 # ---------------------------------------------------------------------------------------------
 
-def profile(fn: Callable[[], object], top: int = 15) -> tuple[object, str]:
-    """Run `fn` under pyinstrument; return its result and the top frames by self time.
+def profile(fn: Callable[[], object], top: int = 12, tree_lines: int = 45) -> tuple[object, str]:
+    """Run `fn` under pyinstrument; return its result and a text profile.
 
-    Time spent inside DuckDB or Arrow C++ is charged to the Python frame that called into it
-    (`execute`, `to_arrow_table`, ...), which is what tells a query from Python overhead apart.
+    The text holds the call tree (frames of at least 3 % of the time) and the top functions by self
+    time. Time spent inside DuckDB or Arrow C++ is charged to the Python frame that called into
+    it (`Session.execute`, `to_arrow_table`, `write_table`, ...), which is what tells a query from
+    Python overhead apart.
     """
     from pyinstrument import Profiler
 
@@ -259,11 +261,16 @@ def profile(fn: Callable[[], object], top: int = 15) -> tuple[object, str]:
         result = fn()
     finally:
         prof.stop()
+    tree = prof.output_text(unicode=False, color=False, show_all=False, short_mode=False,
+                            processor_options={"filter_threshold": 0.03})
+    tlines = [ln.rstrip() for ln in tree.splitlines()]
+    duration = next((ln.split("Duration:")[1].strip() for ln in tlines if "Duration:" in ln), "?")
+    first = next((i for i, ln in enumerate(tlines) if ln[:1].isdigit()), len(tlines))
+    tlines = [ln for ln in tlines[first:] if ln.strip()][:tree_lines]
     flat = prof.output_text(unicode=False, color=False, flat=True, flat_time="self", short_mode=False)
-    lines = [ln.rstrip() for ln in flat.splitlines() if ln.strip()]
-    duration = next((ln.split("Duration:")[1].strip() for ln in lines if "Duration:" in ln), "?")
-    body = [ln.strip() for ln in lines if ln.strip()[:1].isdigit() and "[self]" not in ln]
-    return result, "\n".join([f"pyinstrument, self time per function (seconds); duration {duration}"] + body[:top])
+    body = [ln.strip() for ln in flat.splitlines() if ln.strip()[:1].isdigit() and "[self]" not in ln]
+    return result, "\n".join([f"pyinstrument call tree (seconds; frames >= 3 %); duration {duration}"] + tlines
+                             + ["", "top functions by self time (seconds)"] + body[:top])
 
 
 def method(doc: str) -> str:

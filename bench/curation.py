@@ -204,8 +204,9 @@ def measure(root: str, recipes, memory_limit: str = "1GB", progress: str = "0", 
     per = {}
     for recipe in recipes:
         rs_out, ref_out = os.path.join(workdir, f"{recipe}-rollstore.parquet"), os.path.join(workdir, f"{recipe}-ref.parquet")
-        rs = common.best_of(lambda: run_one("curate", root, recipe, memory_limit, progress, out=rs_out), repeat)
-        ref = common.best_of(lambda: run_one("reference", root, recipe, memory_limit, progress, out=ref_out), repeat)
+        rs = common.best_of(lambda r=recipe, o=rs_out: run_one("curate", root, r, memory_limit, progress, out=o), repeat)
+        ref = common.best_of(lambda r=recipe, o=ref_out: run_one("reference", root, r, memory_limit, progress, out=o),
+                             repeat)
         per[recipe] = {"rollstore": rs, "reference": ref, "agreement": agreement(rs_out, ref_out)}
     return {"info": info, "floor": floor, "recipes": per, "memory_limit": memory_limit, "progress": progress,
             "repeat": repeat}

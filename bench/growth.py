@@ -40,14 +40,14 @@ def measure(root: str, recipes=("d3s", "da3po"), base_steps: int = 2, memory_lim
     for k in ks:
         tokens, n_rows = batch_tokens(root, k)
         where = f"step < {k}"
-        runs = {"scan floor": common.best_of(lambda: run_one("floor", root, memory_limit=memory_limit, where=where),
-                                             repeat)}
+        runs = {"scan floor": common.best_of(
+            lambda w=where: run_one("floor", root, memory_limit=memory_limit, where=w), repeat)}
         if "d3s" in recipes:
             runs["d3s in-memory reference"] = common.best_of(
-                lambda: run_one("reference", root, "d3s", memory_limit, progress, first_shards=k), repeat)
+                lambda k=k: run_one("reference", root, "d3s", memory_limit, progress, first_shards=k), repeat)
         for recipe in recipes:
             runs[f"rollstore {recipe}"] = common.best_of(
-                lambda: run_one("curate", root, recipe, memory_limit, progress, where=where), repeat)
+                lambda r=recipe, w=where: run_one("curate", root, r, memory_limit, progress, where=w), repeat)
         rows.append({"k": k, "tokens": tokens, "rows": n_rows, "runs": runs})
     names = list(rows[0]["runs"])
     slopes = {n: slope([r["tokens"] for r in rows], [r["runs"][n]["seconds"] for r in rows]) for n in names}

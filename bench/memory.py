@@ -64,11 +64,11 @@ def measure(sizes, recipes=("d3s", "da3po"), memory_limit: str = "64MB", shard_t
         for size in sorted(sizes):
             info = common.build_buffer(root, size, shard_tokens)
             for recipe in recipes:
-                r = common.best_of(lambda: run_one("curate", root, recipe, memory_limit), repeat)
+                r = common.best_of(lambda rec=recipe: run_one("curate", root, rec, memory_limit), repeat)
                 runs.append({"size": size, "info": info, "recipe": recipe, "limit": memory_limit, **r})
         if reference_limit:  # the largest size again without the tight limit: what the limit costs
             for recipe in recipes[:1]:
-                r = common.best_of(lambda: run_one("curate", root, recipe, reference_limit), repeat)
+                r = common.best_of(lambda rec=recipe: run_one("curate", root, rec, reference_limit), repeat)
                 runs.append({"size": size, "info": info, "recipe": recipe, "limit": reference_limit, **r})
     finally:
         if own:

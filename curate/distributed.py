@@ -12,7 +12,9 @@ Invariants:
   histograms of the monotone score bucket, summed, then the head of the one bucket that holds the
   K-th token; the record's numbers by the record SQL over all candidates' narrow rows in one task.
 - Curated shards are materialised per input shard and cut into exactly the embedded engine's
-  parts; workers write them, and the audit, only under BUFFER/tmp/curate-<run>/. Nothing is
+  parts (one task per output shard, so materialisation runs as wide as there are output shards),
+  with the client's row-group sizing (its core count), so the worker's host does not change the
+  bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<run>/. Nothing is
   visible until the client links every file into place and commits them with the record in ONE
   `Buffer.commit`. On any failure (a lost worker past Dask's retries, an interrupt, an error) the
   run folder is removed and nothing is committed. Tasks are pure functions of their inputs, so a
@@ -43,7 +45,7 @@ import pyarrow.parquet as pq
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part, WrittenPart, token_count
 from storage.schema import CURATED, CURATIONS, SELECTIONS, TABLES
-from storage.shardio import write_tmp
+from storage.shardio import READ_THREADS, write_tmp
 from storage.snapshot import SnapshotFiles, sql_string
 
 from .params import ParamError, Params, Recipe, resolve, token_budget
@@ -107,6 +109,7 @@ class _Ctx:
     memory_limit: str
     threads: int
     folder: str  # tmp/curate-<run>, relative to the buffer root
+    write_threads: int  # the client's READ_THREADS: row groups as the embedded engine would cut them
     hooks: dict = field(default_factory=dict)  # tests: {task kind: seconds to sleep first, or "fail"}
 
     def shard(self, i: int) -> str:
@@ -313,7 +316,7 @@ def _token_head(ctx: _Ctx, i: int, decisions: pa.Table, bucket: int, n: int) -> 
 def _write(ctx: _Ctx, table_name: str, table: pa.Table, relpath: str, key: str) -> WrittenPart:
     schema = TABLES[table_name]
     table = table.select(schema.names).cast(schema)  # exactly what Buffer.commit writes for a Part
-    tmp, nbytes, sha = write_tmp(table, ctx.files.root, ctx.folder)
+    tmp, nbytes, sha = write_tmp(table, ctx.files.root, ctx.folder, ctx.write_threads)
     return WrittenPart(table_name, tmp, relpath, table.num_rows, token_count(table), nbytes, sha, key)
 
 
@@ -468,7 +471,7 @@ def curate_dask(
         run = uuid.uuid4().hex[:12]
         folder = os.path.join("tmp", f"curate-{run}")
         ctx = _Ctx(snap.frozen(), params, {}, _stage_sql(), partitions or 2 * len(versions), memory_limit,
-                   threads or 1, folder, dict(_task_hooks or {}))
+                   threads or 1, folder, READ_THREADS, dict(_task_hooks or {}))
         job = _Run(client, ctx, run)
         os.makedirs(os.path.join(buf.root, folder))
         try:

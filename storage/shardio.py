@@ -39,18 +39,22 @@ def _float_leaf_paths(schema: pa.Schema) -> tuple[list[str], list[str]]:
     return split, dictionary
 
 
-def rows_per_group(table: pa.Table, target_bytes: int = ROW_GROUP_BYTES) -> int:
-    """Rows per row group: ~target_bytes each, and at least READ_THREADS groups for big files."""
+def rows_per_group(table: pa.Table, target_bytes: int = ROW_GROUP_BYTES, threads: int | None = None) -> int:
+    """Rows per row group: ~target_bytes each, and at least `threads` (default READ_THREADS, this
+    host's cores) groups for big files."""
+    threads = threads or READ_THREADS
     n = max(1, table.num_rows)
     per_row = max(1, table.nbytes // n)
     rows = max(1, target_bytes // per_row)
-    if table.nbytes >= MIN_GROUP_BYTES * READ_THREADS:
-        rows = min(rows, math.ceil(n / READ_THREADS))
+    if table.nbytes >= MIN_GROUP_BYTES * threads:
+        rows = min(rows, math.ceil(n / threads))
     return int(min(rows, n))
 
 
-def write_parquet(table: pa.Table, path: str) -> None:
-    """Write `table` to `path` with rollstore's encodings and fsync it."""
+def write_parquet(table: pa.Table, path: str, threads: int | None = None) -> None:
+    """Write `table` to `path` with rollstore's encodings and fsync it. `threads` sizes the row
+    groups (default: this host's READ_THREADS); a writer on another host passes the committer's,
+    so that where a file is written does not change its bytes."""
     split, dictionary = _float_leaf_paths(table.schema)
     with open(path, "wb") as fh:
         pq.write_table(
@@ -60,7 +64,7 @@ def write_parquet(table: pa.Table, path: str) -> None:
             compression_level=3,
             use_dictionary=dictionary,
             use_byte_stream_split=split,
-            row_group_size=rows_per_group(table),
+            row_group_size=rows_per_group(table, threads=threads),
             write_statistics=True,
         )
         fh.flush()
@@ -106,7 +110,7 @@ def publish_file(table: pa.Table, root: str, relpath: str) -> tuple[int, str]:
     return os.path.getsize(final), digest
 
 
-def write_tmp(table: pa.Table, root: str, folder: str = "tmp") -> tuple[str, int, str]:
+def write_tmp(table: pa.Table, root: str, folder: str = "tmp", threads: int | None = None) -> tuple[str, int, str]:
     """Write `table` complete and fsynced to a fresh name in root/<folder>, an existing folder under
     `tmp/` (never created here: once its owner removed it, a late writer fails instead of leaving a
     file); return (path relative to root, bytes, sha256). The file stays an orphan (never read,
@@ -115,7 +119,7 @@ def write_tmp(table: pa.Table, root: str, folder: str = "tmp") -> tuple[str, int
     rel = os.path.join(folder, f"{uuid.uuid4().hex}.parquet")
     _check_inside(root, rel, "tmp")
     path = os.path.join(root, rel)
-    write_parquet(table, path)
+    write_parquet(table, path, threads)
     return rel, os.path.getsize(path), sha256_file(path)
 
 

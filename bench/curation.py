@@ -197,17 +197,24 @@ def agreement(rollstore_out: str, reference_out: str) -> dict:
 
 def measure(root: str, recipes, memory_limit: str = "1GB", progress: str = "0", repeat: int = 1,
             workdir: str | None = None) -> dict:
+    own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="rs-bench-cmp-")
     os.makedirs(workdir, exist_ok=True)
     info = common.describe(root)
     floor = common.best_of(lambda: run_one("floor", root, memory_limit=memory_limit), repeat)
     per = {}
-    for recipe in recipes:
-        rs_out, ref_out = os.path.join(workdir, f"{recipe}-rollstore.parquet"), os.path.join(workdir, f"{recipe}-ref.parquet")
-        rs = common.best_of(lambda r=recipe, o=rs_out: run_one("curate", root, r, memory_limit, progress, out=o), repeat)
-        ref = common.best_of(lambda r=recipe, o=ref_out: run_one("reference", root, r, memory_limit, progress, out=o),
-                             repeat)
-        per[recipe] = {"rollstore": rs, "reference": ref, "agreement": agreement(rs_out, ref_out)}
+    try:
+        for recipe in recipes:
+            rs_out = os.path.join(workdir, f"{recipe}-rollstore.parquet")
+            ref_out = os.path.join(workdir, f"{recipe}-ref.parquet")
+            rs = common.best_of(lambda r=recipe, o=rs_out: run_one("curate", root, r, memory_limit, progress, out=o),
+                                repeat)
+            ref = common.best_of(lambda r=recipe, o=ref_out: run_one("reference", root, r, memory_limit, progress,
+                                                                     out=o), repeat)
+            per[recipe] = {"rollstore": rs, "reference": ref, "agreement": agreement(rs_out, ref_out)}
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
     return {"info": info, "floor": floor, "recipes": per, "memory_limit": memory_limit, "progress": progress,
             "repeat": repeat}
 

@@ -267,13 +267,18 @@ def loop(
     iterations: int = typer.Option(20, "--iterations", "-k"),
     recipe: str = typer.Option("d3s", "--recipe", "-r"),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
-    prompts_per_iter: int = typer.Option(64, "--prompts-per-iter"),
+    prompts_per_iter: int = typer.Option(128, "--prompts-per-iter"),
     group_size: int = typer.Option(8, "--group-size", "-G"),
     loss: str = typer.Option("grpo", "--loss"),
-    lr: float = typer.Option(2e-5, "--lr"),
+    lr: float = typer.Option(5e-5, "--lr"),
+    warmup_steps: int = typer.Option(5, "--warmup-steps"),
+    micro_batch_size: int = typer.Option(64, "--micro-batch-size"),
+    grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per optimiser step."),
     max_policy_lag: Optional[int] = typer.Option(None, "--max-policy-lag"),
     max_gen_batches: int = typer.Option(8, "--max-gen-batches"),
     eval_every: int = typer.Option(5, "--eval-every", help="Held-out evaluation every N iterations (0 = never)."),
+    eval_prompts: int = typer.Option(500, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
+    eval_samples: int = typer.Option(0, "--eval-samples", help="Also sample N per prompt for pass@1 / pass@N."),
     seed: int = typer.Option(0, "--seed"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
     backend: str = typer.Option("hf", "--backend"),
@@ -287,7 +292,9 @@ def loop(
     Buffer.init(buffer).close()
     cfg = LoopConfig(buffer=buffer, model=model, prompts=prompts, iterations=iterations, recipe=recipe,
                      sets=parse_sets(set_), prompts_per_iter=prompts_per_iter, group_size=group_size, loss=loss,
-                     lr=lr, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
+                     lr=lr, warmup_steps=warmup_steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                     max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
+                     eval_prompts=eval_prompts, eval_samples=eval_samples, eval_ks=(1, eval_samples) if eval_samples else (1,),
                      seed=seed, run_id=run_id, backend=backend)
     run_with_display(cfg, out)
 

@@ -37,22 +37,22 @@ class LoopConfig:
     iterations: int = 20
     recipe: str = "d3s"
     sets: dict = field(default_factory=dict)
-    prompts_per_iter: int = 64
+    prompts_per_iter: int = 128
     group_size: int = 8
     max_new_tokens: int = 12
     temperature: float = 1.0
     top_p: float = 1.0
     loss: str = "grpo"
-    lr: float = 2e-5
-    warmup_steps: int = 0
+    lr: float = 5e-5
+    warmup_steps: int = 5
     epochs: int = 1
     micro_batch_size: int = 64
-    grad_accum: int = 1
+    grad_accum: int = 4  # 256 samples per optimiser step: 4 steps per iteration of 128 prompts × 8
     max_policy_lag: int | None = None
     max_gen_batches: int = 8
     overgen: int = 2
     eval_every: int = 5
-    eval_prompts: int = 200
+    eval_prompts: int = 500  # distinct held-out prompts (builtin:arith has ~480 of levels 2, 4, 5 per 500)
     eval_split: str = "heldout"
     eval_samples: int = 0  # > 0: each evaluation also samples this many responses per prompt (pass@k)
     eval_ks: tuple[int, ...] = (1, 8)

@@ -28,6 +28,7 @@ class Series:
     color: str | None = None
     dashed: bool = False
     markers: bool | None = None  # None: markers when the series has few points
+    band: list[tuple[float, float, float]] | None = None  # (x, low, high): a shaded range around the line
 
 
 @dataclass
@@ -148,6 +149,7 @@ def empty_chart(title: str, message: str) -> str:
 def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str,
                y_range: tuple[float, float] | None = None, integer_x: bool = False) -> str:
     pts = [(x, y) for s in series for x, y in s.points if finite(x) and finite(y)]
+    pts += [(x, y) for s in series for x, lo, hi in (s.band or []) for y in (lo, hi) if finite(x) and finite(y)]
     if not pts:
         return empty_chart(title, "no data")
     xs, ys = [x for x, _ in pts], [y for _, y in pts]
@@ -173,6 +175,11 @@ def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str,
         color = s.color or PALETTE[i % len(PALETTE)]
         legend.append((s.name, color, s.dashed))
         dash = ' stroke-dasharray="5 4"' if s.dashed else ""
+        band = [(x, lo, hi) for x, lo, hi in (s.band or []) if finite(x) and finite(lo) and finite(hi)]
+        if len(band) > 1:
+            outline = [f"{p.sx(x):.1f},{p.sy(hi):.1f}" for x, _, hi in band]
+            outline += [f"{p.sx(x):.1f},{p.sy(lo):.1f}" for x, lo, _ in reversed(band)]
+            parts.append(f'<polygon fill="{color}" fill-opacity="0.15" stroke="none" points="{" ".join(outline)}"/>')
         run: list[str] = []
         segments: list[list[str]] = []
         for x, y in s.points:

@@ -123,3 +123,26 @@ def test_demo_command(tmp_path, default_tiny, monkeypatch):
     other.mkdir()
     res = subprocess.run([BIN, "demo", str(other)], capture_output=True, text=True)
     assert res.returncode != 0 and "not a demo buffer" in res.stderr
+
+
+@pytest.mark.slow
+def test_twenty_iterations_raise_heldout_accuracy(tmp_path, default_tiny):
+    """The demo's settings (d3s, LoopConfig defaults) for 20 iterations: greedy accuracy on the
+    distinct held-out prompts ends above where it started, and so does the sampled accuracy of the
+    training batches. One torch thread, so the trajectory is the same on every run of a machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        root = str(tmp_path / "learn")
+        Buffer.init(root).close()
+        summary = run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=20, eval_every=10, run_id="learn"))
+    finally:
+        torch.set_num_threads(threads)
+    accs = [acc for _, _, acc in summary["evals"]]
+    assert len(accs) == 3 and accs[-1] > accs[0], accs
+    stored = sql(root, "SELECT iteration, value FROM evaluations WHERE metric = 'greedy_accuracy' ORDER BY iteration")
+    assert [round(v, 6) for _, v in stored] == [round(a, 6) for a in accs]
+    sampled = sql(root, "SELECT step // 5 AS q, avg(coalesce(correct, false)::INT) FROM rollouts GROUP BY q ORDER BY q")
+    assert sampled[-1][1] > sampled[0][1], sampled

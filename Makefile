@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-vllm bench clean browser
+.PHONY: setup demo test test-vllm bench bench-learning clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +50,10 @@ test-vllm: $(VLLM_VENV)/.installed
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
+
+# Recipes compared on builtin:arith (bench/learning.py): ~30 min on two cores; LEARNING_ARGS=--quick for a smoke run.
+bench-learning: $(STAMP)
+	$(BIN)/python -m bench.learning $(LEARNING_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", nargs="+", default=["train", "harder"], choices=sorted(SPLITS))
     ap.add_argument("--recipes", nargs="+", default=[c[0] for c in CONFIGS])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--iterations", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=None, help="learning rate (default: the loop's)")

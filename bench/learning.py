@@ -53,7 +53,7 @@ CONFIGS: list[tuple[str, str, dict[str, str]]] = [
     ("d3s-i", "d3s-i", {}),
     ("entropy-top", "entropy-top", {}),
 ]
-SPLITS = {"train": "heldout", "harder": "heldout-harder"}
+SPLITS = {"train": ("builtin:arith", "heldout"), "harder": ("builtin:arith:harder", "heldout-harder")}
 
 
 def run_one(job: dict) -> dict:
@@ -72,11 +72,11 @@ def run_one(job: dict) -> dict:
         shutil.rmtree(root)
     Buffer.init(root).close()
     cfg = LoopConfig(
-        buffer=root, model=job["model"], prompts=f"builtin:arith:{job['split']}", recipe=job["recipe"],
+        buffer=root, model=job["model"], prompts=SPLITS[job["split"]][0], recipe=job["recipe"],
         sets=dict(job["sets"]), iterations=job["iterations"], prompts_per_iter=job["prompts"],
         group_size=job["group_size"], lr=job["lr"], micro_batch_size=job["micro_batch"], grad_accum=job["grad_accum"],
         warmup_steps=job["warmup"], eval_every=job["eval_every"], eval_prompts=job["eval_prompts"],
-        eval_split=SPLITS[job["split"]], eval_samples=job["eval_samples"], eval_ks=(1, job["eval_samples"]),
+        eval_split=SPLITS[job["split"]][1], eval_samples=job["eval_samples"], eval_ks=(1, job["eval_samples"]),
         overgen=1, max_gen_batches=1, seed=job["seed"], run_id=f"{job['name']}-s{job['seed']}",
     )
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: the loop's)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate, the same for every recipe")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--eval-samples", type=int, default=8)

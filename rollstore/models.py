@@ -164,8 +164,12 @@ def resolve_prompts(
     from rollout.datasets import load_prompts
 
     if ref == ARITH_REF or ref.startswith(ARITH_REF + ":"):
-        if ref != ARITH_REF:  # builtin:arith:harder
-            split = ref.split(":", 2)[2]
+        if ref != ARITH_REF:  # builtin:arith:harder; asked for its held-out prompts: heldout-harder
+            named = ref.split(":", 2)[2]
+            if split.startswith("heldout") and not named.startswith("heldout"):
+                split = "heldout" if named == "train" else f"heldout-{named}"
+            else:
+                split = named
         n = 64 if n is None else n
         if split.startswith("heldout"):
             sub = split.split("-", 1)[1] if "-" in split else "train"

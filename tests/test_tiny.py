@@ -66,6 +66,10 @@ def test_resolve_prompts(tmp_path):
     assert resolve_prompts("builtin:arith", 10, seed=1) == arith.train_prompts(10, seed=1)
     assert resolve_prompts("builtin:arith", 10, split="heldout") == arith.heldout_prompts(10)
     assert {p.difficulty for p in resolve_prompts("builtin:arith:harder", 8)} == set(arith.SPLITS["harder"])
+    # the loop asks a split's ref for its held-out prompts: those of the same split, never training ones
+    assert resolve_prompts("builtin:arith:harder", 10, split="heldout") == arith.heldout_prompts(10, split="harder")
+    assert resolve_prompts("builtin:arith:train", 10, split="heldout") == arith.heldout_prompts(10)
+    assert resolve_prompts("builtin:arith:heldout", 10, split="train") == arith.heldout_prompts(10)
     path = tmp_path / "d.jsonl"
     path.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(5)))
     assert len(resolve_prompts(str(path))) == 5

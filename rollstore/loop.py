@@ -98,13 +98,13 @@ def greedy_accuracy(backend, prompts, reward_pool, max_new_tokens: int) -> float
     return sum(1 for v in verdicts if v.correct) / len(prompts)
 
 
-def sampled_metrics(backend, prompts, reward_pool, cfg: "LoopConfig", version: int) -> dict[str, float]:
+def sampled_metrics(backend, prompts, reward_pool, cfg: "LoopConfig") -> dict[str, float]:
     """pass@k (unbiased) and avg@n from cfg.eval_samples samples per prompt at cfg.temperature."""
     from learner.evaluate import summarize
 
     n = cfg.eval_samples
     gens = backend.generate([p.prompt for p in prompts], n, cfg.max_new_tokens, temperature=cfg.temperature,
-                            seed=cfg.seed * 7919 + 104729 + version)
+                            seed=cfg.seed * 7919 + 104729)  # the same draws at every evaluation: differences are the model's
     flat = [x for g in gens for x in g]
     verdicts = reward_pool.rewards([p.gold_answer for p, g in zip(prompts, gens) for _ in g], [x.text for x in flat],
                                    [len(x.response_token_ids) for x in flat], None)
@@ -181,7 +181,7 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
             acc = greedy_accuracy(backend, heldout, pool, cfg.max_new_tokens)
             metrics = {"greedy_accuracy": acc}
             if cfg.eval_samples:
-                metrics.update(sampled_metrics(backend, heldout, pool, cfg, version))
+                metrics.update(sampled_metrics(backend, heldout, pool, cfg))
             record_eval(buf, run_id, version, iteration, cfg.eval_split, metrics, len(heldout),
                         max(1, cfg.eval_samples))
             evals.append((iteration, version, acc))

@@ -91,7 +91,7 @@ def run_one(job: dict) -> dict:
     for m in summary["eval_metrics"]:
         t, s = cum[m["iteration"]]
         curve.append({**m, "learner_tokens": t, "learner_samples": s})
-    return {**{k: job[k] for k in ("name", "recipe", "sets", "seed", "split")}, "curve": curve,
+    return {**{k: job[k] for k in ("name", "recipe", "sets", "seed", "split", "lr")}, "curve": curve,
             "learner_tokens": tokens, "learner_samples": samples, "wall_seconds": wall, "buffer": root}
 
 
@@ -102,51 +102,55 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
-def tokens_to_reach(curve: list[dict], target: float, metric: str = "pass@1") -> float | None:
-    """Learner tokens at the first evaluation whose metric reaches `target` (None: never)."""
-    for point in curve:
-        if point[metric] >= target:
+MIN_GAIN = 0.0025  # a quarter point: below it grpo's gain is noise and "tokens to target" is not defined
+
+
+def tokens_to_gain(curve: list[dict], gain: float, metric: str = "pass@1") -> float | None:
+    """Learner tokens at the first evaluation after the start whose metric gained ≥ `gain` (None: never)."""
+    start = curve[0][metric]
+    for point in curve[1:]:
+        if point[metric] - start >= gain:
             return point["learner_tokens"]
     return None
 
 
 def summarise(runs: list[dict], metric: str = "pass@1") -> tuple[list[list[str]], float | None]:
-    """Rows of the results table and the target accuracy used for 'tokens to reach'."""
-    by = {}
+    """Rows of the results table and the gain target used for 'tokens to target' (None: undefined).
+
+    The target is half of grpo's mean final gain over its own start; each run's tokens to target are
+    the learner tokens at its first evaluation that gained that much over its own start.
+    """
+    by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["name"], []).append(r)
     base = by.get("grpo", [])
-    start = statistics.mean(r["curve"][0][metric] for r in runs)
-    finals = {name: statistics.mean(r["curve"][-1][metric] for r in rs) for name, rs in by.items()}
-    # the target: halfway from the common start to grpo's mean final accuracy; when grpo does not
-    # improve, halfway to the best recipe's; None when no recipe improves (no column then)
-    ref = finals.get("grpo", start) if finals.get("grpo", start) > start else max(finals.values(), default=start)
-    target = start + 0.5 * (ref - start) if ref > start else None
-    grpo_tokens = [tokens_to_reach(r["curve"], target, metric) for r in base] if target is not None else []
-    grpo_reached = [t for t in grpo_tokens if t is not None]
+    grpo_gain = statistics.mean(r["curve"][-1][metric] - r["curve"][0][metric] for r in base) if base else 0.0
+    target = 0.5 * grpo_gain if grpo_gain >= MIN_GAIN else None
+    grpo_reached = [t for t in (tokens_to_gain(r["curve"], target, metric) for r in base) if t is not None] \
+        if target is not None else []
     grpo_need = statistics.mean(grpo_reached) if grpo_reached else None
     rows = []
     for name, _, _ in CONFIGS:
         rs = by.get(name)
         if not rs:
             continue
+        k = max(int(key.split("@")[1]) for key in rs[0]["curve"][-1] if key.startswith("pass@"))
         finals = [r["curve"][-1][metric] for r in rs]
-        p8 = [r["curve"][-1].get(f"pass@{max(int(k.split('@')[1]) for k in r['curve'][-1] if k.startswith('pass@'))}")
-              for r in rs]
-        greedy = [r["curve"][-1]["greedy_accuracy"] for r in rs]
         gains = [r["curve"][-1][metric] - r["curve"][0][metric] for r in rs]
-        need = [tokens_to_reach(r["curve"], target, metric) for r in rs] if target is not None else []
-        reached = [t for t in need if t is not None]
+        pk = [r["curve"][-1][f"pass@{k}"] for r in rs]
+        greedy = [r["curve"][-1]["greedy_accuracy"] for r in rs]
         if target is None:
-            rel = "n/a (no recipe improved)"
-        elif not reached:
-            rel = f"not reached (0/{len(rs)} seeds)"
-        elif not grpo_need:
-            rel = f"{statistics.mean(reached):,.0f} tokens ({len(reached)}/{len(rs)} seeds; grpo did not reach it)"
+            rel = f"n/a (grpo gained {grpo_gain:+.3f})"
         else:
-            rel = f"{statistics.mean(reached) / grpo_need:.2f}× ({len(reached)}/{len(rs)} seeds)"
+            reached = [t for t in (tokens_to_gain(r["curve"], target, metric) for r in rs) if t is not None]
+            if not reached:
+                rel = f"not reached (0/{len(rs)} seeds)"
+            elif not grpo_need:
+                rel = f"{statistics.mean(reached):,.0f} tokens ({len(reached)}/{len(rs)} seeds; grpo: never)"
+            else:
+                rel = f"{statistics.mean(reached) / grpo_need:.2f}× ({len(reached)}/{len(rs)} seeds)"
         rows.append([
-            name, str(len(rs)), _mean_sd(finals), _mean_sd(gains), _mean_sd(p8), _mean_sd(greedy),
+            name, str(len(rs)), _mean_sd(finals), _mean_sd(gains), _mean_sd(pk), _mean_sd(greedy),
             f"{statistics.mean(r['learner_tokens'] for r in rs):,.0f}",
             f"{statistics.mean(r['learner_samples'] for r in rs):,.0f}",
             rel, f"{statistics.mean(r['wall_seconds'] for r in rs):.0f}",
@@ -179,11 +183,14 @@ def plot(runs: list[dict], split: str, path: str) -> None:
                 pts.append((x, statistics.mean(ys)))
                 band.append((x, min(ys), max(ys)))
             series.append(Series(name, pts, band=band))
-        charts.append(line_chart(series, title=f"held-out pass@1 ({split} split), mean and min–max over seeds",
+        charts.append(line_chart(series, title=f"held-out pass@1, {split} split (band: min–max over seeds)",
                                  x_label=x_label, y_label="pass@1", integer_x=x_key == "iteration"))
+    # the report's chart classes, for a standalone file; the legend wraps: at most 4 recipes a chart line
+    style = ("<style>svg{font-family:sans-serif}.ct{font-size:13px;font-weight:600}.tick{font-size:10.5px;fill:#555}"
+             ".al{font-size:11px;fill:#555}.lg{font-size:11px}.grid{stroke:#e7eaee}.axis{stroke:#8a949e}</style>")
     body = "".join(f'<g transform="translate(0,{i * 270})">{c}</g>' for i, c in enumerate(charts))
     with open(path, "w") as fh:
-        fh.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="540" height="{270 * len(charts)}">{body}</svg>\n')
+        fh.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="540" height="{270 * len(charts)}">{style}{body}</svg>\n')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "learning"), help="where the JSON and SVG go")
     ap.add_argument("--root", default=None, help="where the run buffers go (default: a temporary directory)")
     ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--from-json", action="store_true",
+                    help="do not run: rebuild tables and plots from the JSON curves already in --out")
     args = ap.parse_args(argv)
     if args.quick:
         args.recipes = args.recipes if args.recipes != [c[0] for c in CONFIGS] else ["grpo", "d3s"]
@@ -219,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     defaults = LoopConfig(buffer="")
     model = resolve_model(args.model)
     os.makedirs(args.out, exist_ok=True)
-    out_root = args.root or tempfile.mkdtemp(prefix="rollstore-learning-")
+    out_root = args.root or ("" if args.from_json else tempfile.mkdtemp(prefix="rollstore-learning-"))
     head = header("Learning: recipes compared on builtin:arith (bench/learning.py)",
                   libs=("torch", "transformers", "duckdb", "pyarrow"))  # load average taken at the start
     t0 = time.perf_counter()
@@ -235,20 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     ]
     import multiprocessing as mp
 
+    runs = []
+    if args.from_json:
+        for split in args.splits:
+            with open(os.path.join(args.out, f"learning-{split}.json")) as fh:
+                runs += json.load(fh)
+        jobs = jobs[:0] or [{"lr": runs[0].get("lr", args.lr)}]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
-        runs = []
-        for r in pool.map(run_one, jobs):
+        for r in ([] if args.from_json else pool.map(run_one, jobs)):
             last = r["curve"][-1]
             print(f"{r['split']:7s} {r['name']:12s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "
                   f"{last['pass@1']:.3f}, greedy {r['curve'][0]['greedy_accuracy']:.3f} → {last['greedy_accuracy']:.3f}, "
                   f"{r['learner_tokens']:,} learner tokens, {r['wall_seconds']:.0f} s", flush=True)
             runs.append(r)
-    wall = time.perf_counter() - t0
+    wall = sum(r["wall_seconds"] for r in runs) / max(1, args.jobs) if args.from_json else time.perf_counter() - t0
     sections = []
     for split in args.splits:
         rs = [r for r in runs if r["split"] == split]
-        with open(os.path.join(args.out, f"learning-{split}.json"), "w") as fh:
-            json.dump(rs, fh, indent=1)
+        if not args.from_json:
+            with open(os.path.join(args.out, f"learning-{split}.json"), "w") as fh:
+                json.dump(rs, fh, indent=1)
         svg = os.path.join(args.out, f"learning-{split}.svg")
         plot(rs, split, svg)
         rows, target = summarise(rs)
@@ -263,13 +278,14 @@ def main(argv: list[str] | None = None) -> int:
             f"no over-generation), lr {jobs[0]['lr']:g}, micro-batch {defaults.micro_batch_size} × accumulation "
             f"{defaults.grad_accum}, loss {defaults.loss}; held-out: {args.eval_prompts} distinct prompts × "
             f"{args.eval_samples} samples at T={defaults.temperature} every {args.eval_every} iterations. "
-            f"Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with {args.jobs} parallel jobs.",
+            f"Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with {args.jobs} parallel jobs"
+            + (" (sum of run times / jobs: tables rebuilt with --from-json)." if args.from_json else "."),
             "",
         ]
         for split, table, target, svg in sections:
-            lines += [f"**{split} split** — 'tokens to target' = mean learner tokens until held-out pass@1 first "
-                      f"reaches {'–' if target is None else f'{target:.3f}'} (halfway from the start to grpo's final mean, "
-                      f"or to the best recipe's when grpo did not improve), relative to grpo; "
+            lines += [f"**{split} split** — 'tokens to target' = mean learner tokens until a run's held-out pass@1 "
+                      f"first gains {'–' if target is None else f'{target:.4f}'} over its own start (half of grpo's "
+                      f"mean final gain; undefined when grpo gains under {MIN_GAIN}), relative to grpo's; "
                       f"± is the standard deviation over seeds. Plot: [{svg}]({svg})", "", table, ""]
         append_results(head + "\n\n" + "\n".join(lines))
     print(f"\n{len(runs)} runs in {wall:.0f} s; buffers under {out_root}")

@@ -241,6 +241,13 @@ def append_results(text: str, path: str = RESULTS) -> None:
         fh.write("\n" + text.rstrip() + "\n")
 
 
+def publish(text: str, record: bool = True) -> None:
+    """Print a benchmark's section and, unless told not to, append it to RESULTS.md."""
+    print(text)
+    if record:
+        append_results(text)
+
+
 # ---------------------------------------------------------------------------------------------
 # profiles
 # ---------------------------------------------------------------------------------------------

@@ -99,10 +99,7 @@ def main() -> None:
     finally:
         if not a.root:
             shutil.rmtree(root, ignore_errors=True)
-    text = section(m)
-    print(text)
-    if not a.no_record:
-        common.append_results(text)
+    common.publish(section(m), record=not a.no_record)
 
 
 if __name__ == "__main__":

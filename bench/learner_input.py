@@ -193,10 +193,7 @@ def main() -> None:
     if a.child:
         return common.child_result(child(a.shards, a.repeat, a.profile))
     m = measure(a.rows, a.mean_tokens, a.repeat, a.recipe, a.progress, a.profile)
-    text = section(m)
-    print(text)
-    if not a.no_record:
-        common.append_results(text)
+    common.publish(section(m), record=not a.no_record)
 
 
 if __name__ == "__main__":

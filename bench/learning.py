@@ -242,22 +242,26 @@ def main(argv: list[str] | None = None) -> int:
         for split in args.splits for seed in range(args.seeds)
         for name, recipe, sets in CONFIGS if name in args.recipes
     ]
-    import multiprocessing as mp
-
     runs = []
     if args.from_json:
         for split in args.splits:
             with open(os.path.join(args.out, f"learning-{split}.json")) as fh:
                 runs += json.load(fh)
-        jobs = jobs[:0] or [{"lr": runs[0].get("lr", args.lr)}]
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
-        for r in ([] if args.from_json else pool.map(run_one, jobs)):
-            last = r["curve"][-1]
-            print(f"{r['split']:7s} {r['name']:12s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "
-                  f"{last['pass@1']:.3f}, greedy {r['curve'][0]['greedy_accuracy']:.3f} → {last['greedy_accuracy']:.3f}, "
-                  f"{r['learner_tokens']:,} learner tokens, {r['wall_seconds']:.0f} s", flush=True)
-            runs.append(r)
-    wall = sum(r["wall_seconds"] for r in runs) / max(1, args.jobs) if args.from_json else time.perf_counter() - t0
+        lr = runs[0].get("lr", args.lr)  # curves written before runs recorded their lr
+        wall = sum(r["wall_seconds"] for r in runs) / max(1, args.jobs)
+    else:
+        import multiprocessing as mp
+
+        lr = jobs[0]["lr"]
+        with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
+            for r in pool.map(run_one, jobs):
+                last = r["curve"][-1]
+                print(f"{r['split']:7s} {r['name']:12s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "
+                      f"{last['pass@1']:.3f}, greedy {r['curve'][0]['greedy_accuracy']:.3f} → "
+                      f"{last['greedy_accuracy']:.3f}, {r['learner_tokens']:,} learner tokens, "
+                      f"{r['wall_seconds']:.0f} s", flush=True)
+                runs.append(r)
+        wall = time.perf_counter() - t0
     sections = []
     for split in args.splits:
         rs = [r for r in runs if r["split"] == split]
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = [
             f"Configuration: {args.seeds} seeds × {len(args.recipes)} recipes per split, {args.iterations} iterations of "
             f"{args.prompts} prompts × {args.group_size} samples (same prompts per iteration and seed for every recipe, "
-            f"no over-generation), lr {jobs[0]['lr']:g}, micro-batch {defaults.micro_batch_size} × accumulation "
+            f"no over-generation), lr {lr:g}, micro-batch {defaults.micro_batch_size} × accumulation "
             f"{defaults.grad_accum}, loss {defaults.loss}; held-out: {args.eval_prompts} distinct prompts × "
             f"{args.eval_samples} samples at T={defaults.temperature} every {args.eval_every} iterations. "
             f"Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with {args.jobs} parallel jobs"

@@ -130,10 +130,7 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     m = measure(a.sizes, a.recipes, a.memory_limit, a.shard_tokens, a.root, a.repeat, a.reference_limit or None)
-    text = section(m)
-    print(text)
-    if not a.no_record:
-        common.append_results(text)
+    common.publish(section(m), record=not a.no_record)
 
 
 if __name__ == "__main__":

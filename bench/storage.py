@@ -285,10 +285,7 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     m = measure(a.tokens, a.shard_tokens, a.workdir)
-    text = section(m)
-    print(text)
-    if not a.no_record:
-        common.append_results(text)
+    common.publish(section(m), record=not a.no_record)
 
 
 if __name__ == "__main__":

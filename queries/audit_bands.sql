@@ -3,22 +3,8 @@
 WITH banded AS (
     SELECT
         selected, tokens_total, tokens_kept, amplification,
-        CASE
-            WHEN group_accuracy IS NULL THEN 'ineligible'
-            WHEN group_accuracy = 0 THEN 'acc = 0'
-            WHEN group_accuracy < 0.25 THEN 'acc (0, .25)'
-            WHEN group_accuracy < 0.5 THEN 'acc [.25, .5)'
-            WHEN group_accuracy < 0.75 THEN 'acc [.5, .75)'
-            WHEN group_accuracy < 1 THEN 'acc [.75, 1)'
-            ELSE 'acc = 1'
-        END AS accuracy_band,
-        CASE
-            WHEN difficulty IS NULL THEN NULL
-            WHEN difficulty < 0.25 THEN 'q̂ [0, .25)'
-            WHEN difficulty < 0.5 THEN 'q̂ [.25, .5)'
-            WHEN difficulty < 0.75 THEN 'q̂ [.5, .75)'
-            ELSE 'q̂ [.75, 1]'
-        END AS difficulty_band
+        accuracy_band_key(group_accuracy)[3:]   AS accuracy_band,   -- macros of views.sql
+        difficulty_band_key(difficulty)[3:]     AS difficulty_band
     FROM selections
     WHERE curation_id = $curation_id
 )

@@ -8,22 +8,8 @@ WITH scoped AS (
 banded AS (
     SELECT
         selected, tokens_total, tokens_kept, amplification,
-        CASE
-            WHEN group_accuracy IS NULL THEN '0 ineligible'
-            WHEN group_accuracy = 0 THEN '1 acc = 0'
-            WHEN group_accuracy < 0.25 THEN '2 acc (0, .25)'
-            WHEN group_accuracy < 0.5 THEN '3 acc [.25, .5)'
-            WHEN group_accuracy < 0.75 THEN '4 acc [.5, .75)'
-            WHEN group_accuracy < 1 THEN '5 acc [.75, 1)'
-            ELSE '6 acc = 1'
-        END AS accuracy_band,
-        CASE
-            WHEN difficulty IS NULL THEN NULL
-            WHEN difficulty < 0.25 THEN '1 q̂ [0, .25)'
-            WHEN difficulty < 0.5 THEN '2 q̂ [.25, .5)'
-            WHEN difficulty < 0.75 THEN '3 q̂ [.5, .75)'
-            ELSE '4 q̂ [.75, 1]'
-        END AS difficulty_band
+        accuracy_band_key(group_accuracy)       AS accuracy_band,   -- macros of views.sql
+        difficulty_band_key(difficulty)         AS difficulty_band
     FROM scoped
 ),
 long AS (

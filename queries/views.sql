@@ -44,3 +44,26 @@ SELECT
 FROM per_version
 WINDOW w AS (PARTITION BY prompt_id ORDER BY policy_version
              ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW);
+
+-- Difficulty bands of the audit (`audit_bands.sql`, `report_bands.sql`): a label behind a digit that
+-- orders the bands ('2 acc (0, .25)'); `[3:]` strips the digit. By the group's accuracy (where
+-- dynamic sampling acts) and by the estimated difficulty q̂ (where amplification acts).
+CREATE OR REPLACE MACRO accuracy_band_key(acc) AS
+    CASE
+        WHEN acc IS NULL THEN '0 ineligible'
+        WHEN acc = 0 THEN '1 acc = 0'
+        WHEN acc < 0.25 THEN '2 acc (0, .25)'
+        WHEN acc < 0.5 THEN '3 acc [.25, .5)'
+        WHEN acc < 0.75 THEN '4 acc [.5, .75)'
+        WHEN acc < 1 THEN '5 acc [.75, 1)'
+        ELSE '6 acc = 1'
+    END;
+
+CREATE OR REPLACE MACRO difficulty_band_key(q) AS
+    CASE
+        WHEN q IS NULL THEN NULL
+        WHEN q < 0.25 THEN '1 q̂ [0, .25)'
+        WHEN q < 0.5 THEN '2 q̂ [.25, .5)'
+        WHEN q < 0.75 THEN '3 q̂ [.5, .75)'
+        ELSE '4 q̂ [.75, 1]'
+    END;

@@ -50,6 +50,7 @@ from storage.snapshot import SnapshotFiles, sql_string
 
 from .params import ParamError, Params, Recipe, resolve, token_budget
 from .run import (
+    CURATION_INPUTS,
     HISTOGRAM,
     MISSING_ENTROPIES,
     TOKEN_ORDER,
@@ -459,7 +460,8 @@ def curate_dask(
                          "drop --engine dask")
     if partitions is not None and partitions < 1:
         raise ParamError(f"partitions must be >= 1, got {partitions}")
-    with buf.snapshot(snapshot_seq, pin=True) as snap, Session(snap, memory_limit, threads) as session, \
+    with buf.snapshot(snapshot_seq, pin=True) as snap, \
+            Session(snap.verify(CURATION_INPUTS), memory_limit, threads) as session, \
             _client(scheduler) as client:
         client.wait_for_workers(1, timeout=120)
         versions = client.run(_versions)

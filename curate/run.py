@@ -40,6 +40,8 @@ from .params import ParamError, Params, Recipe, resolve, token_budget
 
 FILL_ENTROPIES = "`rollstore generate` fills entropies (learner scoring) when it writes rollouts"
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
+# Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
+CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
 
 class CurationError(RollstoreError):
@@ -417,7 +419,8 @@ def curate(
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
-    with buf.snapshot(snapshot_seq, pin=True) as snap, Session(snap, memory_limit, threads) as session:
+    with buf.snapshot(snapshot_seq, pin=True) as snap, \
+            Session(snap.verify(CURATION_INPUTS), memory_limit, threads) as session:
         values = dict(params.values)
         if values["where"] is None:
             values["where"] = _default_where(session)

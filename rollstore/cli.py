@@ -2,6 +2,8 @@
 
 Invariants:
 - Every user-facing failure is one line on stderr (`error: ...`) and a non-zero exit; no traceback.
+  An unexpected exception is one line too, with a hint to rerun with `rollstore --debug ...`, which
+  re-raises it with its traceback.
 - Results go to stdout; progress and chatter go to stderr.
 """
 
@@ -22,9 +24,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
+                  pretty_exceptions_enable=False)
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+
+
+DEBUG = {"on": os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")}
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="On an unexpected error, show the traceback.")):
+    """Offline replay buffer and curation engine for GRPO-family RL."""
+    if debug:
+        DEBUG["on"] = True
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -35,19 +48,41 @@ def fail(message: str, code: int = 1) -> None:
 
 
 def guarded(fn):
-    """Turn RollstoreError (and a few OS errors) into one error line and exit 1."""
+    """Turn RollstoreError, OS and manifest errors into one error line and exit 1; anything else
+    unexpected into one line with a hint to rerun with --debug (which shows the traceback)."""
     import functools
+    import sqlite3
+
+    import click
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except RollstoreError as exc:
-            fail(str(exc).replace("\n", " "))
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+            fail(one_line(str(exc)))
+        except OSError as exc:
+            if exc.filename is None or exc.strerror is None:
+                fail(one_line(str(exc)))
             fail(f"{exc.filename}: {exc.strerror}")
+        except sqlite3.OperationalError as exc:
+            fail(f"manifest: {one_line(str(exc))}")
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, typer.Exit):
+            raise
+        except Exception as exc:
+            if DEBUG["on"]:
+                raise
+            fail(f"unexpected {type(exc).__name__}: {one_line(str(exc))} "
+                 f"(rerun with `rollstore --debug ...` for the traceback)")
 
     return wrapper
+
+
+def one_line(text: str) -> str:
+    """The first line of `text`, clipped; escape anything that a terminal would interpret."""
+    text = " ".join(str(text).split()) or "no details"
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def open_buffer(path: str):
@@ -130,6 +165,31 @@ def gc_(buffer: str, grace: float = typer.Option(3600.0, "--grace", help="Second
     with open_buffer(buffer) as buf:
         r = gc(buf, grace)
     out.print(f"removed {r.orphans_removed} orphan files and {r.retired_removed} retired shards ({r.bytes_freed} bytes)")
+
+
+@app.command()
+@guarded
+def verify(
+    buffer: str,
+    quarantine: bool = typer.Option(False, "--quarantine", help="Retire every bad shard (moved to BUFFER/quarantine/)."),
+):
+    """Check every live shard against the manifest (exists, size, sha256); name each bad file."""
+    from storage import verify as v
+
+    with open_buffer(buffer) as buf:
+        shards = buf.manifest.shards()
+        problems = v.scan(buf.root, buf.manifest)
+        for p in problems:
+            err.print(p.describe(buf.root), highlight=False, markup=False)
+        if not problems:
+            out.print(f"{len(shards)} shards verified, all match the manifest", highlight=False)
+            return
+        if quarantine:
+            seq = v.quarantine(buf.root, buf.manifest, problems)
+            out.print(f"quarantined {len(problems)} of {len(shards)} shards (commit {seq}); "
+                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}", highlight=False)
+            return
+    fail(f"{len(problems)} of {len(shards)} shards do not match the manifest; {v.advice(os.path.abspath(buffer))}")
 
 
 @app.command()

@@ -3,6 +3,7 @@ of the two-process loop, leasing curated shards as curations appear.
 
 Invariants: each unit (one curation's shards) is trained once and published as one checkpoint
 together with its consumed ledger (and, with --follow, the ack of its leases) in one manifest commit.
+Curated shards are verified against the manifest (size and sha256) before they are trained on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from rich.console import Console
 
 from storage.buffer import Buffer
+from storage.verify import verify_shards
 
 
 def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll,
@@ -38,6 +40,7 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
 
     try:
         if not follow:
+            verify_shards(buf.root, [s for s in buf.manifest.shards("curated") if not curations or s.key in curations])
             cks = train_pending(buf, model_obj, optimizer, scheduler, run_id=run_id, from_version=version,
                                 start_step=step, curation_ids=curations or None, **kwargs)
             report(cks)
@@ -51,6 +54,7 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
             if curations:
                 shards = [s for s in shards if s.key in set(curations)]
             if shards:
+                verify_shards(buf.root, shards)
                 cks = train_pending(buf, model_obj, optimizer, scheduler, run_id=run_id, from_version=version,
                                     start_step=step, shards=shards, lease=(consumer, group), **kwargs)
                 if cks:

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from .buffer import TABLE_DIRS, Buffer, Part
 from .errors import ManifestError, RollstoreError
+from .verify import verify_shards
 
 SHARD_DIRS = ("rollouts", "curated", "audit", "meta", "tmp")
 DEFAULT_GRACE_S = 3600.0
@@ -120,6 +121,7 @@ def compact(
     batches = [b for b in batches if len(b) > 1]
     if not batches:
         return report
+    verify_shards(buf.root, [s for b in batches for s in b])  # never merge a corrupted file into a new one
     parts = []
     for batch in batches:
         merged = pa.concat_tables(pq.read_table(os.path.join(buf.root, s.path)) for s in batch)

@@ -7,6 +7,8 @@ Invariants:
   shards missing.
 - Every table of `schema.TABLES` is readable, also when it has no shard yet (an empty relation of
   the contract's schema).
+- Files are handed to an engine only after a stat shows each exists with its recorded size (a
+  deleted or truncated shard is one error line); `verify` also checks sha256 (storage.verify).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow.dataset as ds
 from .errors import ManifestError
 from .manifest import Manifest, Shard
 from .schema import TABLES
+from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
     import duckdb
@@ -88,8 +91,22 @@ class Snapshot:
         # a list of exact files: no globbing ("[" in a path) and no hive columns ("k=v" in a path)
         return pl.scan_parquet(files, glob=False, hive_partitioning=False)
 
+    def check_present(self, tables: list[str] | None = None) -> None:
+        """Raise one line for the first shard whose file is missing or of the wrong size (cheap)."""
+        for name in tables or list(TABLES):
+            check_present(self.root, self._shards[name])
+
+    def verify(self, tables: list[str] | None = None) -> "Snapshot":
+        """Raise one line for the first shard whose file is not the manifest's (size and sha256);
+        call before the data is used for anything committed. Returns the snapshot."""
+        for name in tables or list(TABLES):
+            verify_shards(self.root, self._shards[name])
+        return self
+
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
-        """Create a view per table (named as the table) over this snapshot's files."""
+        """Create a view per table (named as the table) over this snapshot's files, after checking
+        that every file is there with its recorded size."""
+        self.check_present(tables)
         _register_duckdb(con, self.files, tables)
 
     def frozen(self) -> "SnapshotFiles":

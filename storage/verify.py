@@ -1,0 +1,121 @@
+"""Shard verification: a shard file is used for anything committed only if it still is the file
+the manifest recorded (same size, same sha256).
+
+Invariants:
+- `check_present` is cheap (one stat per file) and catches deleted, emptied and truncated shards;
+  `verify_shards` also hashes, and caches a good result per process by (path, size, mtime_ns, inode),
+  so a file is hashed once per process unless it changes.
+- A bad shard raises one `ShardError` line naming the file and what to do about it; nothing here
+  writes, except `quarantine`, which retires bad shards in ONE manifest commit and moves their
+  files (when present) under `quarantine/` — never deleting them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import RollstoreError
+from .manifest import Manifest, Shard
+from .shardio import fsync_dir, sha256_file
+
+QUARANTINE_DIR = "quarantine"
+
+_verified: set[tuple[str, int, int, int]] = set()
+
+
+class ShardError(RollstoreError):
+    """A live shard's file is missing or differs from its manifest row."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    shard: Shard
+    reason: str  # "missing", "size", "sha256"
+
+    def describe(self, root: str) -> str:
+        path = os.path.join(root, self.shard.path)
+        what = {
+            "missing": "missing",
+            "size": "size differs from the manifest (truncated or changed)",
+            "sha256": "sha256 differs from the manifest (corrupted)",
+        }[self.reason]
+        return f"{path}: shard {what}"
+
+
+def advice(root: str) -> str:
+    return f"restore the file from a backup, or run `rollstore verify {root} --quarantine` to retire it"
+
+
+def _stat(path: str):
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def check_shard(root: str, shard: Shard, full: bool = True) -> Problem | None:
+    """The problem of one shard, or None. `full=False` checks existence and size only."""
+    path = os.path.join(root, shard.path)
+    st = _stat(path)
+    if st is None:
+        return Problem(shard, "missing")
+    if st.st_size != shard.bytes:
+        return Problem(shard, "size")
+    if not full:
+        return None
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    if key in _verified:
+        return None
+    if sha256_file(path) != shard.sha256:
+        return Problem(shard, "sha256")
+    _verified.add(key)
+    return None
+
+
+def _raise(root: str, problem: Problem | None) -> None:
+    if problem is not None:
+        raise ShardError(f"{problem.describe(root)}; {advice(root)}")
+
+
+def check_present(root: str, shards: list[Shard]) -> None:
+    """Raise for the first shard that is missing or has the wrong size (no hashing)."""
+    for shard in shards:
+        _raise(root, check_shard(root, shard, full=False))
+
+
+def verify_shards(root: str, shards: list[Shard]) -> None:
+    """Raise for the first shard whose file is not the one the manifest recorded."""
+    for shard in shards:
+        _raise(root, check_shard(root, shard, full=True))
+
+
+def scan(root: str, manifest: Manifest) -> list[Problem]:
+    """Every live shard of the buffer checked in full; returns the problems (empty: all good)."""
+    problems = []
+    for shard in manifest.shards():
+        problem = check_shard(root, shard, full=True)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
+    """Retire the shards of `problems` in one manifest commit (their rollout and group ids are
+    released) and move their files, when present, to `quarantine/<path>`. Returns the commit seq."""
+    ids = [p.shard.shard_id for p in problems]
+    marks = ",".join("?" * len(ids))
+    with manifest.transaction() as con:
+        seq = manifest.new_commit(con, "quarantine", {"shards": ids, "paths": [p.shard.path for p in problems]})
+        con.execute(f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND shard_id IN ({marks})",
+                    [seq, *ids])
+        con.execute(f"DELETE FROM rollout_ids WHERE shard_id IN ({marks})", ids)
+        con.execute(f"DELETE FROM group_ids WHERE shard_id IN ({marks})", ids)
+    for p in problems:
+        src = os.path.join(root, p.shard.path)
+        if os.path.exists(src):
+            dst = os.path.join(root, QUARANTINE_DIR, p.shard.path)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(src, dst)
+            fsync_dir(os.path.dirname(dst))
+    return seq

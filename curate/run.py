@@ -542,14 +542,18 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
 
 
 def already_committed(buf: Buffer, curation_id: str) -> bool:
+    """Whether the manifest holds a live record of this curation: the only test of "committed"
+    (files on disk without a manifest row are orphans of a crashed run, never trusted)."""
     return bool(buf.manifest.con.execute(
-        "SELECT count(*) FROM shards WHERE table_name = 'curations' AND key = ?", (curation_id,)
+        "SELECT count(*) FROM shards WHERE table_name = 'curations' AND key = ? AND removed_seq IS NULL",
+        (curation_id,),
     ).fetchone()[0])
 
 
 def publish(buf: Buffer, parts, curation_id: str, out: CurationResult) -> CurationResult:
     """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
-    this curation is already committed (then nothing is written: the run is idempotent)."""
+    the manifest says this curation is already committed (then nothing is written: the run is
+    idempotent). A concurrent identical run that commits first makes this one roll back."""
 
     def refuse_duplicate(con, _seq, _ids):
         row = con.execute(
@@ -565,7 +569,13 @@ def publish(buf: Buffer, parts, curation_id: str, out: CurationResult) -> Curati
         return out
     try:
         buf.commit(parts(), "curate", {"curation_id": curation_id}, refuse_duplicate)
-    except (_AlreadyCommitted, FileExistsError):
+    except _AlreadyCommitted:
+        out.already_existed = True
+    except FileExistsError:
+        # A file of this curation is named by the manifest but its record is not live (e.g. a
+        # concurrent identical run committed between our check and our link): decide again.
+        if not already_committed(buf, curation_id):
+            raise
         out.already_existed = True
     return out
 

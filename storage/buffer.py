@@ -3,7 +3,10 @@
 Invariants:
 - `commit` writes every file first (fsynced, linked into place), then records all of them in ONE
   manifest transaction; if anything fails before that transaction commits, the files are unlinked
-  and nothing becomes visible (a crash leaves only orphans for `gc`). A `WrittenPart` (a file
+  and nothing becomes visible (a crash leaves only orphans for `gc`). A file found at a part's
+  final path that no manifest row names is an orphan of a crashed run: it is replaced, never
+  trusted; on failure only files that are still ours (same inode) and still unnamed by the
+  manifest are unlinked. A `WrittenPart` (a file
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
@@ -123,34 +126,39 @@ class Buffer:
         Returns (seq, shards). On any failure every file written so far is removed.
         """
         written: list[NewShard] = []
+        inodes: list[int] = []
         ids: list[int] = []
+        is_orphan = self.manifest.is_unnamed
         try:
             for part in parts:
                 if isinstance(part, WrittenPart):
                     folder = TABLE_DIRS[part.table_name] + "/"
                     if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
                         raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
-                    link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes)
+                    link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan)
                     written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
                                             part.bytes, part.sha256, part.key))
-                    continue
-                schema = TABLES[part.table_name]
-                table = part.table.select(schema.names).cast(schema)
-                rel = part.relpath()
-                nbytes, digest = publish_file(table, self.root, rel)
-                written.append(
-                    NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
-                )
+                else:
+                    schema = TABLES[part.table_name]
+                    table = part.table.select(schema.names).cast(schema)
+                    rel = part.relpath()
+                    nbytes, digest = publish_file(table, self.root, rel, is_orphan)
+                    written.append(
+                        NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
+                    )
+                inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
             with self.manifest.transaction() as con:
                 seq = self.manifest.new_commit(con, kind, detail)
                 ids = self.manifest.add_shards(con, seq, written)
                 if on_commit is not None:
                     on_commit(con, seq, ids)
         except BaseException:
-            for w in written:
+            for w, inode in zip(written, inodes):
+                full = os.path.join(self.root, w.path)
                 try:
-                    os.unlink(os.path.join(self.root, w.path))
-                except FileNotFoundError:
+                    if os.stat(full).st_ino == inode and self.manifest.is_unnamed(w.path):
+                        os.unlink(full)
+                except (FileNotFoundError, sqlite3.Error):
                     pass
             raise
         return seq, self.manifest.shards_by_id(ids)

@@ -170,6 +170,10 @@ class Manifest:
             f"SELECT {_SHARD_COLS} FROM shards WHERE shard_id IN ({','.join('?' * len(ids))})", ids)}
         return [rows[i] for i in ids]
 
+    def is_unnamed(self, path: str) -> bool:
+        """True when no shard row (live or retired) names `path`: a file there is an orphan."""
+        return self.con.execute("SELECT 1 FROM shards WHERE path = ? LIMIT 1", (path,)).fetchone() is None
+
     def all_paths(self) -> set[str]:
         return {row[0] for row in self.con.execute("SELECT path FROM shards")}
 

@@ -4,6 +4,9 @@ Invariants:
 - A shard file appears at its final path only complete and fsynced: it is written under `tmp/`,
   fsynced, hard-linked into place (a link never overwrites), the temp name unlinked and the
   directory fsynced. Until the manifest row is committed the file is an orphan that `gc` removes.
+- A file already at the final path is replaced only when the caller's `is_orphan(relpath)` says no
+  manifest row names it (a crashed run's leftover is never trusted, a committed file never touched);
+  otherwise FileExistsError.
 - Float32 lists are stored as float32 with BYTE_STREAM_SPLIT on their leaf path and zstd level 3;
   row groups are sized in bytes, not rows.
 - `compact_entropies` only ever touches `entropies`, never log-probs.
@@ -15,6 +18,7 @@ import hashlib
 import math
 import os
 import uuid
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -93,15 +97,27 @@ def new_shard_name() -> str:
     return f"{os.getpid():x}-{uuid.uuid4().hex}"
 
 
-def publish_file(table: pa.Table, root: str, relpath: str) -> tuple[int, str]:
-    """Write `table` atomically to root/relpath; return (bytes, sha256). Never overwrites."""
+def _link(tmp: str, final: str, relpath: str, is_orphan: Callable[[str], bool] | None) -> None:
+    """Hard-link tmp to final; if final exists and `is_orphan(relpath)`, atomically replace it."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        if is_orphan is None or not is_orphan(relpath):
+            raise
+        os.replace(tmp, final)
+
+
+def publish_file(table: pa.Table, root: str, relpath: str,
+                 is_orphan: Callable[[str], bool] | None = None) -> tuple[int, str]:
+    """Write `table` atomically to root/relpath; return (bytes, sha256). Never overwrites, except
+    an orphan (see the module's invariants)."""
     tmp = os.path.join(root, "tmp", f"{uuid.uuid4().hex}.parquet")
     final = os.path.join(root, relpath)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     try:
         write_parquet(table, tmp)
         digest = sha256_file(tmp)
-        os.link(tmp, final)
+        _link(tmp, final, relpath, is_orphan)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -123,7 +139,8 @@ def write_tmp(table: pa.Table, root: str, folder: str = "tmp", threads: int | No
     return rel, os.path.getsize(path), sha256_file(path)
 
 
-def link_into_place(root: str, tmp_rel: str, final_rel: str, nbytes: int) -> None:
+def link_into_place(root: str, tmp_rel: str, final_rel: str, nbytes: int,
+                    is_orphan: Callable[[str], bool] | None = None) -> None:
     """Publish a file `write_tmp` wrote (maybe on another host): check its size, fsync it, hard-link
     it to root/final_rel (a link never overwrites: FileExistsError), unlink the temp name, fsync
     both directories — the same steps and crash safety as `publish_file`."""
@@ -136,8 +153,9 @@ def link_into_place(root: str, tmp_rel: str, final_rel: str, nbytes: int) -> Non
         raise OSError(f"{tmp}: {size} bytes on disk, but its writer reported {nbytes}")
     fsync_dir(tmp)  # O_RDONLY + fsync works on files too: durable whoever wrote it
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    os.link(tmp, final)
-    os.unlink(tmp)
+    _link(tmp, final, final_rel, is_orphan)
+    if os.path.exists(tmp):
+        os.unlink(tmp)
     fsync_dir(os.path.dirname(final))
     fsync_dir(os.path.dirname(tmp))
 

@@ -90,3 +90,89 @@ def test_damaged_shard_is_one_line_everywhere(cli, filled, damage):
             assert bad in line and "verify" in line and "restore" in line, line
     res = cli("verify", filled)
     assert res.code == 1 and bad in res.stderr
+
+
+# ---- 2: a killed curation is never "committed"; its orphans are replaced ---------------------
+CURATE_ZYGOTE = r"""
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import storage.shardio, storage.manifest, storage.buffer
+from typer.main import get_command
+from rollstore.cli import app
+
+EVENTS = [(storage.shardio, "write_parquet"), (storage.shardio, "sha256_file"), (storage.shardio, "fsync_dir"),
+          (storage.shardio.os, "link"), (storage.shardio.os, "replace"), (storage.shardio.os, "unlink"),
+          (storage.manifest.Manifest, "new_commit"), (storage.manifest.Manifest, "add_shards")]
+
+def arm(n):
+    count = [0]
+    for owner, name in EVENTS:
+        real = getattr(owner, name)
+        def wrapped(*a, _real=real, **k):
+            out = _real(*a, **k)
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        setattr(owner, name, wrapped)
+
+print("ready", flush=True)
+for line in sys.stdin:
+    n, seq = map(int, line.split())
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            arm(n)
+            get_command(app).main(["curate", {buffer!r}, "--recipe", "d3s", "--set", "where=true",
+                                   "--snapshot", str(seq)], standalone_mode=False)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(status, flush=True)
+"""
+
+
+def test_curation_killed_at_every_point_is_redone_and_committed(cli, filled):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    zygote = subprocess.Popen([sys.executable, "-c", CURATE_ZYGOTE.format(root=ROOT, buffer=filled)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert zygote.stdout.readline().strip() == "ready"
+    orphans_seen = 0
+    try:
+        for n in range(1, 200):
+            with Buffer.open(filled) as buf:
+                seq = buf.manifest.latest_seq()
+            zygote.stdin.write(f"{n} {seq}\n")
+            zygote.stdin.flush()
+            status = int(zygote.stdout.readline())
+            if os.WIFEXITED(status):  # ran to the end: every point before it was a kill point
+                assert os.WEXITSTATUS(status) == 0
+                break
+            assert os.WTERMSIG(status) == signal.SIGKILL
+            with Buffer.open(filled) as buf:
+                assert buf.manifest.latest_seq() == seq, f"kill point {n} committed something"
+            orphans_seen += any(files for _d, _s, files in os.walk(os.path.join(filled, "curated")))
+            res = cli("curate", filled, "--recipe", "d3s", "--set", "where=true", "--snapshot", str(seq))
+            assert res.code == 0, res.stderr
+            assert "already committed" not in res.stdout, f"kill point {n}: an orphan was trusted"
+            cid = res.stdout.strip().splitlines()[-1]
+            assert cli("audit", filled, cid).code == 0
+            assert cli("verify", filled).code == 0
+        else:
+            pytest.fail("the curation never ran to its end")
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
+    print(f"{n - 1} kill points, {orphans_seen} with orphans")
+    assert n > 10 and orphans_seen > 3  # the points covered writes of every part, not just the first
+    res = cli("curate", filled, "--recipe", "d3s", "--set", "where=true", "--snapshot", str(seq))
+    assert "already committed" in res.stdout  # the last child's commit is decided by the manifest

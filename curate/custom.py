@@ -2,9 +2,10 @@
 
 Invariants:
 - The user SQL runs in the session's sandbox and must be one SELECT (checked before it runs).
-- Its result must have `rollout_id` and `advantage` (optional `weight`); every id must be a
-  candidate of the pool, appear once, and carry a finite advantage (and a finite, non-negative
-  weight) — otherwise one error line names the rollout_id and the column, and nothing is written.
+- Its result must have `rollout_id` and `advantage` (optional `weight`), the last two numeric;
+  every id must be a candidate of the pool, appear once, and carry an advantage (and a
+  non-negative weight) that is finite AFTER the cast to float32, the type it is stored in —
+  otherwise one error line names the rollout_id and the column, and nothing is written.
 - Rows it returns become `selected` with advantage_final = f32(advantage); the rest of the pool
   `not_selected`; the audit treats them like any built-in recipe.
 """
@@ -31,6 +32,15 @@ class CustomRecipeError(RollstoreError):
     pass
 
 
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_null(t)
+
+
+def _as_f32(col) -> list:
+    """Values as stored (float32), back in Python floats: 1e39 becomes inf here, and is refused."""
+    return col.cast(pa.float64()).cast(pa.float32(), safe=False).cast(pa.float64()).to_pylist()
+
+
 def apply_custom_recipe(session: Session, stages, sql: str) -> int:
     """Run the user's SELECT, validate it, and record its choice in `work`. Returns rows selected."""
     session.execute(CANDIDATES_VIEW)
@@ -43,10 +53,13 @@ def apply_custom_recipe(session: Session, stages, sql: str) -> int:
     for need in ("rollout_id", "advantage"):
         if need not in cols:
             raise CustomRecipeError(f"custom recipe: the result has no column {need!r} (columns: {', '.join(cols)})")
+    for name in ("advantage", "weight"):
+        if name in cols and not _numeric(result.column(name).type):
+            raise CustomRecipeError(f"custom recipe: column {name!r} is {result.column(name).type}, not a number")
     pool = {r[0] for r in session.execute("SELECT rollout_id FROM work WHERE reason IS NULL").fetchall()}
     ids = result.column("rollout_id").to_pylist()
-    advs = result.column("advantage").cast(pa.float64()).to_pylist()
-    weights = result.column("weight").cast(pa.float64()).to_pylist() if "weight" in cols else [1.0] * len(ids)
+    advs = _as_f32(result.column("advantage"))
+    weights = _as_f32(result.column("weight")) if "weight" in cols else [1.0] * len(ids)
     seen: set = set()
     for rid, adv, weight in zip(ids, advs, weights):
         if rid not in pool:

@@ -5,6 +5,10 @@ Invariants:
   and the line (JSONL) or the row's rollout_id and the column.
 - Columns are converted to the contract's types here only as far as JSON needs (timestamps from ISO
   strings); every other rule is `validate.validate_rollouts`'s job.
+- JSON values follow the type rule before Arrow sees them (`json_fits`): an integer column takes
+  JSON integers only (never 1.5, nor 1.0), a float column integers or floats, a string column
+  strings, a boolean column true/false; so nothing is truncated or turned into text on the way.
+- Undecodable bytes and absurdly nested lines are one error line naming the file and the line.
 """
 
 from __future__ import annotations
@@ -40,20 +44,50 @@ def _parse_time(value, path: str, rid, column: str):
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
+def json_fits(value, target: pa.DataType) -> bool:
+    """Whether a decoded JSON value may go into a column of `target` (the type rule)."""
+    if value is None:
+        return True
+    if pa.types.is_boolean(target):
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if pa.types.is_integer(target):
+        return isinstance(value, int)
+    if pa.types.is_floating(target):
+        return isinstance(value, (int, float))
+    if pa.types.is_string(target):
+        return isinstance(value, str)
+    if pa.types.is_list(target):
+        return isinstance(value, list) and all(json_fits(v, target.value_type) for v in value)
+    return True
+
+
+def _json_kind(value) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+
+
 def read_jsonl(path: str) -> pa.Table:
     rows: list[dict] = []
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")
     except OSError as exc:
         raise ValidationError(path, None, None, f"cannot open ({exc.strerror})") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValidationError(path, None, None, f"line {lineno}: not UTF-8 (byte {exc.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValidationError(path, None, None, f"line {lineno}: invalid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ValidationError(path, None, None, f"line {lineno}: JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise ValidationError(path, None, None, f"line {lineno}: expected a JSON object")
             rows.append(row)
@@ -67,6 +101,12 @@ def read_jsonl(path: str) -> pa.Table:
         target = types.get(name)
         if target is not None and pa.types.is_timestamp(target):
             values = [_parse_time(v, path, r.get("rollout_id"), name) for v, r in zip(values, rows)]
+        elif target is not None:
+            for v, r in zip(values, rows):
+                if not json_fits(v, target):
+                    rid = r.get("rollout_id")
+                    raise ValidationError(path, None if rid is None else str(rid), name,
+                                          f"expected {target}, got JSON {_json_kind(v)} {v!r:.60}")
         try:
             arr = pa.array(values, type=target) if target is not None else pa.array(values)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:

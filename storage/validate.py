@@ -18,6 +18,13 @@ import pyarrow.compute as pc
 from .errors import ValidationError
 from .schema import FINISH_REASONS, ROLLOUTS, TOKEN_LIST_COLUMNS
 
+# String ids that must not be empty, and timestamps that must lie in years 1-9999 UTC (what Python,
+# Arrow and DuckDB all represent).
+ID_COLUMNS = ("rollout_id", "group_id", "prompt_id", "run_id")
+TIMESTAMP_COLUMNS = ("created_at",)
+MIN_MICROS = -62135596800 * 10**6  # 0001-01-01T00:00:00Z
+MAX_MICROS = 253402300800 * 10**6 - 1  # 9999-12-31T23:59:59.999999Z
+
 # Given rollout ids and group ids, return those already in the buffer.
 ExistingLookup = Callable[[list[str], list[str]], tuple[set[str], set[str]]]
 
@@ -35,8 +42,31 @@ def _first_true(mask: pa.ChunkedArray | pa.Array) -> int | None:
     return int(idx[0]) if idx.size else None
 
 
+def lossless_kind(src: pa.DataType, dst: pa.DataType) -> bool:
+    """The type rule: `src` may become `dst` only if it is the same type, or a numeric cast that
+    loses nothing for values that pass the safe cast (a wider integer into a narrower one whose
+    range is then checked, an integer into a float, float64 narrowed to float32). Never a float
+    into an integer, a number into a string, a string into a number."""
+    if src == dst or pa.types.is_null(src):
+        return True
+    if pa.types.is_dictionary(src):
+        return lossless_kind(src.value_type, dst)
+    if pa.types.is_integer(dst):
+        return pa.types.is_integer(src)
+    if pa.types.is_floating(dst):
+        return pa.types.is_integer(src) or pa.types.is_floating(src)
+    if pa.types.is_string(dst):
+        return pa.types.is_string(src) or pa.types.is_large_string(src)
+    if pa.types.is_timestamp(dst):
+        return pa.types.is_timestamp(src)
+    if pa.types.is_list(dst):
+        return (pa.types.is_list(src) or pa.types.is_large_list(src)) and lossless_kind(src.value_type, dst.value_type)
+    return False
+
+
 def conform(table: pa.Table, file: str) -> pa.Table:
-    """Rule 1: required columns present, castable to the contract's types, no nulls where banned."""
+    """Rule 1: required columns present, of the contract's types under the type rule
+    (`lossless_kind`, then a safe cast), no nulls where banned."""
     n = table.num_rows
     columns = []
     for field in ROLLOUTS:
@@ -46,6 +76,9 @@ def conform(table: pa.Table, file: str) -> pa.Table:
             columns.append(pa.nulls(n, field.type))
             continue
         col = table.column(field.name)
+        if not lossless_kind(col.type, field.type):  # every non-null value is of the wrong type
+            raise ValidationError(file, _rid(table, _first_true(pc.is_valid(col))), field.name,
+                                  f"expected {field.type}, got {col.type} (only lossless numeric casts are accepted)")
         if col.type != field.type:
             try:
                 col = col.cast(field.type, safe=True)
@@ -141,6 +174,20 @@ def validate_rollouts(
         faults += _first_fault(name, vals > 0, rows, "log-probability above 0")
     vals, rows = values["entropies"]
     faults += _first_fault("entropies", vals < 0, rows, "negative entropy")
+    for name in ("prompt_token_ids", "response_token_ids"):
+        col = table.column(name).combine_chunks()
+        ids = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
+        rows = np.asarray(pc.list_parent_indices(col).to_numpy(zero_copy_only=False))
+        faults += _first_fault(name, ids < 0, rows, "negative token id")
+    for name in ID_COLUMNS:
+        row = _first_true(pc.equal(pc.utf8_length(table.column(name)), 0))
+        if row is not None:
+            faults.append((row, name, "empty id"))
+    for name in TIMESTAMP_COLUMNS:
+        micros = pc.cast(table.column(name), pa.int64())
+        row = _first_true(pc.or_(pc.less(micros, MIN_MICROS), pc.greater(micros, MAX_MICROS)))
+        if row is not None:
+            faults.append((row, name, "timestamp outside years 1-9999 UTC"))
     allowed = pa.array(list(FINISH_REASONS))
     row = _first_true(pc.invert(pc.is_in(table.column("finish_reason"), value_set=allowed)))
     if row is not None:
@@ -179,7 +226,7 @@ def _check_unique(table: pa.Table, file: str, existing: ExistingLookup | None) -
 
 
 def _check_agreement(table: pa.Table, file: str) -> None:
-    cols = ("prompt_id", "run_id", "step", "policy_version")
+    cols = ("prompt_id", "prompt", "run_id", "step", "policy_version")
     data = {c: table.column(c).to_pylist() for c in ("rollout_id", "group_id") + cols}
     first: dict[str, int] = {}
     for i, gid in enumerate(data["group_id"]):
@@ -188,5 +235,5 @@ def _check_agreement(table: pa.Table, file: str) -> None:
             if data[c][i] != data[c][j]:
                 raise ValidationError(
                     file, data["rollout_id"][i], c,
-                    f"group {gid!r} disagrees on {c}: {data[c][i]!r} vs {data[c][j]!r}",
+                    f"group {gid!r} disagrees on {c}: {data[c][i]!r:.60} vs {data[c][j]!r:.60}",
                 )

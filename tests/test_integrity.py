@@ -176,3 +176,93 @@ def test_curation_killed_at_every_point_is_redone_and_committed(cli, filled):
     assert n > 10 and orphans_seen > 3  # the points covered writes of every part, not just the first
     res = cli("curate", filled, "--recipe", "d3s", "--set", "where=true", "--snapshot", str(seq))
     assert "already committed" in res.stdout  # the last child's commit is decided by the manifest
+
+
+# ---- 3: the type rule; the added validation rules ---------------------------------------------
+def small_rows(n_groups: int = 2) -> list[dict]:
+    rows = rollouts_table(n_groups=n_groups, group_size=2, mean_tokens=4, seed=1).to_pylist()
+    for row in rows:
+        row["created_at"] = row["created_at"].isoformat()
+    return rows
+
+
+@pytest.mark.parametrize("column, value, needle", [
+    ("step", 1.5, "JSON float"),
+    ("step", 1.0, "JSON float"),
+    ("policy_version", 0.999, "JSON float"),
+    ("prompt", 17, "JSON integer"),
+    ("reward", "1", "JSON string"),
+    ("correct", 1, "JSON integer"),
+    ("response_token_ids", [1, 7.9], "JSON array"),
+])
+def test_json_values_follow_the_type_rule(cli, buffer_dir, tmp_path, column, value, needle):
+    rows = small_rows()
+    rows[1][column] = value
+    path = write_jsonl(rows, tmp_path / "x.jsonl")
+    line = one_error_line(cli("import", buffer_dir, path))
+    assert path in line and f"column {column!r}" in line and rows[1]["rollout_id"] in line and needle in line
+    assert cli("sql", buffer_dir, "SELECT count(*) AS n FROM rollouts", "-f", "json").stdout.strip() == '[{"n": 0}]'
+
+
+def test_lossless_casts_are_accepted(cli, buffer_dir, tmp_path):
+    rows = small_rows()
+    for row in rows:
+        row["reward"] = int(row["reward"])  # an integer into a float column
+    assert cli("import", buffer_dir, write_jsonl(rows, tmp_path / "ok.jsonl")).code == 0
+    table = rollouts_table(n_groups=1, group_size=2, seed=2, id_prefix="p")
+    wide = table.set_column(table.schema.get_field_index("response_token_ids"), "response_token_ids",
+                            table.column("response_token_ids").cast(pa.list_(pa.int64())))
+    assert cli("import", buffer_dir, write_parquet(wide, tmp_path / "wide.parquet")).code == 0
+
+
+@pytest.mark.parametrize("column, cast, needle", [
+    ("step", pa.float64(), "expected int64, got double"),
+    ("prompt", None, "expected string, got int64"),
+    ("response_token_ids", pa.list_(pa.float64()), "expected list<item: int32>"),
+])
+def test_parquet_types_follow_the_type_rule(cli, buffer_dir, tmp_path, column, cast, needle):
+    table = rollouts_table(n_groups=1, group_size=2, seed=2)
+    i = table.schema.get_field_index(column)
+    new = pa.array(range(table.num_rows), pa.int64()) if cast is None else table.column(column).cast(cast)
+    path = write_parquet(table.set_column(i, column, new), tmp_path / "t.parquet")
+    line = one_error_line(cli("import", buffer_dir, path))
+    assert f"column {column!r}" in line and needle in line, line
+
+
+@pytest.mark.parametrize("edit, column, needle", [
+    (lambda r: r.__setitem__("response_token_ids", [5, -1] + r["response_token_ids"][2:]), "response_token_ids", "negative token id"),
+    (lambda r: r.__setitem__("prompt_token_ids", [-3]), "prompt_token_ids", "negative token id"),
+    (lambda r: r.__setitem__("prompt_id", ""), "prompt_id", "empty id"),
+    (lambda r: r.__setitem__("run_id", ""), "run_id", "empty id"),
+    (lambda r: r.__setitem__("prompt", r["prompt"] + " (edited)"), "prompt", "disagrees on prompt"),
+    (lambda r: r.__setitem__("created_at", "9999-12-31T23:59:59.999999-14:00"), "created_at", "years 1-9999"),
+    (lambda r: r.__setitem__("gen_logprobs", [-1e39] + r["gen_logprobs"][1:]), "gen_logprobs", "NaN or infinity"),
+])
+def test_added_validation_rules(cli, buffer_dir, tmp_path, edit, column, needle):
+    rows = small_rows()
+    edit(rows[1])
+    path = write_jsonl(rows, tmp_path / "bad.jsonl")
+    line = one_error_line(cli("import", buffer_dir, path))
+    assert f"column {column!r}" in line and needle in line and rows[1]["rollout_id"] in line, line
+    assert cli("sql", buffer_dir, "SELECT count(*) AS n FROM rollouts", "-f", "json").stdout.strip() == '[{"n": 0}]'
+
+
+def test_empty_rollout_id_is_refused(cli, buffer_dir, tmp_path):
+    rows = small_rows()
+    rows[0]["rollout_id"] = ""
+    line = one_error_line(cli("import", buffer_dir, write_jsonl(rows, tmp_path / "e.jsonl")))
+    assert "column 'rollout_id'" in line and "empty id" in line
+
+
+# ---- 4: finiteness after the float32 cast -----------------------------------------------------
+@pytest.mark.parametrize("select, column", [
+    ("rollout_id, 1e39 AS advantage", "advantage"),
+    ("rollout_id, 1.0 AS advantage, 1e40 AS weight", "weight"),
+])
+def test_custom_recipe_overflowing_float32_is_refused(cli, filled, tmp_path, select, column):
+    recipe = tmp_path / "big.sql"
+    recipe.write_text(f"SELECT {select} FROM candidates")
+    line = one_error_line(cli("curate", filled, "--recipe", str(recipe), "--set", "where=true"))
+    assert f"column {column!r}" in line and "inf" in line
+    with Buffer.open(filled) as buf:
+        assert not buf.manifest.shards("curations")

@@ -510,7 +510,7 @@ def _resolve(job: _Run, session: Session, params: Params) -> Params:
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, commit: bool) -> CurationResult:
     ctx = job.ctx
     params = _resolve(job, session, ctx.params)
-    session.check_user_sql(f"SELECT * FROM rollouts WHERE ({params['where']})")
+    session.check_predicate(params["where"])
     sql_sha = texts_sha256(stage_texts(params, recipe))
     curation_id = curation_id_for(snap.seq, recipe.name, params.to_json(), sql_sha)
     if commit and already_committed(buf, curation_id):

@@ -40,6 +40,7 @@ from .params import ParamError, Params, Recipe, resolve, token_budget
 
 FILL_ENTROPIES = "`rollstore generate` fills entropies (learner scoring) when it writes rollouts"
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
+DEFAULT_TIMEOUT = 600.0  # seconds for the stages that run user SQL (`where`, a custom recipe)
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
 CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
@@ -401,8 +402,12 @@ def curate(
     engine: str = "embedded",
     scheduler=None,
     partitions: int | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> CurationResult:
     """Run `recipe` (with `sets` overrides) over a snapshot; commit unless `commit` is False.
+
+    `timeout` (seconds; None or 0: none) bounds the stages that run user SQL (the `where`
+    predicate and a custom recipe's SELECT); past it the run stops with one line, committing nothing.
 
     `engine="dask"` runs the same curation on dask.distributed (`scheduler`: "local:N", a scheduler
     address, or a `distributed.Client`; `partitions`: hash partitions of the batch) with the same
@@ -429,9 +434,10 @@ def curate(
         if values["current_version"] is None:
             values["current_version"] = _default_version(session)
         params = Params(values, params.user_set)
-        session.check_user_sql(f"SELECT * FROM rollouts WHERE ({values['where']})")
         stages = _Stages(session)
-        result = _run_stages(stages, session, params, recipe)
+        with session.deadline(timeout):
+            session.check_predicate(values["where"])
+            result = _run_stages(stages, session, params, recipe)
         return _materialise(buf, snap, session, stages, params, recipe, result, commit)
 
 

@@ -6,12 +6,19 @@ Invariants:
   (autoload off), settings cannot change, and `run_user_sql` runs only statements that DuckDB itself
   types as SELECT — a `COPY`, `ATTACH`, `SET` or `PRAGMA` anywhere in the text refuses the whole text.
 - Every refusal names the rule that refused it; a query past its timeout is interrupted.
+- A user predicate (`check_predicate`) is accepted only if DuckDB parses it as exactly one
+  expression (also when wrapped in parentheses, so no comment or parenthesis can escape the
+  `WHERE (...)` it is pasted into) and it binds to BOOLEAN over `rollouts`.
+- Errors of DuckDB in rollstore's own statements surface as one-line RollstoreErrors.
+- The spill directory is `tmp/duckdb-<host>-<pid>-<random>`: `gc` removes those whose process is gone.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import threading
 import uuid
 from contextlib import contextmanager
@@ -37,6 +44,29 @@ class SqlTimeout(RollstoreError):
     """A query ran past its timeout and was interrupted."""
 
 
+class MemoryLimitError(RollstoreError):
+    """A memory limit was unreadable, or a query went past it."""
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_memory_limit(text: str) -> int:
+    """Bytes of a limit written like DuckDB's (`200MB`, `2GiB`, `1.5GB`); refuses anything else."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise MemoryLimitError(f"memory limit {text!r}: expected a size such as 200MB, 2GB or 1GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def spill_prefix() -> str:
+    """The spill directory prefix of this process: `duckdb-<host>-<pid>-`."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return f"duckdb-{host}-{os.getpid()}-"
+
+
 class Session:
     """DuckDB connection with views over `snapshot`. Close it (or use `with`) to drop its spill dir."""
 
@@ -49,8 +79,9 @@ class Session:
     ):
         self.snapshot = snapshot
         self.root = snapshot.root
+        parse_memory_limit(memory_limit)
         self.con = duckdb.connect(":memory:")
-        self.spill_dir = os.path.join(self.root, "tmp", f"duckdb-{uuid.uuid4().hex[:12]}")
+        self.spill_dir = os.path.join(self.root, "tmp", f"{spill_prefix()}{uuid.uuid4().hex[:12]}")
         self.con.execute(f"SET memory_limit={sql_string(memory_limit)}")
         self.con.execute(f"SET temp_directory={sql_string(self.spill_dir)}")
         self.con.execute("SET preserve_insertion_order=false")
@@ -106,8 +137,33 @@ class Session:
             raise SqlTimeout(f"query stopped at the timeout of {timeout:g} s")
 
     def execute(self, sql: str, params: dict | list | None = None) -> duckdb.DuckDBPyConnection:
-        """Run rollstore's own SQL (trusted: may create temp tables)."""
-        return self.con.execute(sql, params) if params is not None else self.con.execute(sql)
+        """Run rollstore's own SQL (trusted: may create temp tables; it may embed a checked user
+        predicate, whose run-time errors become one line here)."""
+        try:
+            return self.con.execute(sql, params) if params is not None else self.con.execute(sql)
+        except duckdb.PermissionException as exc:
+            raise SqlRefused(explain_permission(str(exc), self.root)) from None
+        except duckdb.InterruptException:
+            raise
+        except duckdb.Error as exc:
+            raise RollstoreError(f"SQL error: {_first_line(exc)}") from None
+
+    def check_predicate(self, text: str, name: str = "where") -> None:
+        """Refuse `text` unless it is exactly one expression that binds to BOOLEAN over `rollouts`."""
+        for candidate in (text, f"({text})"):
+            try:
+                duckdb.SQLExpression(candidate)
+            except duckdb.Error as exc:
+                raise SqlRefused(f"{name}: not one SQL expression ({_first_line(exc)})") from None
+        self.check_user_sql(f"SELECT * FROM rollouts WHERE ({text})")
+        try:
+            kind = self.con.sql(f"SELECT ({text}) AS predicate FROM rollouts LIMIT 0").types[0]
+        except duckdb.PermissionException as exc:
+            raise SqlRefused(explain_permission(str(exc), self.root)) from None
+        except duckdb.Error as exc:
+            raise SqlRefused(f"{name}: {_first_line(exc)}") from None
+        if str(kind) not in ("BOOLEAN", '"NULL"', "NULL"):
+            raise SqlRefused(f"{name}: must be a boolean expression, but {text!r:.80} is {kind}")
 
     def one(self, sql: str, params: dict | list | None = None) -> tuple | None:
         """First row of a query (fully consumed, so the connection is free for the next one)."""

@@ -221,13 +221,14 @@ def curate_(
     engine: str = typer.Option("embedded", "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
     partitions: Optional[int] = typer.Option(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; embedded engine)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
     from rollstore.curation_cli import print_summary, run_curate
 
     with open_buffer(buffer) as buf:
         result = run_curate(buf, recipe, set_, progress, snapshot, dry_run, memory_limit,
-                            engine=engine, scheduler=scheduler, partitions=partitions)
+                            engine=engine, scheduler=scheduler, partitions=partitions, timeout=timeout or None)
     print_summary(result, out)
 
 

@@ -18,14 +18,15 @@ from storage.errors import RollstoreError
 
 def run_curate(buf: Buffer, recipe: str, sets: list[str], progress: str | None, snapshot: int | None,
                dry_run: bool, memory_limit: str, engine: str = "embedded", scheduler: str | None = None,
-               partitions: int | None = None) -> CurationResult:
+               partitions: int | None = None, timeout: float | None = None) -> CurationResult:
     values = parse_sets(sets)
     if progress is not None:
         if "progress" in values:
             raise RollstoreError("parameter 'progress' given twice (--progress and --set progress=...)")
         values["progress"] = progress
     return curate(buf, load_recipe(recipe), values, snapshot_seq=snapshot, commit=not dry_run,
-                  memory_limit=memory_limit, engine=engine, scheduler=scheduler, partitions=partitions)
+                  memory_limit=memory_limit, engine=engine, scheduler=scheduler, partitions=partitions,
+                  timeout=timeout)
 
 
 def print_summary(result: CurationResult, out: Console) -> None:

@@ -87,8 +87,8 @@ def test_clear_errors(filled, tmp_path):
         (["--recipe", "grpo", "--set", "std=1", "--set", "std=2"], "given twice"),
         (["--recipe", "d3s", "--set", "token_fraction=0.5"], "schedule"),
         (["--recipe", "grpo", "--set", "where=step = 1000"], "empty batch"),
-        (["--recipe", "grpo", "--set", "where=true); COPY rollouts TO 'x.csv'; SELECT (1"], "only SELECT"),
-        (["--recipe", "grpo", "--set", "where=1=1; COPY rollouts TO 'x.csv'"], "does not parse"),
+        (["--recipe", "grpo", "--set", "where=true); COPY rollouts TO 'x.csv'; SELECT (1"], "not one SQL expression"),
+        (["--recipe", "grpo", "--set", "where=1=1; COPY rollouts TO 'x.csv'"], "not one SQL expression"),
     ]
     for args, needle in cases:
         res = run("curate", filled, *args, check=False)

@@ -266,3 +266,55 @@ def test_custom_recipe_overflowing_float32_is_refused(cli, filled, tmp_path, sel
     assert f"column {column!r}" in line and "inf" in line
     with Buffer.open(filled) as buf:
         assert not buf.manifest.shards("curations")
+
+
+# ---- 5: `where` is one boolean expression -----------------------------------------------------
+@pytest.mark.parametrize("where, needle", [
+    ("true) UNION ALL SELECT * FROM rollouts WHERE (true", "not one SQL expression"),
+    ("true --", "not one SQL expression"),
+    ("true /*", "not one SQL expression"),
+    ("true; SELECT 1", "not one SQL expression"),
+    ("'x'", "must be a boolean expression"),
+    ("step + 1", "must be a boolean expression"),
+    ("no_such_column > 1", "where:"),
+])
+def test_where_must_be_one_boolean_expression(cli, filled, where, needle):
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--set", f"where={where}"))
+    assert needle in line, line
+    with Buffer.open(filled) as buf:
+        assert not buf.manifest.shards("curations")
+
+
+def test_where_with_subquery_and_comment_is_fine(cli, filled):
+    where = "step = (SELECT max(step) FROM rollouts) /* the last step */"
+    res = cli("curate", filled, "--recipe", "grpo", "--set", f"where={where}", "--dry-run")
+    assert res.code == 0, res.stderr
+
+
+def test_where_reading_a_file_outside_is_refused(cli, filled, tmp_path):
+    outside = tmp_path / "secret.parquet"
+    write_parquet(pa.table({"x": [1]}), outside)
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--dry-run",
+                              "--set", f"where=(SELECT count(*) FROM read_parquet('{outside}')) > 0"))
+    assert "file rule" in line
+
+
+# ---- 6: curate --timeout covers user SQL ----------------------------------------------------
+def test_curate_timeout_stops_a_where_that_never_ends(cli, filled):
+    import time
+
+    start = time.monotonic()
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--dry-run", "--timeout", "1",
+                              "--set", "where=(SELECT count(*) FROM range(10000000000000)) > 0"))
+    assert "timeout of 1 s" in line
+    assert time.monotonic() - start < 60
+
+
+def test_curate_timeout_stops_a_custom_recipe_that_never_ends(cli, filled, tmp_path):
+    recipe = tmp_path / "forever.sql"
+    recipe.write_text("SELECT rollout_id, 1.0 AS advantage FROM candidates "
+                      "WHERE (SELECT count(*) FROM range(10000000000000)) > 0")
+    line = one_error_line(cli("curate", filled, "--recipe", str(recipe), "--set", "where=true", "--timeout", "1"))
+    assert "timeout" in line
+    with Buffer.open(filled) as buf:
+        assert not buf.manifest.shards("curations")

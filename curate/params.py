@@ -165,16 +165,26 @@ def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
     return Recipe(data.get("name", name), data.get("description", ""), presets, sql)
 
 
+def _read_text(path: str) -> str:
+    """A recipe file's text; undecodable bytes are one error line naming the file."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParamError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
 def load_recipe(ref: str) -> Recipe:
     """A built-in name, a TOML recipe file, or a custom `.sql` file."""
     if ref.endswith(".sql"):
         if not os.path.exists(ref):
             raise ParamError(f"{ref}: custom recipe SQL file not found")
-        return Recipe(f"custom:{os.path.basename(ref)}", "custom SQL recipe", {}, open(ref, encoding="utf-8").read())
+        return Recipe(f"custom:{os.path.basename(ref)}", "custom SQL recipe", {}, _read_text(ref))
     if ref.endswith(".toml"):
         if not os.path.exists(ref):
             raise ParamError(f"{ref}: recipe file not found")
-        return _recipe_from_toml(os.path.basename(ref)[:-5], open(ref, encoding="utf-8").read(), ref)
+        return _recipe_from_toml(os.path.basename(ref)[:-5], _read_text(ref), ref)
     names = builtin_recipes()
     if ref not in names:
         raise ParamError(f"unknown recipe {ref!r} (built-in: {', '.join(names)}; or a .toml / .sql file)")

@@ -173,6 +173,10 @@ class Session:
     def check_user_sql(self, sql: str) -> list[str]:
         """The statements of `sql` if every one is a SELECT; otherwise raise SqlRefused."""
         try:
+            sql.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 on the command line
+            raise SqlRefused(f"SQL text is not valid UTF-8 (at character {exc.start})") from None
+        try:
             statements = self.con.extract_statements(sql)
         except duckdb.Error as exc:
             raise SqlRefused(f"SQL does not parse: {_first_line(exc)}") from None

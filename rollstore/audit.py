@@ -106,7 +106,7 @@ def audit_one(s: Session, cid: str, fmt: str, out: Console) -> None:
 
     def as_table():
         out.print(f"curation {cid}  recipe {rec['recipe']}  candidates {rec['n_candidates']}  "
-                  f"selected {rec['n_selected']}", highlight=False)
+                  f"selected {rec['n_selected']}", highlight=False, markup=False)
         out.print(f"params {json.dumps(rec['params'])}", highlight=False, markup=False)
         render_table(views[0][1], out, "reasons")
         render_table(views[1][1], out, "keep rate by difficulty band")
@@ -126,7 +126,7 @@ def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console)
             "response": response}
 
     def as_table():
-        out.print(f"curation {cid}  rollout {rollout_id}  reason {reason}  advantage_final {adv}", highlight=False)
+        out.print(f"curation {cid}  rollout {rollout_id}  reason {reason}  advantage_final {adv}", highlight=False, markup=False)
         out.print(render_marked(response, tokens.to_pylist()))
         render_table(tokens, out, title="tokens (kept = in the loss)")
 
@@ -146,7 +146,7 @@ def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
 
     def as_table():
         same = rec_a["snapshot_seq"] == rec_b["snapshot_seq"]
-        out.print(f"A {a} ({rec_a['recipe']})  vs  B {b} ({rec_b['recipe']})", highlight=False)
+        out.print(f"A {a} ({rec_a['recipe']})  vs  B {b} ({rec_b['recipe']})", highlight=False, markup=False)
         out.print(f"snapshot {rec_a['snapshot_seq']}" if same else
                   f"note: different snapshots (A {rec_a['snapshot_seq']}, B {rec_b['snapshot_seq']}): "
                   "candidates may differ, not only the recipe", highlight=False)

@@ -98,7 +98,7 @@ def init(buffer: str = typer.Argument(..., help="Directory of the new (or existi
     from storage.buffer import Buffer
 
     Buffer.init(buffer).close()
-    out.print(f"initialised {os.path.abspath(buffer)}", highlight=False)
+    out.print(f"initialised {os.path.abspath(buffer)}", highlight=False, markup=False)
 
 
 @app.command("import")
@@ -115,7 +115,7 @@ def import_(
         for path in files:
             table = read_rows_file(path)
             shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
-            out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False)
+            out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
 
 
 @app.command()
@@ -187,7 +187,7 @@ def verify(
         if quarantine:
             seq = v.quarantine(buf.root, buf.manifest, problems)
             out.print(f"quarantined {len(problems)} of {len(shards)} shards (commit {seq}); "
-                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}", highlight=False)
+                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}", highlight=False, markup=False)
             return
     fail(f"{len(problems)} of {len(shards)} shards do not match the manifest; {v.advice(os.path.abspath(buffer))}")
 
@@ -262,7 +262,7 @@ def report(
     with open_buffer(buffer) as buf:
         info = build_report(buf, out_file, curation_id=curation, snapshot=snapshot)
     out.print(f"wrote {info.path} ({info.bytes / 1024:.0f} KiB, snapshot {info.snapshot_seq}, "
-              f"{info.seconds:.2f} s)", highlight=False)
+              f"{info.seconds:.2f} s)", highlight=False, markup=False)
 
 
 @app.command()

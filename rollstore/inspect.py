@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.text import Text
 from rich.table import Table
 
 from queries.session import Session
@@ -39,7 +40,7 @@ def buffer_info(buf: Buffer) -> dict:
 
 
 def render_info(data: dict, console: Console) -> None:
-    view = Table(title=f"{data['buffer']} @ snapshot {data['snapshot_seq']}")
+    view = Table(title=Text(f"{data['buffer']} @ snapshot {data['snapshot_seq']}"))
     for col in ("table", "shards", "rows", "tokens", "bytes"):
         view.add_column(col, justify="right" if col != "table" else "left")
     for name, t in data["tables"].items():

@@ -2,6 +2,9 @@
 
 Invariants: `json` is one JSON array of objects (lists as arrays, booleans as true/false, NULL and
 NaN as null, timestamps as ISO-8601); `csv` is a header line then rows; `parquet` needs a file.
+Values Python cannot hold (DuckDB's infinite or far timestamps and dates) are rendered as text
+(`infinity`, `-infinity`, or the ISO form), binary as hex in csv and json, never a crash. Table
+cells are data: rich markup in them is printed literally, never interpreted.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import math
 import sys
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 MAX_TABLE_ROWS = 1000
 
@@ -37,16 +43,55 @@ def _jsonable(value):
     return value
 
 
+def _temporal_text(col: pa.ChunkedArray) -> pa.Array:
+    """A timestamp or date column as ISO text, valid for any stored value (infinities included)."""
+    if pa.types.is_date32(col.type):
+        raw, unit, top = col.cast(pa.int32()), "D", np.iinfo(np.int32).max
+    elif pa.types.is_date64(col.type):
+        raw, unit, top = col.cast(pa.int64()), "ms", np.iinfo(np.int64).max
+    else:
+        raw, unit, top = col.cast(pa.int64()), col.type.unit, np.iinfo(np.int64).max
+    ints = np.asarray(raw.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    valid = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
+    out = []
+    for v, ok in zip(ints, valid):
+        if not ok:
+            out.append(None)
+        elif v == top:
+            out.append("infinity")
+        elif v == -top:
+            out.append("-infinity")
+        else:
+            out.append(str(np.datetime64(int(v), unit)))
+    return pa.array(out, pa.string())
+
+
+def _python_safe(table: pa.Table) -> pa.Table:
+    """Temporal columns whose values Python's datetime cannot hold become text (see invariants)."""
+    cols = []
+    for col in table.columns:
+        if pa.types.is_timestamp(col.type) or pa.types.is_date(col.type):
+            try:
+                col.to_pylist()
+            except (ValueError, OverflowError, pa.ArrowException):
+                col = _temporal_text(col)
+        cols.append(col)
+    return pa.Table.from_arrays(cols, names=table.column_names)
+
+
 def to_json(table: pa.Table) -> str:
-    return json.dumps([_jsonable(row) for row in table.to_pylist()], ensure_ascii=False)
+    return json.dumps([_jsonable(row) for row in _python_safe(table).to_pylist()], ensure_ascii=False)
 
 
 def _csv_ready(table: pa.Table) -> pa.Table:
     """CSV cannot hold lists or structs: render them as JSON text."""
     cols = []
+    table = _python_safe(table)
     for name, col in zip(table.column_names, table.columns):
         if pa.types.is_nested(col.type):
             col = pa.array([None if v is None else json.dumps(_jsonable(v)) for v in col.to_pylist()], pa.string())
+        elif pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_fixed_size_binary(col.type):
+            col = pa.array([None if v is None else v.hex() for v in col.to_pylist()], pa.string())
         cols.append(col)
     return pa.Table.from_arrays(cols, names=table.column_names)
 
@@ -76,7 +121,7 @@ def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Conso
         if out_file is None:
             render_table(table, console)
             return
-        text = table.to_string(preview_cols=0) + "\n"
+        text = _python_safe(table).to_string(preview_cols=0) + "\n"
     if out_file:
         with open(out_file, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -86,11 +131,11 @@ def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Conso
 
 
 def render_table(table: pa.Table, console: Console, title: str | None = None) -> None:
-    view = Table(title=title, show_lines=False)
+    view = Table(title=Text(title) if title else None, show_lines=False)
     for name in table.column_names:
-        view.add_column(name, overflow="fold")
-    for row in table.slice(0, MAX_TABLE_ROWS).to_pylist():
-        view.add_row(*(_cell(v) for v in row.values()))
+        view.add_column(Text(name), overflow="fold")
+    for row in _python_safe(table.slice(0, MAX_TABLE_ROWS)).to_pylist():
+        view.add_row(*(Text(_cell(v)) for v in row.values()))  # literal text, never markup
     console.print(view)
     if table.num_rows > MAX_TABLE_ROWS:
         console.print(f"({table.num_rows} rows, first {MAX_TABLE_ROWS} shown; use --format csv or --out)")

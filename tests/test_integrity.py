@@ -318,3 +318,80 @@ def test_curate_timeout_stops_a_custom_recipe_that_never_ends(cli, filled, tmp_p
     assert "timeout" in line
     with Buffer.open(filled) as buf:
         assert not buf.manifest.shards("curations")
+
+
+# ---- 13: one line, never a traceback ---------------------------------------------------------
+def test_hostile_inputs_are_one_line(cli, filled, tmp_path):
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"rollout_id": "caf\xe9"}\n')
+    recipe = tmp_path / "latin.sql"
+    recipe.write_bytes(b"SELECT rollout_id, 1.0 AS advantage FROM candidates -- caf\xe9\n")
+    abc = tmp_path / "abc.sql"
+    abc.write_text("SELECT rollout_id, 'abc' AS advantage FROM candidates")
+    cases = [
+        (("import", filled, str(deep)), "nested too deeply"),
+        (("import", filled, str(latin)), "not UTF-8"),
+        (("curate", filled, "--recipe", str(recipe), "--set", "where=true"), "not UTF-8"),
+        (("curate", filled, "--recipe", str(abc), "--set", "where=true"), "not a number"),
+        (("curate", filled, "--recipe", "grpo", "--set", "where='x'"), "boolean"),
+        (("sql", filled, "--memory-limit", "abc", "SELECT 1"), "memory limit 'abc'"),
+        (("curate", filled, "--recipe", "grpo", "--memory-limit", "abc"), "memory limit 'abc'"),
+        (("sql", filled, "SELECT '\udcaa' AS x"), "not valid UTF-8"),
+    ]
+    for args, needle in cases:
+        line = one_error_line(cli(*args))
+        assert needle in line, (args, line)
+
+
+def test_non_utf8_query_through_a_real_process(filled):
+    import subprocess
+
+    from conftest import ROLLSTORE_BIN
+
+    res = subprocess.run([ROLLSTORE_BIN.encode(), b"sql", filled.encode(), b"SELECT '\xaa' AS x"], capture_output=True)
+    assert res.returncode == 1 and res.stderr.count(b"\n") == 1 and b"UTF-8" in res.stderr, res.stderr
+
+
+def test_unrepresentable_values_print_in_every_format(cli, filled):
+    res = cli("sql", filled, "-f", "csv", "SELECT '\\xAA'::BLOB AS b")
+    assert res.code == 0 and res.stdout.splitlines()[1].strip('"') == "aa", (res.stdout, res.stderr)
+    res = cli("sql", filled, "-f", "json", "SELECT 'infinity'::TIMESTAMP AS t, '-infinity'::DATE AS d, "
+              "TIMESTAMP '0001-01-01 00:00:00' AS lo")
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout) == [{"t": "infinity", "d": "-infinity", "lo": "0001-01-01T00:00:00"}]
+    res = cli("sql", filled, "SELECT 'infinity'::TIMESTAMP AS t")
+    assert res.code == 0 and "infinity" in res.stdout
+
+
+def test_unexpected_exception_is_one_line_with_debug_hint(cli, filled, monkeypatch):
+    import storage.buffer
+
+    def boom(*a, **k):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(storage.buffer.Buffer, "open", classmethod(lambda cls, root: boom()))
+    line = one_error_line(cli("info", filled))
+    assert "unexpected KeyError" in line and "--debug" in line
+    with pytest.raises(KeyError):
+        cli("--debug", "info", filled)
+
+
+# ---- 12: data is data in tables --------------------------------------------------------------
+def test_markup_in_data_is_printed_literally(cli, buffer_dir, tmp_path):
+    rows = small_rows(1)
+    for row in rows:
+        row["prompt"] = "[INST] hi [/INST] [bold red]x"
+    assert cli("import", buffer_dir, write_jsonl(rows, tmp_path / "m.jsonl")).code == 0
+    res = cli("sql", buffer_dir, "SELECT DISTINCT prompt FROM rollouts")
+    assert res.code == 0, res.stderr
+    assert "[INST] hi [/INST] [bold red]x" in res.stdout
+    res = cli("sql", buffer_dir, "SELECT '[bold red]x' AS \"[i]col\"")
+    assert "[bold red]x" in res.stdout and "[i]col" in res.stdout
+    assert cli("curate", buffer_dir, "--recipe", "grpo", "--set", "where=true").code == 0
+    rid = rows[0]["rollout_id"]
+    res = cli("audit", buffer_dir)
+    assert res.code == 0, res.stderr
+    res = cli("audit", buffer_dir, "--rollout", rid)
+    assert res.code == 0, res.stderr

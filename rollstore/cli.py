@@ -137,6 +137,10 @@ def sql(
         fail(f"--format must be table, csv, json or parquet, not {format!r}")
     if format == "parquet" and not out_file:
         fail("--format parquet needs --out FILE")
+    if out_file:
+        from storage.buffer import refuse_managed
+
+        refuse_managed(out_file)
     with open_buffer(buffer) as buf, buf.snapshot(seq, pin=True) as snap, Session(snap, memory_limit=memory_limit) as s:
         table = s.run_user_sql(query, timeout=timeout)
     write_result(table, format, out_file, out)
@@ -258,7 +262,9 @@ def report(
 ):
     """One self-contained HTML report (charts, token views, the SQL behind each) of a buffer."""
     from rollstore.report import build_report
+    from storage.buffer import refuse_managed
 
+    refuse_managed(out_file)
     with open_buffer(buffer) as buf:
         info = build_report(buf, out_file, curation_id=curation, snapshot=snapshot)
     out.print(f"wrote {info.path} ({info.bytes / 1024:.0f} KiB, snapshot {info.snapshot_seq}, "

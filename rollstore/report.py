@@ -40,7 +40,7 @@ from rollstore.report_svg import (
     line_chart,
     stacked_bars,
 )
-from storage.buffer import Buffer
+from storage.buffer import Buffer, refuse_managed
 from storage.errors import RollstoreError
 from storage.snapshot import sql_string
 
@@ -181,7 +181,9 @@ class TokenText:
 
 def _json_block(result: Result) -> str:
     text = json.dumps(result.rows, ensure_ascii=False, separators=(",", ":"))
-    text = text.replace("</", "<\\/")
+    # No "<" at all inside the block: neither "</script>" nor "<!--<script>" (which would make the
+    # HTML parser swallow the rest of the page) can occur; JSON reads \u003c back as "<".
+    text = text.replace("<", "\\u003c")
     return f'<script type="application/json" id="data-{result.name}">{text}</script>'
 
 
@@ -503,7 +505,9 @@ def render(res: dict[str, Result], text: TokenText, root: str, seq: int, curatio
 
 def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, snapshot: int | None = None,
                  memory_limit: str | None = None) -> ReportInfo:
-    """Write the report of `buf` (at `snapshot`, default the latest) to `out_path`, atomically."""
+    """Write the report of `buf` (at `snapshot`, default the latest) to `out_path`, atomically;
+    never inside a buffer's managed files."""
+    refuse_managed(out_path)
     t0 = time.perf_counter()
     kwargs = {"memory_limit": memory_limit} if memory_limit else {}
     with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:

@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import ValidationError
+from .errors import RollstoreError, ValidationError
 from .manifest import Manifest, NewShard, Shard
 from .schema import TABLES
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file
@@ -40,6 +40,36 @@ TABLE_DIRS = {
     "training": "meta/training",
     "evaluations": "meta/evaluations",
 }
+
+
+MANAGED_FILES = ("manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "manifest.sqlite-journal")
+
+
+def managed_by(path: str) -> str | None:
+    """The root of the buffer whose managed files would contain `path` (its manifest, or anything
+    under rollouts/, curated/, audit/, meta/, checkpoints/, tmp/, quarantine/), else None. Output
+    files (`--out`) must never go there: writing one could replace the manifest or a shard."""
+    full = os.path.realpath(os.path.abspath(path))
+    parts = []
+    folder = full
+    while True:
+        parent, name = os.path.split(folder)
+        if os.path.exists(os.path.join(parent, "manifest.sqlite")):
+            top = name
+            if (not parts and top in MANAGED_FILES) or (parts and top in SUBDIRS + ("quarantine",)):
+                return parent
+        if parent == folder:
+            return None
+        parts.append(name)
+        folder = parent
+
+
+def refuse_managed(path: str, option: str = "--out") -> None:
+    """Raise one line if `path` lies in a buffer's managed files (see `managed_by`)."""
+    root = managed_by(path)
+    if root is not None:
+        raise RollstoreError(f"{option} {path}: inside the managed files of the buffer {root} "
+                             "(its manifest and data folders); write it elsewhere")
 
 
 @dataclass

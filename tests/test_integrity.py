@@ -395,3 +395,70 @@ def test_markup_in_data_is_printed_literally(cli, buffer_dir, tmp_path):
     assert res.code == 0, res.stderr
     res = cli("audit", buffer_dir, "--rollout", rid)
     assert res.code == 0, res.stderr
+
+
+# ---- 11: --out never lands in a buffer's managed files ----------------------------------------
+def test_out_inside_managed_files_is_refused(cli, filled, tmp_path):
+    manifest = os.path.join(filled, "manifest.sqlite")
+    before = open(manifest, "rb").read()
+    for target in (manifest, os.path.join(filled, "rollouts", "x.parquet"), os.path.join(filled, "tmp", "r.html"),
+                   os.path.join(filled, "manifest.sqlite-wal")):
+        line = one_error_line(cli("report", filled, "--out", target))
+        assert "managed files" in line
+        line = one_error_line(cli("sql", filled, "SELECT 1 AS x", "-f", "csv", "--out", target))
+        assert "managed files" in line
+    assert open(manifest, "rb").read() == before
+    ok = os.path.join(filled, "notes.csv")  # the buffer's own top folder, not a managed file
+    assert cli("sql", filled, "SELECT 1 AS x", "-f", "csv", "--out", ok).code == 0
+    assert cli("info", filled).code == 0
+
+
+# ---- 10: hostile text cannot break the report ------------------------------------------------
+HOSTILE = "<!--<script></script><b>"
+
+
+def hostile_report(cli, root, tmp_path) -> str:
+    rows = small_rows(2)
+    for row in rows:
+        for key in ("rollout_id", "group_id", "prompt_id", "run_id", "prompt", "response", "gold_answer",
+                    "source", "meta"):
+            row[key] = HOSTILE + str(row[key])
+        row["verify_error"] = None
+    assert cli("import", root, write_jsonl(rows, tmp_path / "h.jsonl")).code == 0
+    assert cli("curate", root, "--recipe", "grpo", "--set", "where=true").code == 0
+    out = str(tmp_path / "report.html")
+    res = cli("report", root, "--out", out)
+    assert res.code == 0, res.stderr
+    return out
+
+
+def test_report_json_blocks_hold_no_markup(cli, buffer_dir, tmp_path):
+    import re
+
+    html = open(hostile_report(cli, buffer_dir, tmp_path), encoding="utf-8").read()
+    blocks = re.findall(r'<script type="application/json" id="data-([a-z_]+)">(.*?)</script>', html, re.DOTALL)
+    assert blocks
+    for name, text in blocks:
+        assert "<" not in text, name
+        json.loads(text)
+    assert any(HOSTILE in json.dumps(json.loads(text), ensure_ascii=False) for _, text in blocks)
+    assert html.count('<section id=') == html.count("</section>") > 3
+
+
+def test_report_with_hostile_text_renders_in_chromium(cli, buffer_dir, tmp_path):
+    import re
+    import subprocess
+
+    from test_report import find_chromium
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary on PATH (see tests/test_report.py)")
+    path = hostile_report(cli, buffer_dir, tmp_path)
+    base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run(base + ["--dump-dom", f"file://{path}"], capture_output=True, text=True, timeout=120)
+    root_tag = re.search(r"<html[^>]*>", dom.stdout)
+    assert root_tag and 'data-rendered="' in root_tag.group(0), dom.stderr[-2000:]  # the page's script ran
+    assert "data-errors" not in root_tag.group(0)
+    assert 'id="training"' in dom.stdout or "data-section" in dom.stdout

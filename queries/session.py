@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import threading
 import uuid
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ import duckdb
 import pyarrow as pa
 
 from storage.errors import RollstoreError
+from storage.maintenance import spill_prefix
 from storage.snapshot import Snapshot, sql_string
 
 from . import load_sql
@@ -59,12 +59,6 @@ def parse_memory_limit(text: str) -> int:
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise MemoryLimitError(f"memory limit {text!r}: expected a size such as 200MB, 2GB or 1GiB")
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def spill_prefix() -> str:
-    """The spill directory prefix of this process: `duckdb-<host>-<pid>-`."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
-    return f"duckdb-{host}-{os.getpid()}-"
 
 
 class Session:

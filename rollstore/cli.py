@@ -129,8 +129,9 @@ def sql(
     memory_limit: str = typer.Option("2GB", "--memory-limit"),
     seq: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
 ):
-    """Run sandboxed, read-only SQL over a snapshot of the buffer."""
-    from queries.session import Session
+    """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
+    and time are bounded by --memory-limit and --timeout)."""
+    from queries.bounded import run_bounded
     from rollstore.output import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
@@ -141,8 +142,8 @@ def sql(
         from storage.buffer import refuse_managed
 
         refuse_managed(out_file)
-    with open_buffer(buffer) as buf, buf.snapshot(seq, pin=True) as snap, Session(snap, memory_limit=memory_limit) as s:
-        table = s.run_user_sql(query, timeout=timeout)
+    with open_buffer(buffer) as buf, buf.snapshot(seq, pin=True) as snap:
+        table = run_bounded(snap, query, timeout, memory_limit)
     write_result(table, format, out_file, out)
 
 
@@ -168,7 +169,8 @@ def gc_(buffer: str, grace: float = typer.Option(3600.0, "--grace", help="Second
 
     with open_buffer(buffer) as buf:
         r = gc(buf, grace)
-    out.print(f"removed {r.orphans_removed} orphan files and {r.retired_removed} retired shards ({r.bytes_freed} bytes)")
+    out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards and "
+              f"{r.spill_dirs_removed} spill folders ({r.bytes_freed} bytes)")
 
 
 @app.command()

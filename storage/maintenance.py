@@ -5,6 +5,8 @@ Invariants:
   (orphans of crashed writes), and (b) files of shards retired by compaction that no pinned
   snapshot can still read. It never touches a live shard. It records the highest `removed_seq` it
   collected, and snapshots older than that are refused from then on (they would miss shards).
+  It also removes DuckDB spill folders (`tmp/duckdb-<host>-<pid>-*`) of this host whose process is
+  gone, whatever the grace period.
 - `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
   merged rows are the old rows in commit order, so every query's result is unchanged; the old
   files stay on disk until `gc` finds no snapshot that needs them. Shards that any consumer has
@@ -14,6 +16,9 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import socket
 import time
 from dataclasses import dataclass
 
@@ -35,6 +40,48 @@ class GcReport:
     orphans_removed: int = 0
     retired_removed: int = 0
     bytes_freed: int = 0
+    spill_dirs_removed: int = 0
+
+
+_SPILL = re.compile(r"duckdb-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]+")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def spill_prefix() -> str:
+    """The name prefix of this process's DuckDB spill folders under tmp/: `duckdb-<host>-<pid>-`."""
+    return f"duckdb-{_host()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_spill_dirs(tmp: str) -> int:
+    """Remove `tmp/duckdb-<host>-<pid>-*` spill folders of this host whose process is gone (a killed
+    query leaves them). Folders of other hosts or of live processes are kept."""
+    removed = 0
+    try:
+        names = os.listdir(tmp)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        m = _SPILL.fullmatch(name)
+        if m is None or not os.path.isdir(os.path.join(tmp, name)):
+            continue
+        if m.group("host") != _host() or _alive(int(m.group("pid"))):
+            continue
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        removed += 1
+    return removed
 
 
 def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
@@ -53,7 +100,7 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
                 if not (name.endswith(".parquet") or top == "tmp"):
                     continue
                 if top == "tmp" and "duckdb-" in rel:
-                    continue  # spill directory of a live session
+                    continue  # spill directories: whole, below
                 try:
                     st = os.stat(full)
                 except FileNotFoundError:
@@ -62,6 +109,7 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
                     os.unlink(full)
                     report.orphans_removed += 1
                     report.bytes_freed += st.st_size
+    report.spill_dirs_removed = remove_dead_spill_dirs(os.path.join(buf.root, "tmp"))
     oldest_pin = man.oldest_pinned_seq()
     rows = man.con.execute("SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()
     for shard_id, path, removed_seq in rows:

@@ -7,6 +7,7 @@ Invariants:
   shards missing.
 - Every table of `schema.TABLES` is readable, also when it has no shard yet (an empty relation of
   the contract's schema).
+- A pin is best-effort: when the manifest cannot be written (disk full) a snapshot still reads.
 - Files are handed to an engine only after a stat shows each exists with its recorded size (a
   deleted or truncated shard is one error line); `verify` also checks sha256 (storage.verify).
 """
@@ -14,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import sqlite3
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,15 @@ def sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def _try_pin(manifest: Manifest, seq: int) -> str | None:
+    """Pin `seq` if the manifest can be written; on a full (or read-only) disk read without a pin:
+    reads must keep working, and a gc meanwhile is the only (rare) risk."""
+    try:
+        return manifest.pin(seq)
+    except sqlite3.OperationalError:
+        return None
+
+
 class Snapshot:
     """The buffer as of manifest commit `seq`. Use as a context manager to pin it against gc."""
 
@@ -41,7 +52,7 @@ class Snapshot:
         self.root = root
         self.seq = seq
         self._manifest = manifest
-        self._pin = manifest.pin(seq) if pin else None  # pin before listing: gc keeps what we list
+        self._pin = _try_pin(manifest, seq) if pin else None  # pin before listing: gc keeps what we list
         try:
             collected, latest = manifest.collected_seq(), manifest.latest_seq()
             if not 0 <= seq <= latest:  # a future seq would change as commits land
@@ -58,7 +69,10 @@ class Snapshot:
 
     def close(self) -> None:
         if self._pin is not None:
-            self._manifest.unpin(self._pin)
+            try:
+                self._manifest.unpin(self._pin)
+            except sqlite3.OperationalError:
+                pass  # the pin expires by itself
             self._pin = None
 
     def __enter__(self) -> "Snapshot":

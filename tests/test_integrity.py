@@ -462,3 +462,81 @@ def test_report_with_hostile_text_renders_in_chromium(cli, buffer_dir, tmp_path)
     assert root_tag and 'data-rendered="' in root_tag.group(0), dom.stderr[-2000:]  # the page's script ran
     assert "data-errors" not in root_tag.group(0)
     assert 'id="training"' in dom.stdout or "data-section" in dom.stdout
+
+
+# ---- 7: the memory limit holds (a worker process watched from outside) ----------------------
+def test_memory_bomb_stops_at_the_limit(cli, filled):
+    from queries.bounded import Usage
+
+    with Buffer.open(filled) as buf:
+        seq = buf.manifest.latest_seq()
+    line = one_error_line(cli("sql", filled, "--timeout", "60", "--memory-limit", "200MB",
+                              "SELECT len(list(range(100000000)))"))
+    assert "memory limit 200MB exceeded" in line
+    assert Usage.peak_rss < 2 << 30  # stopped near the limit, far below the 7.8 GB it reached before
+    assert not [n for n in os.listdir(os.path.join(filled, "tmp")) if n.startswith("duckdb-")]
+    with Buffer.open(filled) as buf:
+        assert buf.manifest.latest_seq() == seq
+    res = cli("sql", filled, "--memory-limit", "200MB", "-f", "json", "SELECT count(*) AS n FROM rollouts")
+    assert res.code == 0 and json.loads(res.stdout) == [{"n": 48}]
+
+
+def test_sql_errors_from_the_worker_are_one_line(cli, filled):
+    assert "only SELECT" in one_error_line(cli("sql", filled, "COPY rollouts TO 'x.csv'"))
+    assert "timeout of 1 s" in one_error_line(cli("sql", filled, "--timeout", "1",
+                                                  "SELECT count(*) FROM range(10000000000000)"))
+
+
+# ---- 8: a full disk ------------------------------------------------------------------------
+def test_reads_work_and_writes_fail_in_one_line_on_a_full_disk(cli, filled, tmp_path, monkeypatch):
+    import errno
+    import sqlite3
+
+    import storage.manifest
+    import storage.shardio
+
+    def full(*a, **k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(storage.manifest.Manifest, "pin", full)
+    monkeypatch.setattr(storage.manifest.Manifest, "new_commit", full)
+    assert cli("info", filled).code == 0
+    res = cli("sql", filled, "-f", "json", "SELECT count(*) AS n FROM rollouts")
+    assert res.code == 0 and json.loads(res.stdout) == [{"n": 48}], res.stderr
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--set", "where=true"))
+    assert "disk is full" in line
+
+    def enospc(table, path, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(storage.shardio, "write_parquet", enospc)
+    rows = rollouts_table(n_groups=1, group_size=2, seed=9, id_prefix="full")
+    line = one_error_line(cli("import", filled, write_parquet(rows, tmp_path / "f.parquet")))
+    assert "No space left on device" in line
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--set", "where=true"))
+    assert "No space left on device" in line
+    monkeypatch.undo()
+    assert cli("verify", filled).code == 0
+    with Buffer.open(filled) as buf:
+        assert not buf.manifest.shards("curations") and len(buf.manifest.shards("rollouts")) == 2
+
+
+# ---- 9: spill folders of dead processes are collected ------------------------------------------
+def test_gc_removes_spill_folders_of_dead_processes(cli, filled):
+    import subprocess
+    import sys
+
+    from storage.maintenance import spill_prefix
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    mine = spill_prefix().rsplit("-", 2)[0]
+    tmp = os.path.join(filled, "tmp")
+    for name in (f"{mine}-{pid}-abc123", f"{mine}-{os.getpid()}-def456", f"duckdb-otherhost-{pid}-abc123"):
+        os.makedirs(os.path.join(tmp, name))
+        with open(os.path.join(tmp, name, "duckdb_temp_block-1.block"), "wb") as fh:
+            fh.write(b"x" * 1000)
+    res = cli("gc", filled, "--grace", "3600")
+    assert res.code == 0 and "1 spill folders" in res.stdout, res.stdout
+    assert sorted(os.listdir(tmp)) == sorted([f"{mine}-{os.getpid()}-def456", f"duckdb-otherhost-{pid}-abc123"])

@@ -181,6 +181,21 @@ def build_buffer(root: str, tokens: int, shard_tokens: int = 1_000_000, seed: in
     return describe(root)
 
 
+def measured_buffer(root: str | None, prefix: str, tokens: int, shard_tokens: int, measure: Callable[[str], dict]) -> dict:
+    """`measure(root)` of a generated buffer of `tokens` tokens: `root` when given (created or
+    extended, and kept), else a temporary folder removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = root or tempfile.mkdtemp(prefix=prefix)
+    try:
+        build_buffer(path, tokens, shard_tokens)
+        return measure(path)
+    finally:
+        if not root:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def describe(root: str) -> dict:
     """Tokens, rows, shards and bytes of the buffer's rollouts table (latest snapshot)."""
     from storage.buffer import Buffer

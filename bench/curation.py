@@ -303,13 +303,8 @@ def main() -> None:
     if a.child == "reference":
         return common.child_result(child_reference(a.root, a.recipe_one, a.progress, a.out, a.profile,
                                                    a.first_shards or None))
-    root = a.root or tempfile.mkdtemp(prefix="rs-bench-")
-    try:
-        common.build_buffer(root, a.tokens, a.shard_tokens)
-        m = measure(root, a.recipes, a.memory_limit, a.progress, a.repeat)
-    finally:
-        if not a.root:
-            shutil.rmtree(root, ignore_errors=True)
+    m = common.measured_buffer(a.root, "rs-bench-", a.tokens, a.shard_tokens,
+                               lambda root: measure(root, a.recipes, a.memory_limit, a.progress, a.repeat))
     common.publish(section(m), record=not a.no_record)
 
 

@@ -14,8 +14,6 @@ fixed cost).
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 
 from bench import common
 from bench.curation import run_one
@@ -92,13 +90,8 @@ def main() -> None:
     ap.add_argument("--root", default=None)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
-    root = a.root or tempfile.mkdtemp(prefix="rs-bench-growth-")
-    try:
-        common.build_buffer(root, a.tokens, a.shard_tokens)
-        m = measure(root, a.recipes, a.base_steps, a.memory_limit, a.progress, a.repeat)
-    finally:
-        if not a.root:
-            shutil.rmtree(root, ignore_errors=True)
+    m = common.measured_buffer(a.root, "rs-bench-growth-", a.tokens, a.shard_tokens,
+                               lambda root: measure(root, a.recipes, a.base_steps, a.memory_limit, a.progress, a.repeat))
     common.publish(section(m), record=not a.no_record)
 
 

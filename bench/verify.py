@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 from bench import common
@@ -111,15 +109,8 @@ def main() -> None:
     ap.add_argument("--root", default=None)
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     a = ap.parse_args()
-    root = a.root or tempfile.mkdtemp(prefix="rs-verify-")
-    try:
-        if not os.path.exists(os.path.join(root, "manifest.sqlite")):
-            tokens = int(a.mb * 1e6 / 11)  # ~11 bytes per response token on disk (measured)
-            common.build_buffer(root, tokens, shard_tokens=tokens)
-        m = measure(root, a.repeat)
-    finally:
-        if not a.root:
-            shutil.rmtree(root, ignore_errors=True)
+    tokens = int(a.mb * 1e6 / 11)  # ~11 bytes per response token on disk (measured)
+    m = common.measured_buffer(a.root, "rs-verify-", tokens, tokens, lambda root: measure(root, a.repeat))
     common.publish(section(m), record=not a.no_record)
 
 

@@ -369,6 +369,17 @@ def materialise_shard(session: Session, path: str, materialise_sql: str, mask_pa
     return table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
 
 
+def shards_with_selected_rows(session: Session, paths: list[str]) -> list[str]:
+    """The input shards (of `paths`, in that order) that hold a selected row of `work`."""
+    if not paths:
+        return []
+    listing = ", ".join(sql_string(p) for p in paths)
+    session.execute(f"CREATE OR REPLACE TEMP VIEW rollout_files AS SELECT rollout_id, filename "
+                    f"FROM read_parquet([{listing}], filename = true, hive_partitioning = false)")
+    hit = {row[0] for row in session.execute(load_sql("curate_selected_files")).fetchall()}
+    return [p for p in paths if p in hit]
+
+
 def curated_table(pieces: list[pa.Table], curation_id: str) -> pa.Table:
     """One curated shard's table from consecutive slices of materialised input shards."""
     table = pa.concat_tables(pieces)
@@ -496,7 +507,7 @@ def _materialise(buf, snap, session, stages, params, recipe, result, commit) -> 
 
     def curated_tables():
         """Curated rows, input shard by input shard, each sorted by rollout_id (bounded memory)."""
-        for path in snap.files("rollouts"):
+        for path in shards_with_selected_rows(session, snap.files("rollouts")):
             table = materialise_shard(session, path, materialise_sql, mask_params)
             if table.num_rows:
                 yield table

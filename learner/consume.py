@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 
 from storage.buffer import Buffer
 from storage.manifest import Shard
+from storage.timing import Stopwatch
 
 from .checkpoint import (
     Checkpoint,
@@ -97,6 +98,7 @@ def train_pending(
     max_units: int | None = None,
     lease: tuple[str, str] | None = None,
     extra_metrics: dict | None = None,
+    timings: dict[str, float] | None = None,
     **train_kwargs,
 ) -> list[Checkpoint]:
     """Train every pending unit once, publishing one checkpoint per unit; return them.
@@ -104,7 +106,8 @@ def train_pending(
     `from_version`/`start_step`: where the model is (see `resume`). `extra_metrics` are added to
     each checkpoint's metrics (e.g. the loop's iteration). `train_kwargs` go to
     `train_on_curation` (loss, epochs, micro_batch_size, grad_accum, ...). Each new version is
-    one more than the highest published version of the buffer.
+    one more than the highest published version of the buffer. `timings`, when given, gets the
+    seconds spent in `optimiser` steps (reading the shards included) and checkpoint `publish`.
     """
     ledger = consumed_ledger(buf, from_version) if any(
         c.version == from_version for c in list_checkpoints(buf)
@@ -114,6 +117,7 @@ def train_pending(
         todo = todo[:max_units]
     published: list[Checkpoint] = []
     version, step = from_version, start_step
+    clock = Stopwatch(timings)
     for unit in todo:
         latest = latest_checkpoint(buf)
         new_version = max(version, latest.version if latest else 0) + 1
@@ -121,6 +125,7 @@ def train_pending(
             model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit],
             run_id=run_id, version=new_version, start_step=step, **train_kwargs,
         )
+        clock.lap("optimiser")
         step = rows[-1]["step"] if rows else step
         metrics = {
             "steps": len(rows),
@@ -136,6 +141,7 @@ def train_pending(
             consumed=[consumed_entry(shard_curation_id(s), s.path) for s in unit],
             tokenizer=tokenizer, step=step, metrics=metrics, training_rows=rows, lease=lease,
         )
+        clock.lap("publish")
         published.append(ck)
         version = new_version
     return published

@@ -1,65 +1,68 @@
-"""The built-in task `builtin:arith`: integer arithmetic for a character-level tiny policy.
+"""The built-in task `builtin:arith`: two-digit additions that carry, for a character-level tiny policy.
 
-A prompt is an expression followed by `=` (`"12+7="`); the answer is the integer result as a string
-(`"19"`, `"-5"`), which the policy should emit followed by its end-of-sequence token. Usual
-precedence applies (`*` before `+`/`-`); no parentheses, no spaces.
+A prompt is `a+b=` with two-digit operands (`"58+67="`); the answer is the sum (`"125"`), which
+the policy should emit followed by its end-of-sequence token. Every prompt carries at least once:
+its level says where.
+
+| level | carries | example | expressions |
+|---|---|---|---|
+| 1 | into the tens only | `15+17=32` | 1 260 |
+| 2 | out of the tens only | `52+61=113` | 2 475 |
+| 3 | into and out of the tens | `58+67=125` | 2 385 |
+
+The warm start learns from a weak teacher (`warmup_examples`): with probability `TEACHER_SLIP`
+the teacher forgets every carry and writes the digit-wise sum (`58+67=15`). A policy that imitates
+it answers right about 1 − TEACHER_SLIP of the time when sampling and mostly wrong when greedy,
+on every level, which is the room a verifier-driven RL has to fix a systematic error.
 
 Invariants:
 - Everything is deterministic: the same (n, seed, split) gives the same prompts in the same order,
   on every machine and Python version (string-seeded `random.Random`, sha256 partitioning).
-- The held-out partition is fixed by the prompt text alone (`is_heldout`, about 10 % of all
-  expressions), so no training prompt or warm-up example is ever a held-out prompt, whatever the
-  seeds; `heldout_prompts(n)` is a prefix of `heldout_prompts(m)` for n < m.
-- Held-out prompts are distinct: a level whose held-out expressions run out (levels 1 and 3 have
-  only a few dozen: their whole domain is a few hundred expressions) drops out of the rotation
-  instead of repeating one, so no single expression weighs more than another in an accuracy.
-- Every prompt carries its difficulty level (1 = easiest, `MAX_LEVEL` = hardest) and
-  `source == "builtin:arith"`; `prompt_id` is `prompt_hash` of the text, like any file dataset.
+- The held-out partition is fixed by the prompt text alone (`is_heldout`, about `HELDOUT_PERCENT`
+  % of all expressions), so no training prompt or warm-up example is ever a held-out prompt,
+  whatever the seeds; `heldout_prompts(n)` is a prefix of `heldout_prompts(m)` for n < m.
+- Held-out prompts are distinct (about 1 200 in all, 250–500 per level), so no expression weighs
+  more than another in an accuracy; a level whose held-out expressions run out leaves the rotation.
+- Every prompt carries its level (1 = easiest, `MAX_LEVEL` = hardest) as `difficulty` and
+  `source == "builtin:arith"`; `prompt_id` is `prompt_hash` of the text; `gold_answer` is the
+  true sum (never the teacher's).
 - Levels are interleaved round-robin, so any prefix of a list has a balanced mix of its split.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import itertools
 import random
-from dataclasses import dataclass
 
 from .prompts import Prompt, prompt_hash
 
 SOURCE = "builtin:arith"
-HELDOUT_SEED = "heldout-v1"  # fixed: the held-out list never depends on a caller's seed
-HELDOUT_PERCENT = 10
+HELDOUT_SEED = "heldout-v2"  # fixed: the held-out list never depends on a caller's seed
+HELDOUT_PERCENT = 20
+TEACHER_SLIP = 0.7  # how often the warm-start teacher forgets every carry
+OPERANDS = range(10, 100)
 _MAX_TRIES = 200  # draws spent looking for an unseen expression before accepting a repeat
-_ENUMERATE_UP_TO = 5000  # levels with at most this many expressions are enumerated, not sampled
 
-
-@dataclass(frozen=True)
-class Level:
-    """How expressions of one difficulty level are drawn."""
-
-    level: int
-    operands: tuple[int, ...]  # allowed operand counts
-    digits: tuple[int, int]  # min and max digits of each operand
-    ops: str  # allowed operators
-    need_mul: bool = False  # at least one `*`
-
-
-LEVELS: dict[int, Level] = {
-    1: Level(1, (2,), (1, 1), "+-"),  # 7-3=
-    2: Level(2, (2,), (2, 2), "+-"),  # 45+38=
-    3: Level(3, (2,), (1, 1), "*"),  # 6*7=
-    4: Level(4, (3,), (1, 1), "+-*", need_mul=True),  # 3+4*5= (precedence)
-    5: Level(5, (2, 3), (2, 3), "+-"),  # 512-389=, 47+12-30=
+LEVELS: dict[int, str] = {
+    1: "carry into the tens only",
+    2: "carry out of the tens only",
+    3: "carry into and out of the tens",
 }
 MAX_LEVEL = max(LEVELS)
 
-# Named splits: which levels a split draws from. `harder` holds the levels where a warm-started
-# tiny policy gets few answers right (precedence and 3-digit carries), for experiments on hard prompts.
+# Named splits: which levels a split draws from (`harder`: both carries, for hard-prompt experiments).
 SPLITS: dict[str, tuple[int, ...]] = {
-    "train": (1, 2, 3, 4, 5),
-    "harder": (4, 5),
+    "train": (1, 2, 3),
+    "harder": (3,),
 }
+
+
+def level_of(a: int, b: int) -> int:
+    """The level of `a+b` (0: no carry, not part of the task)."""
+    into_tens = a % 10 + b % 10 >= 10
+    out_of_tens = a // 10 + b // 10 + into_tens >= 10
+    return {(True, False): 1, (False, True): 2, (True, True): 3}.get((into_tens, out_of_tens), 0)
 
 
 def evaluate(expr: str) -> int:
@@ -82,77 +85,22 @@ def evaluate(expr: str) -> int:
     return total
 
 
+def carry_free_sum(a: int, b: int) -> int:
+    """The sum written digit by digit with every carry forgotten (the teacher's slip): 58+67 → 15."""
+    return (a // 10 + b // 10) % 10 * 10 + (a % 10 + b % 10) % 10
+
+
 def is_heldout(prompt_text: str) -> bool:
-    """Whether a prompt text belongs to the fixed held-out partition (~10 % of expressions)."""
+    """Whether a prompt text belongs to the fixed held-out partition (~HELDOUT_PERCENT % of expressions)."""
     digest = hashlib.sha256(b"rollstore-arith-heldout:" + prompt_text.encode()).digest()
     return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
 
 
-def _operand(rng: random.Random, digits: int) -> int:
-    if digits == 1:
-        return rng.randint(0, 9)
-    return rng.randint(10 ** (digits - 1), 10**digits - 1)
-
-
-def _draw(rng: random.Random, spec: Level) -> str:
-    n = rng.choice(spec.operands)
-    nums = [_operand(rng, rng.randint(*spec.digits)) for _ in range(n)]
-    ops = [rng.choice(spec.ops) for _ in range(n - 1)]
-    if spec.need_mul and "*" not in ops:
-        ops[rng.randrange(n - 1)] = "*"
-    expr = str(nums[0]) + "".join(op + str(x) for op, x in zip(ops, nums[1:]))
-    return expr + "="
-
-
-def _domain(spec: Level) -> list[str] | None:
-    """Every expression of a small level, in a fixed order; None when the level is large."""
-    lo, hi = spec.digits
-    values = [x for d in range(lo, hi + 1) for x in (range(10) if d == 1 else range(10 ** (d - 1), 10**d))]
-    size = sum(len(values) ** n * len(spec.ops) ** (n - 1) for n in spec.operands)
-    if size > _ENUMERATE_UP_TO:
-        return None
-    out = []
-    for n in spec.operands:
-        for nums in itertools.product(values, repeat=n):
-            for ops in itertools.product(spec.ops, repeat=n - 1):
-                if spec.need_mul and "*" not in ops:
-                    continue
-                out.append(str(nums[0]) + "".join(op + str(x) for op, x in zip(ops, nums[1:])) + "=")
-    return out
-
-
-def _distinct_heldout(n: int, stream: str, levels: tuple[int, ...]) -> list[Prompt]:
-    """n distinct held-out prompts, levels round-robin; an exhausted level leaves the rotation."""
-    rng = random.Random(stream)
-    pools: dict[int, list[str]] = {}
-    for lv in levels:
-        domain = _domain(LEVELS[lv])
-        if domain is not None:
-            pool = [e for e in domain if is_heldout(e)]
-            random.Random(f"{stream}:{lv}").shuffle(pool)
-            pools[lv] = pool[::-1]  # pop() from the end takes them in shuffled order
-    seen: set[str] = set()
-    out: list[Prompt] = []
-    active = list(levels)
-    i = 0
-    while len(out) < n and active:
-        lv = active[i % len(active)]
-        text = None
-        if lv in pools:
-            text = pools[lv].pop() if pools[lv] else None
-        else:
-            for _ in range(_MAX_TRIES):
-                cand = _draw(rng, LEVELS[lv])
-                if is_heldout(cand) and cand not in seen:
-                    text = cand
-                    break
-        if text is None:
-            active.remove(lv)  # the next level takes this turn; i stays
-            continue
-        seen.add(text)
-        out.append(make_prompt(text, lv))
-        i += 1
-    return out
+@functools.lru_cache(maxsize=None)
+def _domain(level: int, heldout: bool) -> tuple[str, ...]:
+    """Every expression of a level in one partition, in a fixed order."""
+    out = (f"{a}+{b}=" for a in OPERANDS for b in OPERANDS if level_of(a, b) == level)
+    return tuple(e for e in out if is_heldout(e) == heldout)
 
 
 def _levels_of(split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -166,36 +114,31 @@ def _levels_of(split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
     return SPLITS[split]
 
 
-def _generate(
-    n: int, stream: str, want_heldout: bool, levels: tuple[int, ...], unique: bool = True
-) -> list[Prompt]:
-    """n prompts, levels round-robin; with `unique`, no repeats until a level's partition runs dry."""
+def _generate(n: int, stream: str, levels: tuple[int, ...], unique: bool = True) -> list[Prompt]:
+    """n training-partition prompts, levels round-robin; with `unique`, no repeats until a level runs dry."""
     rng = random.Random(stream)
     seen: set[str] = set()
     exhausted: set[int] = set()  # levels where an unseen expression was not found: stop looking
     out: list[Prompt] = []
     for i in range(n):
-        spec = LEVELS[levels[i % len(levels)]]
-        want_new = unique and spec.level not in exhausted
-        text = None
-        for _ in range(_MAX_TRIES):
-            cand = _draw(rng, spec)
-            if is_heldout(cand) != want_heldout:
-                continue
-            text = cand
-            if not want_new or cand not in seen:
-                break
-        else:
-            exhausted.add(spec.level)
-        if text is None:  # pragma: no cover - every level has expressions in both partitions
-            raise RuntimeError(f"no expression of level {spec.level} in the requested partition")
+        level = levels[i % len(levels)]
+        domain = _domain(level, False)
+        want_new = unique and level not in exhausted
+        text = domain[rng.randrange(len(domain))]
+        if want_new:
+            for _ in range(_MAX_TRIES):
+                if text not in seen:
+                    break
+                text = domain[rng.randrange(len(domain))]
+            else:
+                exhausted.add(level)
         seen.add(text)
-        out.append(make_prompt(text, spec.level))
+        out.append(make_prompt(text, level))
     return out
 
 
 def make_prompt(text: str, level: int | None = None) -> Prompt:
-    """A `Prompt` for an expression text ending in `=`, with its gold answer."""
+    """A `Prompt` for an expression text ending in `=`, with its (true) gold answer."""
     return Prompt(
         prompt_id=prompt_hash(text),
         prompt=text,
@@ -210,7 +153,7 @@ def train_prompts(
 ) -> list[Prompt]:
     """n training prompts (never held-out ones), deterministic by seed; unique while possible."""
     lv = _levels_of(split, levels)
-    return _generate(n, f"arith:train:{split}:{lv}:{seed}", False, lv)
+    return _generate(n, f"arith:train:{split}:{lv}:{seed}", lv)
 
 
 def heldout_prompts(
@@ -221,13 +164,37 @@ def heldout_prompts(
     Fewer than n only when the split's whole held-out partition is smaller than n.
     """
     lv = _levels_of(split, levels)
-    return _distinct_heldout(n, f"arith:heldout:{split}:{lv}:{HELDOUT_SEED}", lv)
+    pools = {}
+    for level in lv:
+        pool = list(_domain(level, True))
+        random.Random(f"arith:heldout:{HELDOUT_SEED}:{level}").shuffle(pool)
+        pools[level] = pool[::-1]  # pop() from the end takes them in shuffled order
+    out: list[Prompt] = []
+    active = list(lv)
+    i = 0
+    while len(out) < n and active:
+        level = active[i % len(active)]
+        if not pools[level]:
+            active.remove(level)  # the next level takes this turn; i stays
+            continue
+        out.append(make_prompt(pools[level].pop(), level))
+        i += 1
+    return out
 
 
 def warmup_examples(
-    n: int, seed: int = 0, split: str = "train", levels: tuple[int, ...] | None = None
+    n: int, seed: int = 0, split: str = "train", levels: tuple[int, ...] | None = None,
+    slip: float = TEACHER_SLIP,
 ) -> list[tuple[str, str]]:
-    """n (prompt, answer) pairs for a supervised warm start from the training partition (repeats allowed)."""
+    """n (prompt, answer) demonstrations of the weak teacher from the training partition (repeats allowed).
+
+    With probability `slip` (per example, seeded) the answer is the carry-free sum, else the true one.
+    """
     lv = _levels_of(split, levels)
-    prompts = _generate(n, f"arith:warmup:{split}:{lv}:{seed}", False, lv, unique=False)
-    return [(p.prompt, p.gold_answer) for p in prompts]
+    prompts = _generate(n, f"arith:warmup:{split}:{lv}:{seed}", lv, unique=False)
+    rng = random.Random(f"arith:teacher:{split}:{lv}:{seed}:{slip}")
+    out = []
+    for p in prompts:
+        a, b = (int(x) for x in p.prompt.rstrip("=").split("+"))
+        out.append((p.prompt, str(carry_free_sum(a, b)) if rng.random() < slip else p.gold_answer))
+    return out

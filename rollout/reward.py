@@ -14,6 +14,10 @@ Invariants:
 - reward = (1.0 if correct else 0.0) + overlong_penalty(len, l_max, l_cache) when shaping is on;
   always finite. Shaping never changes `correct` (curation filters on `correct`, not reward).
 - `verify(gold, prediction)`: gold first, as math-verify expects (its comparison is asymmetric).
+- Integer answers are judged in the caller: when the judge is `judge_math` and both gold and
+  prediction are plain integers (`-?digits`, at most 18 digits, surrounding whitespace allowed),
+  the verdict is integer equality — what math-verify returns for such a pair (tested against it),
+  without the trip to a worker. Everything else goes to math-verify in the pool.
 - Starting the pool never re-runs the caller's script in the workers (see `_main_script_hidden`),
   so a plain script without an `if __name__ == "__main__"` guard can use it.
 """
@@ -79,6 +83,14 @@ def _has_expression(parsed) -> bool:
 
 
 _PLAIN_NUMBER = re.compile(r"^\s*-?\d+(\.\d+)?\s*$")
+_PLAIN_INTEGER = re.compile(r"^\s*-?\d{1,18}\s*$")
+
+
+def integer_verdict(gold: str | None, prediction: str) -> tuple[bool | None, str | None] | None:
+    """(correct, None) when gold and prediction are both plain integers, else None (ask math-verify)."""
+    if gold is None or not _PLAIN_INTEGER.match(gold) or not _PLAIN_INTEGER.match(prediction):
+        return None
+    return int(gold) == int(prediction), None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -274,7 +286,10 @@ class RewardPool:
         if len(golds) != len(predictions):
             raise ValueError("golds and predictions differ in length")
         results: list[tuple[bool | None, str | None] | None] = [None] * len(golds)
-        idx = list(range(len(golds)))
+        if self.judge is judge_math:  # plain integers need no parser (module invariants)
+            for i, (g, p) in enumerate(zip(golds, predictions)):
+                results[i] = integer_verdict(None if g is None else str(g), p)
+        idx = [i for i, r in enumerate(results) if r is None]
         pending = deque(idx[k : k + self.chunk_size] for k in range(0, len(idx), self.chunk_size))
         deaths: dict[int, int] = {}
         inflight: dict[Future, tuple[list[int], float]] = {}

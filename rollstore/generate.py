@@ -23,6 +23,7 @@ from rollout.backends import Backend, get_backend
 from rollout.build import build_rollouts
 from rollout.prompts import Prompt
 from rollout.reward import Overlong, RewardPool
+from storage.timing import Stopwatch
 
 
 def generate_step(
@@ -45,15 +46,21 @@ def generate_step(
     device: str = "cpu",
     created_at: datetime | None = None,
     prompt_offset: int = 0,
+    timings: dict[str, float] | None = None,
 ) -> pa.Table:
-    """Sample `group_size` responses per prompt, judge them, score them; return the rollouts table."""
+    """Sample `group_size` responses per prompt, judge them, score them; return the rollouts table.
+
+    `timings`, when given, gets the seconds of `generation`, `reward` and `scoring` added to it.
+    """
     if not prompts:
         raise ValueError("generate_step needs at least one prompt")
+    clock = Stopwatch(timings)
     be = get_backend(backend, model_dir, device=device) if isinstance(backend, str) else backend
     groups = be.generate(
         [p.prompt for p in prompts], group_size, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
     )
     flat = [g for group in groups for g in group]
+    clock.lap("generation")
 
     if isinstance(overlong, tuple):
         overlong = Overlong(*overlong)
@@ -66,10 +73,12 @@ def generate_step(
     finally:
         if reward_pool is None:
             pool.close()
+    clock.lap("reward")
 
     old = ent = None
     if score:
         old, ent = _score(be, model_dir, device, flat, score_batch_size)
+    clock.lap("scoring")
     sizes = [len(group) for group in groups]
     meta = {
         "backend": getattr(be, "name", type(be).__name__),

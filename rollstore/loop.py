@@ -9,6 +9,8 @@ Invariants:
 - With a filtering recipe (`filter=dynamic`) the loop over-generates (`overgen`× the prompts per
   batch) and keeps generating batches of the same step until enough groups survive or
   `max_gen_batches` is reached, and then says so.
+- With `pool_size` the prompts come from a finite pool, revisited once per epoch, so a prompt's
+  pooled accuracy (DA3PO's q̂) has history from earlier visits.
 - Rerunning an interrupted loop resumes from the run's latest checkpoint (learner.consume):
   no curated shard is trained twice.
 """
@@ -16,6 +18,8 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from curate.params import load_recipe, resolve
 from curate.run import CurationResult, curate
 from storage.buffer import Buffer
 from storage.snapshot import sql_string
+from storage.timing import Stopwatch
 
 
 @dataclass
@@ -38,6 +43,7 @@ class LoopConfig:
     recipe: str = "d3s"
     sets: dict = field(default_factory=dict)
     prompts_per_iter: int = 128
+    pool_size: int = 0  # > 0: train on a fixed pool of this many prompts, in epochs (see _batch_prompts)
     group_size: int = 8
     max_new_tokens: int = 12
     temperature: float = 1.0
@@ -59,6 +65,7 @@ class LoopConfig:
     seed: int = 0
     run_id: str | None = None
     backend: str = "hf"
+    threads: int | None = 1  # torch intra-op threads during the run (None: leave torch's setting)
 
 
 @dataclass
@@ -76,12 +83,50 @@ class IterationReport:
     seconds: float
     curation_id: str
     note: str = ""
+    phases: dict = field(default_factory=dict)  # seconds per phase (see PHASES)
+
+
+# The phases of one iteration, in order, as `IterationReport.phases` and the loop profile name them.
+PHASES = ("generation", "reward", "scoring", "append", "curation", "optimiser", "publish", "evaluation", "other")
 
 
 def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
+    """The n prompts of one generation batch.
+
+    Without a pool, fresh prompts seeded by (seed, iteration, batch). With `pool_size` N, the run
+    trains on a fixed pool of N prompts in epochs: batch 0 of iteration i takes positions
+    [i·P, i·P + n) of an endless stream of seeded permutations of the pool (P = prompts_per_iter),
+    so every prompt comes back once per epoch and recipes get the same batch 0 at every
+    iteration; extra batches of a filtering recipe draw n prompts of the pool seeded by
+    (seed, iteration, batch).
+    """
     from rollstore.models import resolve_prompts
 
-    return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
+    if not cfg.pool_size:
+        return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
+    pool = _prompt_pool(cfg.prompts, cfg.pool_size, cfg.seed)
+    if batch:
+        rng = random.Random(f"pool-extra:{cfg.seed}:{iteration}:{batch}")
+        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+    out, start = [], iteration * cfg.prompts_per_iter
+    for pos in range(start, start + n):
+        epoch, k = divmod(pos, len(pool))
+        out.append(pool[_epoch_order(len(pool), cfg.seed, epoch)[k]])
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _prompt_pool(ref: str, size: int, seed: int) -> tuple:
+    from rollstore.models import resolve_prompts
+
+    return tuple(resolve_prompts(ref, size, seed=seed, split="train"))
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(size))
+    random.Random(f"pool-epoch:{seed}:{epoch}").shuffle(order)
+    return tuple(order)
 
 
 def heldout_prompts(cfg: LoopConfig):
@@ -132,6 +177,13 @@ def _step_rollouts(buf: Buffer, run_id: str, step: int) -> int:
         return int(s.one("SELECT count(*) FROM rollouts WHERE run_id = $r AND step = $s", {"r": run_id, "s": step})[0])
 
 
+def _accuracy_of(tables: list[pa.Table]) -> tuple[float, int]:
+    """(mean of `correct`, unjudged counted wrong; rows) over freshly generated tables."""
+    n = sum(t.num_rows for t in tables)
+    right = sum(sum(1 for c in t.column("correct").to_pylist() if c) for t in tables)
+    return (right / n if n else 0.0), n
+
+
 def _surviving_groups(table: pa.Table) -> int:
     """Groups whose judged accuracy is strictly between 0 and 1 (what dynamic sampling keeps)."""
     stats: dict[str, list[int]] = {}
@@ -146,6 +198,20 @@ def _surviving_groups(table: pa.Table) -> int:
 def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | None = None,
              on_eval: Callable[[int, int, float], None] | None = None) -> dict:
     """Run cfg.iterations iterations (resuming a run that already has checkpoints). Returns a summary."""
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, on_iteration, on_eval)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
+    """run_loop's body, under the chosen thread count."""
+    from learner.checkpoint import latest_checkpoint
     from learner.consume import resume, train_pending
     from learner.models import load_policy
     from learner.trainer import make_optimizer
@@ -165,12 +231,10 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
     model, tokenizer = load_policy(base_dir)
     optimizer, scheduler = make_optimizer(model, lr=cfg.lr, warmup_steps=cfg.warmup_steps)
     version, step = resume(buf, model, optimizer, scheduler, run_id)
-    from learner.checkpoint import latest_checkpoint
-
     ck = latest_checkpoint(buf, run_id)
     start_iteration = ck.metrics.get("iteration", -1) + 1 if ck else 0
     gen_dir = ck.dir if ck else base_dir
-    backend = get_backend(cfg.backend, gen_dir)
+    backend = get_backend(cfg.backend, gen_dir)  # loaded once; later versions are synced in memory
     reports: list[IterationReport] = []
     evals: list[tuple[int, int, float]] = []
     eval_metrics: list[dict] = []
@@ -194,10 +258,12 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
             evaluate(0)
         for it in range(start_iteration, cfg.iterations):
             t0 = time.perf_counter()
+            phases: dict[str, float] = {}
             note = ""
             batches = 0
             generated: list[pa.Table] = []
-            if _step_rollouts(buf, run_id, it) == 0:
+            # Only the first iteration of a resumed run can find its rollouts already appended.
+            if it > start_iteration or _step_rollouts(buf, run_id, it) == 0:
                 while True:
                     n = cfg.prompts_per_iter * (cfg.overgen if filtering else 1)
                     prompts = _batch_prompts(cfg, it, batches, n)
@@ -205,9 +271,11 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
                         gen_dir, prompts, run_id=run_id, step=it, backend=backend, group_size=cfg.group_size,
                         policy_version=version, seed=cfg.seed * 7919 + it * 31 + batches,
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                        reward_pool=pool, prompt_offset=batches * n,
+                        reward_pool=pool, prompt_offset=batches * n, timings=phases,
                     )
+                    clock = Stopwatch(phases)
                     buf.append_rollouts(table, source=f"{run_id}/step-{it}/batch-{batches}")
+                    clock.lap("append")
                     generated.append(table)
                     batches += 1
                     if not filtering or sum(_surviving_groups(t) for t in generated) >= cfg.prompts_per_iter:
@@ -215,32 +283,40 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
                     if batches >= cfg.max_gen_batches:
                         note = f"only {sum(_surviving_groups(t) for t in generated)} groups survived after {batches} batches"
                         break
+            clock = Stopwatch(phases)
             where = f"run_id = {sql_string(run_id)} AND step = {it}"
             cur: CurationResult = curate(
                 buf, recipe, {**sets, "where": where, "progress": str(it / cfg.iterations)},
             )
+            clock.lap("curation")
             published = train_pending(
                 buf, model, optimizer, scheduler, run_id=run_id, from_version=version, start_step=step,
                 curation_ids=[cur.curation_id], per="curation", tokenizer=tokenizer, loss=cfg.loss,
                 epochs=cfg.epochs, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
-                extra_metrics={"iteration": it},
+                extra_metrics={"iteration": it}, timings=phases,
             )
+            clock = Stopwatch(phases)
             loss = None
             if published:
                 ck = published[-1]
                 version, step = ck.version, ck.step
                 loss = ck.metrics.get("loss")
                 gen_dir = ck.dir
-                backend.load_weights(gen_dir)
-            batch_acc = _batch_accuracy(buf, run_id, it)
+                if hasattr(backend, "sync_weights"):  # in-process sampler: the trained weights, no reload
+                    backend.sync_weights(model, gen_dir)
+                else:
+                    backend.load_weights(gen_dir)
+            batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, run_id, it)
+            clock.lap("other")
             held = None
             if heldout and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 held = evaluate(it + 1)
+                clock.lap("evaluation")
             rep = IterationReport(
                 iteration=it, version=version, batch_accuracy=batch_acc[0], rollouts=batch_acc[1],
                 gen_batches=batches, samples_kept=cur.record["n_selected"], tokens_kept=cur.record["tokens_kept"],
                 tokens_candidate=cur.record["tokens_candidate"], loss=loss, heldout=held,
-                seconds=time.perf_counter() - t0, curation_id=cur.curation_id, note=note,
+                seconds=time.perf_counter() - t0, curation_id=cur.curation_id, note=note, phases=phases,
             )
             reports.append(rep)
             if on_iteration:

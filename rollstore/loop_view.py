@@ -10,22 +10,34 @@ from rollstore.loop import IterationReport, LoopConfig, run_loop
 
 
 def _table(cfg: LoopConfig, rows: list[IterationReport], evals: list[tuple[int, int, float]]) -> Table:
-    held = ", ".join(f"it {i}: {a:.1%}" for i, _v, a in evals[-4:])
-    t = Table(title=f"{cfg.recipe} on {cfg.model} × {cfg.prompts}   held-out greedy accuracy: {held or '…'}",
-              title_justify="left")
-    for col in ("iter", "version", "batch acc", "rollouts", "samples kept", "tokens kept", "loss", "held-out", "s"):
-        t.add_column(col, justify="right")
+    """The progress table; fits 80 columns (counts are compact, the model and prompts go in a caption)."""
+    held = "  ".join(f"it {i}: {a:.1%}" for i, _v, a in evals[-4:])
+    t = Table(title=f"{cfg.recipe}: held-out greedy {held or '…'}", title_justify="left",
+              caption=f"{cfg.model} on {cfg.prompts}", caption_justify="left", padding=(0, 1))
+    for col in ("it", "ver", "batch acc", "rollouts", "kept", "tokens kept", "loss", "held-out", "s"):
+        t.add_column(col, justify="right", no_wrap=True)
     for r in rows[-25:]:
         t.add_row(
             str(r.iteration), str(r.version), f"{r.batch_accuracy:.1%}",
-            str(r.rollouts) + (f" ({r.gen_batches}b)" if r.gen_batches > 1 else ""),
-            f"{r.samples_kept}/{r.rollouts}",
-            f"{r.tokens_kept}/{r.tokens_candidate}",
-            "" if r.loss is None else f"{r.loss:.4f}",
+            str(r.rollouts) + (f"/{r.gen_batches}b" if r.gen_batches > 1 else ""),
+            _count(r.samples_kept),
+            f"{_count(r.tokens_kept)}/{_count(r.tokens_candidate)}",
+            "" if r.loss is None else f"{r.loss:+.3f}",
             "" if r.heldout is None else f"{r.heldout:.1%}",
             f"{r.seconds:.1f}",
         )
     return t
+
+
+def _count(n: int) -> str:
+    """A count in at most 5 characters: 812, 9.4k, 12k, 1.2M."""
+    if n < 1000:
+        return str(n)
+    if n < 10_000:
+        return f"{n / 1000:.1f}k"
+    if n < 1_000_000:
+        return f"{n // 1000}k"
+    return f"{n / 1e6:.1f}M"
 
 
 def run_with_display(cfg: LoopConfig, console: Console) -> dict:

@@ -1,7 +1,8 @@
 """Resolving model and prompt references for the application.
 
-`resolve_model("builtin:tiny")` builds the tiny policy once — warm-started on examples from
-`rollout.arith` by `learner.tiny.build_tiny` — and caches it; any existing directory is used as is.
+`resolve_model("builtin:tiny")` builds the tiny policy once — warm-started on the weak teacher's
+demonstrations from `rollout.arith` by `learner.tiny.build_tiny`, until it reaches a target — and
+caches it; any existing directory is used as is.
 
 Invariants:
 - A cached tiny model lives in `$ROLLSTORE_CACHE/tiny-<key>` (default `~/.cache/rollstore`), where
@@ -9,8 +10,13 @@ Invariants:
   steps, seed, number of examples, task version). Same key, same directory, built once.
 - A cache entry appears only complete: it is built in a temporary sibling directory and renamed
   into place; a concurrent builder that loses the race discards its copy and uses the winner's.
-- Every built entry records its warm-start metrics and held-out greedy accuracy in
-  `rollstore_tiny.json`, and the accuracy is printed to stderr when it is built.
+- The warm start trains to a target, not for a fixed number of steps: every `WARM_CHECK_EVERY`
+  steps it samples the dev prompts (held-out expressions outside the evaluation's first
+  `HELDOUT_EVAL`) and stops once every level's sampled accuracy is at least `WARM_TARGET`, within
+  `WarmStart.steps`. Float kernels differ between CPUs, so the step it stops at may differ; the
+  accuracy it stops at does not, beyond the granularity of one check.
+- Every built entry records its warm-start metrics, its checks, and held-out greedy and sampled
+  accuracy per level in `rollstore_tiny.json`; a summary is printed to stderr when it is built.
 """
 
 from __future__ import annotations
@@ -30,9 +36,13 @@ from storage.errors import RollstoreError
 TINY_REF = "builtin:tiny"
 ARITH_REF = "builtin:arith"
 TINY_INFO = "rollstore_tiny.json"
-TINY_BUILD_VERSION = 2  # bump when build_tiny or the arithmetic task changes what a key produces
+TINY_BUILD_VERSION = 3  # bump when build_tiny or the arithmetic task changes what a key produces
 DEFAULT_WARMUP_EXAMPLES = 20000
 HELDOUT_EVAL = 500
+WARM_TARGET = 0.20  # every level's sampled accuracy on the dev prompts at which the warm start stops
+WARM_CHECK_EVERY = 100
+WARM_DEV_PROMPTS = 240  # held-out prompts after the evaluation's first HELDOUT_EVAL
+WARM_DEV_SAMPLES = 4
 
 
 def cache_root() -> str:
@@ -53,7 +63,9 @@ def tiny_spec(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_W
         "seed": seed,
         "examples": examples,
         "vocab": list(SPECIALS) + list(CHARS),
-        "task": {str(k): asdict(v) for k, v in arith.LEVELS.items()},
+        "task": {"levels": arith.LEVELS, "slip": arith.TEACHER_SLIP, "heldout": arith.HELDOUT_PERCENT},
+        "target": {"accuracy": WARM_TARGET, "every": WARM_CHECK_EVERY, "dev": WARM_DEV_PROMPTS,
+                   "samples": WARM_DEV_SAMPLES},
     }
 
 
@@ -66,29 +78,61 @@ def _complete(path: str) -> bool:
     return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json", TINY_INFO))
 
 
-def heldout_accuracy(model_dir: str, n: int = HELDOUT_EVAL, split: str = "train") -> dict:
-    """Greedy exact-match accuracy on the first n (distinct) held-out arithmetic prompts.
+def _per_level(prompts, gens) -> dict[str, float]:
+    per: dict[int, list[bool]] = {}
+    for p, group in zip(prompts, gens):
+        per.setdefault(p.difficulty, []).extend(g.text.strip() == p.gold_answer for g in group)
+    return {str(k): sum(v) / len(v) for k, v in sorted(per.items())}
 
-    `accuracy` weighs every prompt equally; `level_mean` weighs every difficulty level equally
-    (the small levels 1 and 3 have only a few dozen held-out prompts); `per_level` has each level's.
+
+def level_accuracy(backend, prompts, samples: int = 0, seed: int = 0) -> dict:
+    """Greedy (and, with `samples`, sampled at T=1) exact-match accuracy per level on arithmetic prompts."""
+    texts = [p.prompt for p in prompts]
+    greedy = backend.generate(texts, 1, 8, temperature=0.0)
+    hits = sum(g[0].text.strip() == p.gold_answer for p, g in zip(prompts, greedy))
+    per_level = _per_level(prompts, greedy)
+    out = {"accuracy": hits / len(prompts), "level_mean": sum(per_level.values()) / len(per_level),
+           "per_level": per_level, "n": len(prompts)}
+    if samples:
+        sampled = backend.generate(texts, samples, 8, temperature=1.0, seed=seed)
+        out["sampled_per_level"] = _per_level(prompts, sampled)
+        out["sampled"] = sum(g.text.strip() == p.gold_answer for p, gs in zip(prompts, sampled) for g in gs) / (
+            samples * len(prompts))
+    return out
+
+
+def heldout_accuracy(model_dir: str, n: int = HELDOUT_EVAL, split: str = "train", samples: int = 8) -> dict:
+    """Greedy and sampled (T=1, `samples` per prompt) accuracy on the first n distinct held-out prompts.
+
+    `accuracy` weighs every prompt equally; `level_mean` weighs every difficulty level equally;
+    `per_level` / `sampled_per_level` have each level's.
     """
     from rollout import arith
     from rollout.backends.hf import HFBackend
 
-    prompts = arith.heldout_prompts(n, split=split)
-    backend = HFBackend(model_dir)
-    gens = backend.generate([p.prompt for p in prompts], 1, 12, temperature=0.0)
-    per: dict[int, list[bool]] = {}
-    for p, g in zip(prompts, gens):
-        per.setdefault(p.difficulty, []).append(g[0].text.strip() == p.gold_answer)
-    hits = sum(sum(v) for v in per.values())
-    per_level = {str(k): sum(v) / len(v) for k, v in sorted(per.items())}
-    return {
-        "accuracy": hits / len(prompts),
-        "level_mean": sum(per_level.values()) / len(per_level),
-        "per_level": per_level,
-        "n": len(prompts),
-    }
+    return level_accuracy(HFBackend(model_dir), arith.heldout_prompts(n, split=split), samples)
+
+
+def _target_check(checks: list[dict]):
+    """The warm start's stop rule (module invariants): a callback for `build_tiny`."""
+    from learner.tiny import build_tokenizer
+    from rollout import arith
+    from rollout.backends.hf import HFBackend
+
+    dev = arith.heldout_prompts(HELDOUT_EVAL + WARM_DEV_PROMPTS)[HELDOUT_EVAL:]
+    tokenizer = build_tokenizer()
+
+    def check(step: int, model) -> bool:
+        if step % WARM_CHECK_EVERY:
+            return False
+        texts = [p.prompt for p in dev]
+        gens = HFBackend.from_model(model, tokenizer).generate(texts, WARM_DEV_SAMPLES, 8, seed=step)
+        model.train()
+        per_level = _per_level(dev, gens)
+        checks.append({"step": step, "sampled_per_level": per_level})
+        return min(per_level.values()) >= WARM_TARGET
+
+    return check
 
 
 def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES,
@@ -106,9 +150,12 @@ def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = D
     tmp = tempfile.mkdtemp(prefix=".tiny-building-", dir=root)
     try:
         t0 = time.perf_counter()
-        metrics = build_tiny(tmp, arith.warmup_examples(examples, seed), steps=spec["steps"], seed=seed)
+        checks: list[dict] = []
+        metrics = build_tiny(tmp, arith.warmup_examples(examples, seed), steps=spec["steps"], seed=seed,
+                             callback=_target_check(checks) if steps is None else None)
         acc = heldout_accuracy(tmp)
-        info = {"spec": spec, "warm_start": metrics, "heldout": acc, "build_seconds": time.perf_counter() - t0}
+        info = {"spec": spec, "warm_start": metrics, "checks": checks, "heldout": acc,
+                "build_seconds": time.perf_counter() - t0}
         with open(os.path.join(tmp, TINY_INFO), "w") as fh:
             json.dump(info, fh, indent=2, sort_keys=True)
         try:
@@ -122,11 +169,11 @@ def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = D
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not quiet:
-        levels = ", ".join(f"L{k} {v:.0%}" for k, v in acc["per_level"].items())
+        levels = ", ".join(f"L{k} {v:.0%}/{acc['sampled_per_level'][k]:.0%}" for k, v in acc["per_level"].items())
         print(
-            f"builtin:tiny: warm start {spec['steps']} steps in {metrics['train_seconds']:.1f}s; held-out "
-            f"greedy accuracy {acc['accuracy']:.1%} of {acc['n']} distinct prompts, {acc['level_mean']:.1%} "
-            f"averaged over levels ({levels}) -> {final}",
+            f"builtin:tiny: warm start {metrics['steps']} steps in {metrics['train_seconds']:.1f}s; held-out "
+            f"greedy accuracy {acc['accuracy']:.1%}, sampled {acc['sampled']:.1%} of {acc['n']} distinct "
+            f"prompts (greedy/sampled per level: {levels}) -> {final}",
             file=sys.stderr,
         )
     return final

@@ -116,3 +116,25 @@ def test_unguarded_script_is_not_rerun_by_the_workers(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("top-level run") == 1 and "(True, None)" in out.stdout
+
+
+def test_integer_fast_path_agrees_with_math_verify():
+    """The in-caller integer verdict is what math-verify says for the same plain-integer pair."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from rollout.reward import integer_verdict
+
+    ints = st.integers(min_value=-10**6, max_value=10**6)
+    text = st.one_of(ints.map(str), ints.map(lambda x: f" {x} "), ints.map(lambda x: f"0{abs(x)}"))
+
+    @settings(max_examples=150, deadline=None)
+    @given(ints, text, st.booleans())
+    def check(gold, pred, same):
+        pred = f" {gold}" if same else pred
+        fast = integer_verdict(str(gold), pred)
+        assert fast is not None and fast == judge_math(str(gold), pred)
+
+    check()
+    assert integer_verdict("12", "12+1") is None and integer_verdict(r"\frac{1}{2}", "1") is None
+    assert integer_verdict("7", "1" * 19) is None  # beyond 18 digits: math-verify decides

@@ -13,7 +13,7 @@ from learner.models import load_policy
 from learner.tiny import build_tiny, build_tokenizer
 from rollout import arith
 from rollout_helpers import SMALL_STEPS, default_tiny, small_tiny, tiny_cache  # noqa: F401
-from rollstore.models import resolve_model, resolve_prompts, tiny_info
+from rollstore.models import WARM_TARGET, resolve_model, resolve_prompts, tiny_info
 from storage.errors import RollstoreError
 
 
@@ -77,10 +77,13 @@ def test_resolve_prompts(tmp_path):
     assert len(picked) == 12 and picked == resolve_prompts(str(path), 12, seed=2)
 
 
-def test_default_warm_start_lands_in_the_accuracy_band(default_tiny):  # noqa: F811
+def test_default_warm_start_trains_to_its_target(default_tiny):  # noqa: F811
+    """Trained to a target, not for a step count: on any CPU the start lands where groups are mixed."""
     info = tiny_info(default_tiny)
-    acc = info["heldout"]["level_mean"]  # levels weighed equally (levels 1 and 3 have few distinct prompts)
-    assert 0.30 <= acc <= 0.50, f"held-out greedy accuracy {acc:.3f} (per level {info['heldout']['per_level']})"
-    assert info["heldout"]["accuracy"] < acc  # prompt-weighted: dominated by the large, harder levels
-    harder = info["heldout"]["per_level"]
-    assert min(harder[str(k)] for k in arith.SPLITS["harder"]) < 0.3  # `harder` leaves room
+    last = info["checks"][-1]
+    assert info["warm_start"]["steps"] == last["step"] < info["warm_start"]["max_steps"]  # the target, not the cap
+    assert min(last["sampled_per_level"].values()) >= WARM_TARGET
+    held = info["heldout"]
+    assert set(held["sampled_per_level"]) == {str(k) for k in arith.LEVELS}
+    assert all(0.10 <= v <= 0.70 for v in held["sampled_per_level"].values()), held
+    assert held["accuracy"] <= 0.5, held  # greedy follows the teacher's slip: room for RL

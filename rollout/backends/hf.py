@@ -73,7 +73,19 @@ class HFBackend:
     def load_weights(self, model_dir: str) -> None:
         dtype = self.dtype or (torch.float32 if self.device.type == "cpu" else "auto")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.tokenizer = load_tokenizer(model_dir)
+        self._adopt(model, load_tokenizer(model_dir), model_dir)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer, device: str = "cpu", batch_size: int = 512) -> "HFBackend":
+        """A backend over an in-memory model and tokenizer (e.g. one being trained); it samples from
+        that very object (switched to eval mode; the caller switches it back)."""
+        be = cls.__new__(cls)
+        be.device, be.dtype, be.batch_size = torch.device(device), None, batch_size
+        be._adopt(model, tokenizer, None)
+        return be
+
+    def _adopt(self, model, tokenizer, model_dir: str | None) -> None:
+        self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(model.generation_config, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
@@ -81,6 +93,14 @@ class HFBackend:
             eos_token_id=self.eos_ids, pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id
         )
         self.model = model.to(self.device).eval()
+        self.model_dir = model_dir
+
+    def sync_weights(self, model: torch.nn.Module, model_dir: str) -> None:
+        """Take the weights of an in-memory copy of `model_dir` (the checkpoint just published from it).
+
+        What a loop uses instead of `load_weights` after each checkpoint: same weights, no reload.
+        """
+        self.model.load_state_dict(model.state_dict())
         self.model_dir = model_dir
 
     def _generation_config(self, max_new_tokens: int, temperature: float, top_p: float) -> GenerationConfig:

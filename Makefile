@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rollstore demo
+	OMP_NUM_THREADS=1 $(BIN)/rollstore demo
 
 # Debian's chromium, for the browser test of `rollstore report` (tests/test_report.py skips without one):
 # installed only when missing, as root, with apt-get; never fails the build.

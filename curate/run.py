@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -414,8 +415,13 @@ def curate(
     scheduler=None,
     partitions: int | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
+    session: Session | None = None,
 ) -> CurationResult:
     """Run `recipe` (with `sets` overrides) over a snapshot; commit unless `commit` is False.
+
+    `session`: an open `Session` of this buffer to reuse (a loop pays the connection once per run);
+    it is rebound to the snapshot (`Session.rebind`: nothing of an earlier job stays visible), its
+    own limits apply instead of `memory_limit`/`threads`, and it is left open.
 
     `timeout` (seconds; None or 0: none) bounds the stages that run user SQL (the `where`
     predicate and a custom recipe's SELECT); past it the run stops with one line, committing nothing.
@@ -435,8 +441,9 @@ def curate(
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
-    with buf.snapshot(snapshot_seq, pin=True) as snap, \
-            Session(snap.verify(CURATION_INPUTS), memory_limit, threads) as session:
+    with buf.snapshot(snapshot_seq, pin=True) as snap, (
+            contextlib.nullcontext(session.rebind(snap.verify(CURATION_INPUTS))) if session is not None
+            else Session(snap.verify(CURATION_INPUTS), memory_limit, threads)) as session:
         values = dict(params.values)
         if values["where"] is None:
             values["where"] = _default_where(session)

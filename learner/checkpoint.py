@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import random
@@ -83,8 +84,16 @@ def consumed_entry(curation_id: str, shard: str) -> dict:
 def _rows_from_files(files: Iterable[str]) -> list[dict]:
     rows: list[dict] = []
     for f in files:
-        rows.extend(pq.read_table(f, columns=CHECKPOINTS.names).to_pylist())
+        st = os.stat(f)
+        rows.extend(dict(r) for r in _rows_of_file(f, st.st_size, st.st_mtime_ns, st.st_ino))
     return rows
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows_of_file(path: str, size: int, mtime_ns: int, inode: int) -> tuple[dict, ...]:
+    """A checkpoints shard's rows. Shards are immutable once published, so a loop that lists the
+    checkpoints every iteration reads each file once (keyed by its identity, not only its path)."""
+    return tuple(pq.read_table(path, columns=CHECKPOINTS.names).to_pylist())
 
 
 def _to_checkpoint(row: dict, root: str) -> Checkpoint:

@@ -97,6 +97,25 @@ class Session:
         con.execute("SET lock_configuration=true")
         self.locked = True
 
+    def rebind(self, snapshot: Snapshot) -> "Session":
+        """Point this open session at another snapshot of the same buffer, for one more job.
+
+        Every temporary table and view of the previous job is dropped, then the table views are
+        re-created over the new snapshot's files: nothing of the previous job stays visible. The
+        settings (limits, sandbox) are kept. A loop pays the connection once per run this way.
+        """
+        if snapshot.root != self.root:
+            raise ValueError(f"a session of {self.root} cannot read {snapshot.root}")
+        for catalog, name, kind in self.con.execute(
+            "SELECT table_catalog, table_name, table_type FROM information_schema.tables WHERE table_schema = 'main'"
+        ).fetchall():
+            kind = "VIEW" if kind == "VIEW" else "TABLE"
+            self.con.execute(f'DROP {kind} IF EXISTS "{catalog}".main."{name}"')
+        self.snapshot = snapshot
+        snapshot.register_duckdb(self.con)
+        self.con.execute(load_sql("views"))
+        return self
+
     def close(self) -> None:
         self.con.close()
         shutil.rmtree(self.spill_dir, ignore_errors=True)

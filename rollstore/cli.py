@@ -331,40 +331,47 @@ def train(
 @guarded
 def loop(
     buffer: str,
-    model: str = typer.Option("builtin:tiny", "--model"),
-    prompts: str = typer.Option("builtin:arith", "--prompts"),
-    iterations: int = typer.Option(20, "--iterations", "-k"),
-    recipe: str = typer.Option("d3s", "--recipe", "-r"),
+    model: Optional[str] = typer.Option(None, "--model", help="Default builtin:tiny."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-k"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
-    prompts_per_iter: int = typer.Option(128, "--prompts-per-iter"),
-    group_size: int = typer.Option(8, "--group-size", "-G"),
-    loss: str = typer.Option("grpo", "--loss"),
-    lr: float = typer.Option(5e-5, "--lr"),
-    warmup_steps: int = typer.Option(5, "--warmup-steps"),
-    micro_batch_size: int = typer.Option(64, "--micro-batch-size"),
-    grad_accum: int = typer.Option(4, "--grad-accum", help="Micro-batches per optimiser step."),
+    prompts_per_iter: Optional[int] = typer.Option(None, "--prompts-per-iter"),
+    pool_size: Optional[int] = typer.Option(None, "--pool-size", help="Train on a pool of N prompts in epochs (0: fresh prompts)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", "-G"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    loss: Optional[str] = typer.Option(None, "--loss"),
+    lr: Optional[float] = typer.Option(None, "--lr"),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps"),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size"),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-batches per optimiser step."),
     max_policy_lag: Optional[int] = typer.Option(None, "--max-policy-lag"),
-    max_gen_batches: int = typer.Option(8, "--max-gen-batches"),
-    eval_every: int = typer.Option(5, "--eval-every", help="Held-out evaluation every N iterations (0 = never)."),
-    eval_prompts: int = typer.Option(500, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
+    max_gen_batches: Optional[int] = typer.Option(None, "--max-gen-batches"),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Held-out evaluation every N iterations (0 = never)."),
+    eval_prompts: Optional[int] = typer.Option(None, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
     eval_samples: int = typer.Option(0, "--eval-samples", help="Also sample N per prompt for pass@1 / pass@N."),
     seed: int = typer.Option(0, "--seed"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
-    backend: str = typer.Option("hf", "--backend"),
+    backend: Optional[str] = typer.Option(None, "--backend"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default 1: see the README)."),
 ):
-    """The near-on-policy loop: generate → score → append → curate → train → publish → repeat."""
+    """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
+
+    Options left out take the defaults of `rollstore.loop.LoopConfig` (the demo's settings)."""
     from curate.params import parse_sets
     from rollstore.loop import LoopConfig
     from rollstore.loop_view import run_with_display
     from storage.buffer import Buffer
 
+    given = dict(model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
+                 pool_size=pool_size, group_size=group_size, max_new_tokens=max_new_tokens, loss=loss, lr=lr,
+                 warmup_steps=warmup_steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                 max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
+                 eval_prompts=eval_prompts, run_id=run_id, backend=backend, threads=threads)
     Buffer.init(buffer).close()
-    cfg = LoopConfig(buffer=buffer, model=model, prompts=prompts, iterations=iterations, recipe=recipe,
-                     sets=parse_sets(set_), prompts_per_iter=prompts_per_iter, group_size=group_size, loss=loss,
-                     lr=lr, warmup_steps=warmup_steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                     max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
-                     eval_prompts=eval_prompts, eval_samples=eval_samples, eval_ks=(1, eval_samples) if eval_samples else (1,),
-                     seed=seed, run_id=run_id, backend=backend)
+    cfg = LoopConfig(buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
+                     eval_ks=(1, eval_samples) if eval_samples else (1,),
+                     **{k: v for k, v in given.items() if v is not None})
     run_with_display(cfg, out)
 
 
@@ -393,14 +400,15 @@ def eval_(
 @guarded
 def demo(
     buffer: str = typer.Argument("demo-buffer", help="Where to put the demo buffer (replaced if it is a previous demo's)."),
-    iterations: int = typer.Option(20, "--iterations", "-k"),
+    iterations: int = typer.Option(40, "--iterations", "-k"),
     recipe: str = typer.Option("d3s", "--recipe"),
     model: str = typer.Option("builtin:tiny", "--model"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts and samples (the warm start is shared)."),
 ):
     """The loop on builtin:tiny + builtin:arith with the d3s recipe, in a few minutes on a CPU."""
     from rollstore.demo import run_demo
 
-    run_demo(buffer, iterations, recipe, out, model=model)
+    run_demo(buffer, iterations, recipe, out, model=model, seed=seed)
 
 
 @app.command()

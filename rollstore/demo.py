@@ -40,24 +40,31 @@ def prepare(path: str) -> None:
     open(os.path.join(path, MARKER), "w").close()
 
 
-def run_demo(path: str, iterations: int, recipe: str, console: Console, model: str = "builtin:tiny") -> dict:
+def run_demo(path: str, iterations: int, recipe: str, console: Console, model: str = "builtin:tiny",
+             seed: int = 0) -> dict:
     prepare(path)
     t0 = time.perf_counter()
-    cfg = LoopConfig(buffer=path, model=model, recipe=recipe, iterations=iterations, eval_every=5, run_id="demo")
+    cfg = LoopConfig(buffer=path, model=model, recipe=recipe, iterations=iterations, run_id="demo", seed=seed)
     summary = run_with_display(cfg, console)
     wall = time.perf_counter() - t0
+    loop_seconds = sum(r["seconds"] for r in summary["iterations"])
     evals = summary["evals"]
     before, after = evals[0][2], evals[-1][2]
     console.print()
-    console.print(f"[bold]held-out greedy accuracy: {before:.1%} before → {after:.1%} after "
-                  f"{iterations} iterations of {recipe} ({wall:.0f} s wall)[/bold]")
-    console.print(f"\nThe buffer is in [cyan]{path}[/cyan]. Three queries worth trying:")
+    console.print("held-out greedy accuracy by iteration:", style="bold")
+    for chunk in range(0, len(evals), 6):
+        console.print("  " + "  ".join(f"{i:>3}: {a:6.1%}" for i, _v, a in evals[chunk:chunk + 6]), highlight=False)
+    console.print(f"held-out greedy accuracy: {before:.1%} before -> {after:.1%} after {iterations} iterations of "
+                  f"{recipe} ({after - before:+.1%} points; loop {loop_seconds:.0f} s, {wall:.0f} s wall)",
+                  style="bold", highlight=False, markup=False)
+    console.print(f"\nThe buffer is in {path}. Three queries worth trying:", highlight=False, markup=False)
     for title, sql in QUERIES:
-        console.print(f"  # {title}", style="dim")
+        console.print(f"  # {title}", style="dim", markup=False)
         console.print(f'  rollstore sql {path} "{sql}"', highlight=False, markup=False)
-    console.print(f"\nThe audit of the last curation:  rollstore audit {path}", highlight=False)
-    console.print(f"One rollout's kept tokens:      rollstore audit {path} --rollout ROLLOUT_ID", highlight=False)
-    console.print(f"Everything as one HTML page:    rollstore report {path} --out report.html", highlight=False)
+    console.print(f"\nThe audit of the last curation:  rollstore audit {path}", highlight=False, markup=False)
+    console.print(f"One rollout's kept tokens:      rollstore audit {path} --rollout ROLLOUT_ID", highlight=False, markup=False)
+    console.print(f"Everything as one HTML page:    rollstore report {path} --out report.html", highlight=False, markup=False)
     summary["wall_seconds"] = wall
+    summary["loop_seconds"] = loop_seconds
     summary["before"], summary["after"] = before, after
     return summary

@@ -2,8 +2,9 @@
 
 Invariants:
 - The returned table has exactly `storage.schema.ROLLOUTS`; with `score=True` (the default)
-  `old_logprobs` and `entropies` are filled by one forward pass of the same weights
-  (`learner.score`), otherwise they are null.
+  `old_logprobs` and `entropies` are filled by one forward pass of the same weights: the
+  sampler's own when the backend provides them (the in-process fp32 HF backend; see the backend
+  contract), else a separate `learner.score` pass; with `score=False` they are null.
 - Nothing is written anywhere: the caller appends the table through `storage` (the CLI does).
 - Same model, prompts and arguments (seed included) give the same rows, except `created_at`.
 - `meta` of each row records how it was sampled (backend, temperature, top_p, max_new_tokens, seed).
@@ -76,7 +77,9 @@ def generate_step(
     clock.lap("reward")
 
     old = ent = None
-    if score:
+    if score and all(g.policy_logprobs is not None and g.entropies is not None for g in flat):
+        old, ent = [g.policy_logprobs for g in flat], [g.entropies for g in flat]  # the sampler's own forward
+    elif score:
         old, ent = _score(be, model_dir, device, flat, score_batch_size)
     clock.lap("scoring")
     sizes = [len(group) for group in groups]

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from curate.params import load_recipe, resolve
 from curate.run import CurationResult, curate
+from queries.session import Session
 from storage.buffer import Buffer
 from storage.snapshot import sql_string
 from storage.timing import Stopwatch
@@ -39,26 +40,26 @@ class LoopConfig:
     buffer: str
     model: str = "builtin:tiny"
     prompts: str = "builtin:arith"
-    iterations: int = 20
+    iterations: int = 40
     recipe: str = "d3s"
     sets: dict = field(default_factory=dict)
     prompts_per_iter: int = 128
-    pool_size: int = 0  # > 0: train on a fixed pool of this many prompts, in epochs (see _batch_prompts)
+    pool_size: int = 2048  # > 0: train on a fixed pool of this many prompts, in epochs (see _batch_prompts)
     group_size: int = 8
-    max_new_tokens: int = 12
+    max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     loss: str = "grpo"
     lr: float = 5e-5
     warmup_steps: int = 5
     epochs: int = 1
-    micro_batch_size: int = 64
-    grad_accum: int = 4  # 256 samples per optimiser step: 4 steps per iteration of 128 prompts × 8
+    micro_batch_size: int = 512
+    grad_accum: int = 1  # optimiser steps of 512 kept samples: 1-2 per iteration
     max_policy_lag: int | None = None
     max_gen_batches: int = 8
     overgen: int = 2
     eval_every: int = 5
-    eval_prompts: int = 500  # distinct held-out prompts (builtin:arith has ~480 of levels 2, 4, 5 per 500)
+    eval_prompts: int = 500  # distinct held-out prompts
     eval_split: str = "heldout"
     eval_samples: int = 0  # > 0: each evaluation also samples this many responses per prompt (pass@k)
     eval_ks: tuple[int, ...] = (1, 8)
@@ -239,6 +240,7 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     evals: list[tuple[int, int, float]] = []
     eval_metrics: list[dict] = []
     pool = RewardPool()
+    curation_session = Session(buf.snapshot())  # one DuckDB connection for the run's curations
     heldout = heldout_prompts(cfg) if cfg.eval_every else []
     try:
         def evaluate(iteration: int) -> float:
@@ -272,6 +274,7 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
                         policy_version=version, seed=cfg.seed * 7919 + it * 31 + batches,
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                         reward_pool=pool, prompt_offset=batches * n, timings=phases,
+                        score_batch_size=cfg.micro_batch_size,
                     )
                     clock = Stopwatch(phases)
                     buf.append_rollouts(table, source=f"{run_id}/step-{it}/batch-{batches}")
@@ -287,6 +290,7 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
             where = f"run_id = {sql_string(run_id)} AND step = {it}"
             cur: CurationResult = curate(
                 buf, recipe, {**sets, "where": where, "progress": str(it / cfg.iterations)},
+                session=curation_session,
             )
             clock.lap("curation")
             published = train_pending(
@@ -322,6 +326,7 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
             if on_iteration:
                 on_iteration(rep)
     finally:
+        curation_session.close()
         pool.close()
         buf.close()
     return {"run_id": run_id, "iterations": [dataclasses.asdict(r) for r in reports], "evals": evals,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -13,8 +14,10 @@ def _table(cfg: LoopConfig, rows: list[IterationReport], evals: list[tuple[int, 
     """The progress table; fits 80 columns (counts are compact, the model and prompts go in a caption)."""
     held = "  ".join(f"it {i}: {a:.1%}" for i, _v, a in evals[-4:])
     t = Table(title=f"{cfg.recipe}: held-out greedy {held or '…'}", title_justify="left",
-              caption=f"{cfg.model} on {cfg.prompts}", caption_justify="left", padding=(0, 1))
-    for col in ("it", "ver", "batch acc", "rollouts", "kept", "tokens kept", "loss", "held-out", "s"):
+              caption=f"{cfg.model} on {cfg.prompts}. acc: the batch's sampled accuracy; n: rollouts "
+                      "(/Nb: N generation batches); kept: samples trained on; tokens: kept/candidate", caption_justify="left",
+              box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    for col in ("it", "ver", "acc", "n", "kept", "tokens", "loss", "held-out", "s"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows[-25:]:
         t.add_row(

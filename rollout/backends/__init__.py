@@ -14,6 +14,10 @@ Contract (every backend):
   top-p truncation NOT applied (no renormalisation over the nucleus). With temperature 1 it is the
   policy's own log-probability, the quantity `learner.score` recomputes. Temperature 0 means greedy
   decoding, and the log-probs are then taken at temperature 1.
+- A backend whose sampling forward pass is the policy itself (the in-process HF backend, fp32)
+  also fills `policy_logprobs` and `entropies`: log_softmax(logits) of the sampled token and the
+  entropy of softmax(logits), temperature NOT applied, from that same forward pass; others leave
+  them None and the caller scores the responses with a separate forward (`learner.score`).
 - Same model, prompts, parameters and seed give the same generations (on the same machine).
 - `load_weights(model_dir)` swaps in the weights of a new policy version between calls.
 """
@@ -39,6 +43,8 @@ class Generation:
     text: str
     gen_logprobs: np.ndarray
     finish_reason: str
+    policy_logprobs: np.ndarray | None = None  # untempered log-prob per token (see the contract)
+    entropies: np.ndarray | None = None  # untempered entropy per position
 
 
 class Backend(Protocol):

@@ -6,13 +6,16 @@ Invariants (on top of the contract in `rollout.backends`):
 - The model's own generation_config (a Hub checkpoint's temperature, top_k, repetition penalty)
   never leaks in: sampling uses exactly the arguments given, with top_k disabled.
 - Log-probs are recorded by a logits processor that runs before the temperature/top-p warpers and
-  keeps one [batch, vocab] row at a time: memory is O(batch × vocab), never O(batch × steps × vocab).
+  keeps one step's [batch, vocab] rows at a time: memory is O(batch × vocab), never
+  O(batch × steps × vocab). In fp32 the same processor gives the untempered `policy_logprobs` and
+  `entropies` of the contract, so the loop needs no second forward pass to score its rollouts.
 - The torch RNG is seeded with `seed` inside `fork_rng`, so the caller's RNG state is untouched
   and the same call gives the same tokens.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -27,32 +30,42 @@ from . import (
 
 
 class _SampledTokenLogprobs(LogitsProcessor):
-    """Records log_softmax(raw logits / T) of each sampled token, one step behind the sampler."""
+    """Records, one step behind the sampler, the sampled token's log_softmax(raw logits / T), its
+    untempered log_softmax(raw logits) and the untempered entropy of each position."""
 
     def __init__(self, temperature: float, prompt_width: int):
         self.temperature = temperature if temperature > 0 else 1.0
         self.prompt_width = prompt_width
-        self.prev: torch.Tensor | None = None
-        self.values: list[torch.Tensor] = []
+        self.prev: tuple[torch.Tensor, torch.Tensor] | None = None  # (tempered, untempered) log-probs
+        self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.entropies: list[torch.Tensor] = []
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        tempered, policy = self.prev
+        self.values.append((tempered.gather(1, tokens).squeeze(1), policy.gather(1, tokens).squeeze(1)))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prev is not None:  # the token sampled from the previous row is input_ids[:, -1]
-            self.values.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        logits = scores.float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        self.prev = torch.log_softmax(logits, dim=-1)
+            self._take(input_ids[:, -1:])
+        policy = torch.log_softmax(scores.float(), dim=-1)
+        p = policy.exp()
+        self.entropies.append(-torch.where(p > 0, p * policy, torch.zeros_like(p)).sum(dim=-1))
+        tempered = policy if self.temperature == 1.0 else torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.prev = (tempered, policy)
         return scores
 
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[batch, new_tokens] log-probs aligned with sequences[:, prompt_width:]."""
+    def finish(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[batch, new_tokens] tempered log-probs, untempered log-probs and entropies, aligned with
+        sequences[:, prompt_width:]."""
         new = sequences.shape[1] - self.prompt_width
         if len(self.values) < new and self.prev is not None:
-            last = sequences[:, self.prompt_width + len(self.values)].unsqueeze(1)
-            self.values.append(self.prev.gather(1, last).squeeze(1))
+            self._take(sequences[:, self.prompt_width + len(self.values)].unsqueeze(1))
         if new == 0:
-            return torch.zeros((sequences.shape[0], 0))
-        return torch.stack(self.values[:new], dim=1)
+            empty = torch.zeros((sequences.shape[0], 0))
+            return empty, empty, empty
+        values = self.values[:new]
+        return (torch.stack([v[0] for v in values], dim=1), torch.stack([v[1] for v in values], dim=1),
+                torch.stack(self.entropies[:new], dim=1))
 
 
 class HFBackend:
@@ -136,11 +149,11 @@ class HFBackend:
             torch.manual_seed(seed)
             for start in range(0, len(rows), self.batch_size):
                 chunk = rows[start : start + self.batch_size]
-                for (i, _), (tokens, lps, reason) in zip(
+                for (i, _), (tokens, lps, reason, policy, ent) in zip(
                     chunk, self._generate_batch([prompt_ids[i] for i, _ in chunk], config, temperature)
                 ):
                     text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                    out[i].append(Generation(prompt_ids[i], tokens, text, lps, reason))
+                    out[i].append(Generation(prompt_ids[i], tokens, text, lps, reason, policy, ent))
         return out
 
     def _generate_batch(self, batch_ids: list[list[int]], config: GenerationConfig, temperature: float):
@@ -157,9 +170,15 @@ class HFBackend:
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder]),
         )
-        logprobs = recorder.finish(sequences).cpu().numpy()
+        logprobs, policy, entropies = (t.cpu().numpy() for t in recorder.finish(sequences))
         new_tokens = sequences[:, width:].cpu().tolist()
         max_new = config.max_new_tokens
+        fp32 = next(self.model.parameters()).dtype == torch.float32
         for r in range(len(batch_ids)):
             tokens, lps, reason = cut_at_first_eos(new_tokens[r], logprobs[r], self.eos_ids, max_new)
-            yield tokens, finalize_logprobs(lps), reason
+            n = len(tokens)
+            if fp32:  # the sampler's forward is the policy's: its untempered stats are the scores
+                yield (tokens, finalize_logprobs(lps), reason, finalize_logprobs(policy[r, :n]),
+                       np.maximum(entropies[r, :n], 0).astype(np.float32))
+            else:
+                yield tokens, finalize_logprobs(lps), reason, None, None

@@ -53,8 +53,17 @@ class Normalizer:
 
     @classmethod
     def of(cls, mask: Tensor, lengths: Tensor | None = None) -> "Normalizer":
+        """Counts of a [B, T] mask; `max_len` is the longest of `lengths` or, without them, the
+        longest response the mask shows (last kept position + 1 per row, max over rows; 0 when
+        nothing is kept) — never the mask's padded width."""
         kept = mask.sum(dim=1)
-        max_len = int(lengths.max()) if lengths is not None and lengths.numel() else mask.shape[1]
+        if lengths is not None and lengths.numel():
+            max_len = int(lengths.max())
+        elif mask.numel():
+            ends = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+            max_len = int(torch.where(mask.bool(), ends, torch.zeros_like(ends)).max())
+        else:
+            max_len = 0
         return cls(int((kept > 0).sum()), int(kept.sum()), max_len)
 
     def __add__(self, other: "Normalizer") -> "Normalizer":

@@ -126,7 +126,8 @@ def _aggregation_batch():
     [
         ("grpo", (-1 - 2) / 2, (2 * -1 - 2) / 2),  # per-sequence token mean, then over 2 kept sequences
         ("dapo", (-1 - 6) / 4, (2 * -1 - 6) / 4),  # over the 4 kept tokens
-        ("dr_grpo", (-1 - 6) / (2 * 4), (2 * -1 - 6) / (2 * 4)),  # / (2 sequences × max length 4)
+        # / (2 sequences × longest response 3: the last kept position + 1, not the mask's width 4)
+        ("dr_grpo", (-1 - 6) / (2 * 3), (2 * -1 - 6) / (2 * 3)),
         ("gspo", (-1 - 2) / 2, (2 * -1 - 2) / 2),  # one term per sequence, s = 1
     ],
 )
@@ -206,3 +207,14 @@ def test_micro_batches_with_step_normaliser_sum_to_full_batch(name):
         total += out.loss.item()
     assert total == pytest.approx(full.loss.item(), abs=1e-6)
     assert torch.allclose(parts_logp.grad, full_logp.grad, atol=1e-7)
+
+
+def test_normalizer_without_lengths_takes_the_longest_response_not_the_mask_width():
+    mask = torch.tensor([[True, False, True, False, False, False],
+                         [True, True, False, False, False, False],
+                         [False] * 6])
+    norm = Normalizer.of(mask)
+    assert (norm.sequences, norm.tokens, norm.max_len) == (2, 4, 3)  # last kept position + 1, not 6
+    assert Normalizer.of(mask, torch.tensor([4, 2, 5])).max_len == 5  # lengths win when given
+    assert Normalizer.of(torch.zeros(2, 4, dtype=torch.bool)).max_len == 0
+    assert Normalizer.of(torch.zeros(0, 4, dtype=torch.bool)) == Normalizer(0, 0, 0)

@@ -1,34 +1,37 @@
-"""Recipes compared on the built-in task: held-out pass@1 / pass@8 against learner tokens and iterations.
+"""Recipes compared on the built-in task: held-out pass@1 / pass@8 against rollouts generated.
 
 Every recipe runs the near-on-policy loop (`rollstore.loop.run_loop`) from the same warm-started
-`builtin:tiny`, for several seeds, on the `train` split and on the `harder` split, and is judged on
-the split's fixed held-out prompts.
+`builtin:tiny`, for several paired seeds, and is judged on the split's fixed held-out prompts.
 
 Invariants (what makes the comparison fair):
 - Same start: one warm-start checkpoint for every run.
-- Same prompts: iteration i of seed s draws the same prompts for every recipe (the loop seeds the
-  prompt draw with (seed, iteration) only).
-- Same generation budget: one batch of P prompts × G samples per iteration for every recipe, no
-  over-generation (`overgen=1`, `max_gen_batches=1`): filtering recipes train on fewer samples
-  instead of sampling more.
-- Same optimiser, learning rate, loss and evaluation for every recipe; nothing is tuned per recipe.
+- Paired seeds: iteration i of seed s trains on the same first batch of prompts for every recipe
+  (a pool of prompts in epochs, `LoopConfig.pool_size`, seeded by s only), and evaluations use the
+  same sample draws (common random numbers).
+- Generation is the cost axis: every run reports the rollouts it generated, dropped ones included.
+  Filtering recipes (dynamic sampling) over-generate as their papers do: after the first batch
+  they draw more batches of the same size until P groups survive or `--max-gen-batches` is hit.
+- Same optimiser, learning rate, loss, batch and evaluation for every recipe; nothing is tuned per
+  recipe (`--lr` is the loop's default, chosen on grpo and d3s in the demo's setting).
 - Held-out pass@k is the unbiased estimator from n ≥ k samples per prompt at the sampling
   temperature; greedy accuracy is recorded beside it. Every evaluation is also stored in the run's
   buffer (`evaluations` table), every iteration's curation and training steps too.
-- "Learner tokens" = kept (loss-mask) tokens the learner trained on, summed over iterations.
+- "Rollouts to grpo's final": per seed, the rollouts generated until a run's pass@1 first reaches
+  that seed's grpo final pass@1 (linear between evaluations), divided by grpo's own; summarised as
+  the geometric mean over the seeds that reach it, with a 95 % t-interval on the log ratios.
 - Runs execute in a pool of `--jobs` spawned processes with one torch thread each; a run is a pure
-  function of its configuration, so the pool size changes wall time, not results (up to the
-  non-associativity of float sums across thread counts, which one thread each removes).
+  function of its configuration, so the pool size changes wall time, not results.
 
-Writes `<out>/learning-<split>.json` (every run's curve), `<out>/learning-<split>.svg` (two
-charts: pass@1 against learner tokens and against iterations, mean line and min–max band over
-seeds) and appends a section to bench/RESULTS.md.
+Writes `<out>/learning-<split>.json` (every run's curve), `<out>/learning-<split>.svg` (pass@1
+against rollouts generated and against learner tokens: mean line and min–max band over seeds) and
+appends a section to bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -77,89 +80,114 @@ def run_one(job: dict) -> dict:
         group_size=job["group_size"], lr=job["lr"], micro_batch_size=job["micro_batch"], grad_accum=job["grad_accum"],
         warmup_steps=job["warmup"], eval_every=job["eval_every"], eval_prompts=job["eval_prompts"],
         eval_split=SPLITS[job["split"]][1], eval_samples=job["eval_samples"], eval_ks=(1, job["eval_samples"]),
-        overgen=1, max_gen_batches=1, seed=job["seed"], run_id=f"{job['name']}-s{job['seed']}",
+        overgen=1, max_gen_batches=job["max_gen_batches"], pool_size=job["pool_size"], seed=job["seed"],
+        run_id=f"{job['name']}-s{job['seed']}",
     )
     t0 = time.perf_counter()
     summary = run_loop(cfg)
     wall = time.perf_counter() - t0
-    tokens, samples, cum = 0, 0, {0: (0, 0)}
+    tokens, samples, rollouts, seconds, cum = 0, 0, 0, 0.0, {0: (0, 0, 0, 0.0)}
     for rep in summary["iterations"]:
         tokens += rep["tokens_kept"] * job["epochs"]
         samples += rep["samples_kept"] * job["epochs"]
-        cum[rep["iteration"] + 1] = (tokens, samples)
+        rollouts += rep["rollouts"]
+        seconds += rep["seconds"]
+        cum[rep["iteration"] + 1] = (tokens, samples, rollouts, seconds)
     curve = []
     for m in summary["eval_metrics"]:
-        t, s = cum[m["iteration"]]
-        curve.append({**m, "learner_tokens": t, "learner_samples": s})
+        t, s, g, w = cum[m["iteration"]]
+        curve.append({**m, "learner_tokens": t, "learner_samples": s, "rollouts": g, "seconds": w})
     return {**{k: job[k] for k in ("name", "recipe", "sets", "seed", "split", "lr")}, "curve": curve,
-            "learner_tokens": tokens, "learner_samples": samples, "wall_seconds": wall, "buffer": root}
+            "learner_tokens": tokens, "learner_samples": samples, "rollouts": rollouts, "wall_seconds": wall,
+            "buffer": root}
 
 
-def _mean_sd(values: list[float]) -> str:
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def interval(values: list[float]) -> tuple[float, float, float] | None:
+    """(mean, low, high): the mean with a 95 % Student-t interval (None without values)."""
     if not values:
-        return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+        return None
+    m = statistics.mean(values)
+    if len(values) < 2:
+        return m, m, m
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
 
 
-MIN_GAIN = 0.0025  # a quarter point: below it grpo's gain is noise and "tokens to target" is not defined
+def fmt_interval(values: list[float], digits: int = 3) -> str:
+    iv = interval(values)
+    return "–" if iv is None else f"{iv[0]:.{digits}f} [{iv[1]:.{digits}f}, {iv[2]:.{digits}f}]"
 
 
-def tokens_to_gain(curve: list[dict], gain: float, metric: str = "pass@1") -> float | None:
-    """Learner tokens at the first evaluation after the start whose metric gained ≥ `gain` (None: never)."""
-    start = curve[0][metric]
-    for point in curve[1:]:
-        if point[metric] - start >= gain:
-            return point["learner_tokens"]
+def rollouts_to_reach(curve: list[dict], target: float, metric: str = "pass@1") -> float | None:
+    """Rollouts generated when `metric` first reaches `target`, linear between evaluations (None: never)."""
+    prev = None
+    for point in curve:
+        if point[metric] >= target:
+            if prev is None or point[metric] == prev[metric]:
+                return float(point["rollouts"])
+            frac = (target - prev[metric]) / (point[metric] - prev[metric])
+            return prev["rollouts"] + frac * (point["rollouts"] - prev["rollouts"])
+        prev = point
     return None
 
 
-def summarise(runs: list[dict], metric: str = "pass@1") -> tuple[list[list[str]], float | None]:
-    """Rows of the results table and the gain target used for 'tokens to target' (None: undefined).
+def ratio_to_grpo(runs: list[dict], grpo: dict[int, dict], metric: str = "pass@1") -> tuple[str, list[float]]:
+    """'rollouts to reach grpo's final' relative to grpo's, per seed, summarised (see the invariants)."""
+    ratios, missing = [], 0
+    for r in runs:
+        base = grpo.get(r["seed"])
+        if base is None:
+            continue
+        target = base["curve"][-1][metric]
+        mine, theirs = rollouts_to_reach(r["curve"], target, metric), rollouts_to_reach(base["curve"], target, metric)
+        if mine is None:
+            missing += 1
+        elif theirs:
+            ratios.append(max(mine, 1.0) / theirs)
+    n = len(ratios) + missing
+    if not ratios:
+        return f"not reached (0/{n} seeds)", []
+    iv = interval([math.log(x) for x in ratios])
+    text = f"{math.exp(iv[0]):.2f}× [{math.exp(iv[1]):.2f}, {math.exp(iv[2]):.2f}]"
+    if missing:
+        text += f"; not reached in {missing}/{n} seeds"
+    return text, ratios
 
-    The target is half of grpo's mean final gain over its own start; each run's tokens to target are
-    the learner tokens at its first evaluation that gained that much over its own start.
-    """
+
+def summarise(runs: list[dict], metric: str = "pass@1") -> list[list[str]]:
+    """Rows of the results table (one per recipe; intervals over seeds, differences paired by seed)."""
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["name"], []).append(r)
-    base = by.get("grpo", [])
-    grpo_gain = statistics.mean(r["curve"][-1][metric] - r["curve"][0][metric] for r in base) if base else 0.0
-    target = 0.5 * grpo_gain if grpo_gain >= MIN_GAIN else None
-    grpo_reached = [t for t in (tokens_to_gain(r["curve"], target, metric) for r in base) if t is not None] \
-        if target is not None else []
-    grpo_need = statistics.mean(grpo_reached) if grpo_reached else None
+    grpo = {r["seed"]: r for r in by.get("grpo", [])}
     rows = []
     for name, _, _ in CONFIGS:
         rs = by.get(name)
         if not rs:
             continue
         k = max(int(key.split("@")[1]) for key in rs[0]["curve"][-1] if key.startswith("pass@"))
-        finals = [r["curve"][-1][metric] for r in rs]
-        gains = [r["curve"][-1][metric] - r["curve"][0][metric] for r in rs]
-        pk = [r["curve"][-1][f"pass@{k}"] for r in rs]
-        greedy = [r["curve"][-1]["greedy_accuracy"] for r in rs]
-        if target is None:
-            rel = f"n/a (grpo gained {grpo_gain:+.3f})"
-        else:
-            reached = [t for t in (tokens_to_gain(r["curve"], target, metric) for r in rs) if t is not None]
-            if not reached:
-                rel = f"not reached (0/{len(rs)} seeds)"
-            elif not grpo_need:
-                rel = f"{statistics.mean(reached):,.0f} tokens ({len(reached)}/{len(rs)} seeds; grpo: never)"
-            else:
-                rel = f"{statistics.mean(reached) / grpo_need:.2f}× ({len(reached)}/{len(rs)} seeds)"
+        diffs = [r["curve"][-1][metric] - grpo[r["seed"]]["curve"][-1][metric] for r in rs if r["seed"] in grpo]
+        ratio, _ = ratio_to_grpo(rs, grpo, metric) if name != "grpo" else ("1 (reference)", [])
         rows.append([
-            name, str(len(rs)), _mean_sd(finals), _mean_sd(gains), _mean_sd(pk), _mean_sd(greedy),
+            name, str(len(rs)),
+            fmt_interval([r["curve"][0][metric] for r in rs]),
+            fmt_interval([r["curve"][-1][metric] for r in rs]),
+            fmt_interval([r["curve"][-1][f"pass@{k}"] for r in rs]),
+            fmt_interval(diffs) if name != "grpo" else "–",
+            ratio,
+            f"{statistics.mean(r['rollouts'] for r in rs):,.0f}",
             f"{statistics.mean(r['learner_tokens'] for r in rs):,.0f}",
-            f"{statistics.mean(r['learner_samples'] for r in rs):,.0f}",
-            rel, f"{statistics.mean(r['wall_seconds'] for r in rs):.0f}",
+            f"{statistics.mean(r['wall_seconds'] for r in rs):.0f}",
         ])
-    return rows, target
+    return rows
 
 
-HEADER = ["recipe", "seeds", "final pass@1", "Δ pass@1 vs start", "final pass@k", "final greedy",
-          "learner tokens", "learner samples", "tokens to target vs grpo", "wall s/run"]
+HEADER = ["recipe", "seeds", "start pass@1", "final pass@1 [95 % CI]", "final pass@k [95 % CI]",
+          "final pass@1 − grpo (paired)", "rollouts to grpo's final pass@1, vs grpo [95 % CI]",
+          "rollouts generated", "learner tokens", "wall s/run"]
 
 
 def plot(runs: list[dict], split: str, path: str) -> None:
@@ -169,7 +197,7 @@ def plot(runs: list[dict], split: str, path: str) -> None:
     for r in runs:
         by.setdefault(r["name"], []).append(r)
     charts = []
-    for x_key, x_label in (("learner_tokens", "learner tokens consumed"), ("iteration", "iteration")):
+    for x_key, x_label in (("rollouts", "rollouts generated"), ("learner_tokens", "learner tokens consumed")):
         series = []
         for name, _, _ in CONFIGS:
             rs = by.get(name)
@@ -184,7 +212,7 @@ def plot(runs: list[dict], split: str, path: str) -> None:
                 band.append((x, min(ys), max(ys)))
             series.append(Series(name, pts, band=band))
         charts.append(line_chart(series, title=f"held-out pass@1, {split} split (band: min–max over seeds)",
-                                 x_label=x_label, y_label="pass@1", integer_x=x_key == "iteration"))
+                                 x_label=x_label, y_label="pass@1", integer_x=True))
     # the report's chart classes, for a standalone file; the legend wraps: at most 4 recipes a chart line
     style = ("<style>svg{font-family:sans-serif}.ct{font-size:13px;font-weight:600}.tick{font-size:10.5px;fill:#555}"
              ".al{font-size:11px;fill:#555}.lg{font-size:11px}.grid{stroke:#e7eaee}.axis{stroke:#8a949e}</style>")
@@ -196,14 +224,16 @@ def plot(runs: list[dict], split: str, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 recipes, 1 seed, 2 iterations, tiny sizes")
-    ap.add_argument("--splits", nargs="+", default=["train", "harder"], choices=sorted(SPLITS))
+    ap.add_argument("--splits", nargs="+", default=["train"], choices=sorted(SPLITS))
     ap.add_argument("--recipes", nargs="+", default=[c[0] for c in CONFIGS])
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=12)
-    ap.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per generation batch")
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate, the same for every recipe")
-    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--pool-size", type=int, default=None, help="training prompt pool (default: the loop's)")
+    ap.add_argument("--max-gen-batches", type=int, default=4, help="over-generation cap of filtering recipes")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate, the same for every recipe (default: the loop's)")
+    ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--eval-prompts", type=int, default=500)
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
@@ -215,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not run: rebuild tables and plots from the JSON curves already in --out")
     args = ap.parse_args(argv)
     if args.quick:
-        args.recipes = args.recipes if args.recipes != [c[0] for c in CONFIGS] else ["grpo", "d3s"]
+        args.recipes = args.recipes if args.recipes != [c[0] for c in CONFIGS] else ["grpo", "dapo"]
         args.seeds, args.iterations, args.prompts, args.eval_every = 1, 2, 8, 1
-        args.eval_prompts, args.eval_samples, args.group_size = 16, 2, 4
+        args.eval_prompts, args.eval_samples, args.group_size, args.max_gen_batches = 16, 2, 4, 2
     unknown = set(args.recipes) - {c[0] for c in CONFIGS}
     if unknown:
         ap.error(f"unknown recipes {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
@@ -232,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     head = header("Learning: recipes compared on builtin:arith (bench/learning.py)",
                   libs=("torch", "transformers", "duckdb", "pyarrow"))  # load average taken at the start
     t0 = time.perf_counter()
+    lr = args.lr if args.lr is not None else defaults.lr
+    pool_size = args.pool_size if args.pool_size is not None else defaults.pool_size
     jobs = [
         {"name": name, "recipe": recipe, "sets": sets, "seed": seed, "split": split, "model": model,
-         "iterations": args.iterations, "prompts": args.prompts, "group_size": args.group_size,
-         "lr": args.lr if args.lr is not None else defaults.lr, "micro_batch": defaults.micro_batch_size,
-         "grad_accum": defaults.grad_accum, "warmup": defaults.warmup_steps, "epochs": defaults.epochs,
-         "eval_every": args.eval_every, "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples,
+         "iterations": args.iterations, "prompts": args.prompts, "group_size": args.group_size, "lr": lr,
+         "micro_batch": defaults.micro_batch_size, "grad_accum": defaults.grad_accum, "warmup": defaults.warmup_steps,
+         "epochs": defaults.epochs, "eval_every": args.eval_every, "eval_prompts": args.eval_prompts,
+         "eval_samples": args.eval_samples, "pool_size": pool_size, "max_gen_batches": args.max_gen_batches,
          "out_root": out_root}
         for split in args.splits for seed in range(args.seeds)
         for name, recipe, sets in CONFIGS if name in args.recipes
@@ -247,19 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         for split in args.splits:
             with open(os.path.join(args.out, f"learning-{split}.json")) as fh:
                 runs += json.load(fh)
-        lr = runs[0].get("lr", args.lr)  # curves written before runs recorded their lr
+        lr = runs[0].get("lr", lr)
         wall = sum(r["wall_seconds"] for r in runs) / max(1, args.jobs)
     else:
         import multiprocessing as mp
 
-        lr = jobs[0]["lr"]
         with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
             for r in pool.map(run_one, jobs):
                 last = r["curve"][-1]
                 print(f"{r['split']:7s} {r['name']:12s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "
                       f"{last['pass@1']:.3f}, greedy {r['curve'][0]['greedy_accuracy']:.3f} → "
-                      f"{last['greedy_accuracy']:.3f}, {r['learner_tokens']:,} learner tokens, "
-                      f"{r['wall_seconds']:.0f} s", flush=True)
+                      f"{last['greedy_accuracy']:.3f}, {r['rollouts']:,} rollouts, {r['learner_tokens']:,} learner "
+                      f"tokens, {r['wall_seconds']:.0f} s", flush=True)
                 runs.append(r)
         wall = time.perf_counter() - t0
     sections = []
@@ -270,27 +301,27 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(rs, fh, indent=1)
         svg = os.path.join(args.out, f"learning-{split}.svg")
         plot(rs, split, svg)
-        rows, target = summarise(rs)
-        table = md_table(HEADER, rows)
-        shown = "none" if target is None else f"{target:.3f}"
-        print(f"\n{split} split (target pass@1 for 'tokens to target': {shown})\n{table}")
-        sections.append((split, table, target, os.path.relpath(svg, HERE)))
+        table = md_table(HEADER, summarise(rs))
+        print(f"\n{split} split\n{table}")
+        sections.append((split, table, os.path.relpath(svg, HERE)))
     if not args.no_record and not args.quick:
         lines = [
-            f"Configuration: {args.seeds} seeds × {len(args.recipes)} recipes per split, {args.iterations} iterations of "
-            f"{args.prompts} prompts × {args.group_size} samples (same prompts per iteration and seed for every recipe, "
-            f"no over-generation), lr {lr:g}, micro-batch {defaults.micro_batch_size} × accumulation "
-            f"{defaults.grad_accum}, loss {defaults.loss}; held-out: {args.eval_prompts} distinct prompts × "
-            f"{args.eval_samples} samples at T={defaults.temperature} every {args.eval_every} iterations. "
-            f"Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with {args.jobs} parallel jobs"
-            + (" (sum of run times / jobs: tables rebuilt with --from-json)." if args.from_json else "."),
+            f"Configuration: {args.seeds} paired seeds × {len(args.recipes)} recipes per split, {args.iterations} "
+            f"iterations; each iteration generates a first batch of {args.prompts} prompts × {args.group_size} samples "
+            f"from a pool of {pool_size} training prompts in epochs (the same batch for every recipe of a seed); "
+            f"filtering recipes then over-generate batches of the same size until {args.prompts} groups survive, at "
+            f"most {args.max_gen_batches} batches. lr {lr:g} for every recipe (not tuned per recipe), micro-batch "
+            f"{defaults.micro_batch_size} × accumulation {defaults.grad_accum}, loss {defaults.loss}; held-out: "
+            f"{args.eval_prompts} distinct prompts × {args.eval_samples} samples at T={defaults.temperature} every "
+            f"{args.eval_every} iterations. Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with "
+            f"{args.jobs} parallel jobs" + (" (sum of run times / jobs: rebuilt with --from-json)." if args.from_json else "."),
             "",
         ]
-        for split, table, target, svg in sections:
-            lines += [f"**{split} split** — 'tokens to target' = mean learner tokens until a run's held-out pass@1 "
-                      f"first gains {'–' if target is None else f'{target:.4f}'} over its own start (half of grpo's "
-                      f"mean final gain; undefined when grpo gains under {MIN_GAIN}), relative to grpo's; "
-                      f"± is the standard deviation over seeds. Plot: [{svg}]({svg})", "", table, ""]
+        for split, table, svg in sections:
+            lines += [f"**{split} split** — intervals are 95 % Student-t intervals over seeds; 'final pass@1 − grpo' is "
+                      f"paired by seed; the rollouts ratio is the geometric mean over seeds of (rollouts until pass@1 "
+                      f"first reaches that seed's grpo final) / (grpo's own), linear between evaluations. "
+                      f"Plot: [{svg}]({svg})", "", table, ""]
         append_results(head + "\n\n" + "\n".join(lines))
     print(f"\n{len(runs)} runs in {wall:.0f} s; buffers under {out_root}")
     return 0

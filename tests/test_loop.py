@@ -126,23 +126,29 @@ def test_demo_command(tmp_path, default_tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_twenty_iterations_raise_heldout_accuracy(tmp_path, default_tiny):
-    """The demo's settings (d3s, LoopConfig defaults) for 20 iterations: greedy accuracy on the
-    distinct held-out prompts ends above where it started, and so does the sampled accuracy of the
-    training batches. One torch thread, so the trajectory is the same on every run of a machine."""
-    import torch
+def test_the_demo_settings_learn_by_a_wide_margin(tmp_path, default_tiny):
+    """The demo's settings (d3s, LoopConfig defaults, one torch thread) for 12 iterations: the start
+    has mixed groups on every level, and greedy accuracy on the distinct held-out prompts gains at
+    least 15 points (this machine: about +60), so other CPUs' float kernels cannot flip it."""
+    from rollout import arith
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        root = str(tmp_path / "learn")
-        Buffer.init(root).close()
-        summary = run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=20, eval_every=10, run_id="learn"))
-    finally:
-        torch.set_num_threads(threads)
+    root = str(tmp_path / "learn")
+    Buffer.init(root).close()
+    summary = run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=12, eval_every=6, run_id="learn"))
     accs = [acc for _, _, acc in summary["evals"]]
-    assert len(accs) == 3 and accs[-1] > accs[0], accs
+    assert len(accs) == 3 and accs[-1] - accs[0] >= 0.15, accs
     stored = sql(root, "SELECT iteration, value FROM evaluations WHERE metric = 'greedy_accuracy' ORDER BY iteration")
     assert [round(v, 6) for _, v in stored] == [round(a, 6) for a in accs]
-    sampled = sql(root, "SELECT step // 5 AS q, avg(coalesce(correct, false)::INT) FROM rollouts GROUP BY q ORDER BY q")
-    assert sampled[-1][1] > sampled[0][1], sampled
+    mixed = sql(root, "SELECT avg((accuracy > 0 AND accuracy < 1)::INT) FROM groups g JOIN "
+                      "(SELECT DISTINCT group_id FROM rollouts WHERE step = 0) USING (group_id)")[0][0]
+    assert mixed >= 0.4, mixed
+    per_level = sql(root, "SELECT prompt, avg(correct::INT) FROM rollouts WHERE step = 0 GROUP BY prompt")
+    by_level: dict[int, list[float]] = {}
+    for prompt, acc in per_level:
+        a, b = (int(x) for x in prompt[:-1].split("+"))
+        by_level.setdefault(arith.level_of(a, b), []).append(acc)
+    assert sorted(by_level) == [1, 2, 3]
+    for level, accs_ in by_level.items():
+        assert 0.10 <= sum(accs_) / len(accs_) <= 0.70, (level, sum(accs_) / len(accs_))
+    sampled = sql(root, "SELECT step // 6 AS q, avg(coalesce(correct, false)::INT) FROM rollouts GROUP BY q ORDER BY q")
+    assert sampled[-1][1] > sampled[0][1] + 0.1, sampled

@@ -45,6 +45,21 @@ def test_gen_logprobs_equal_trainer_logprobs(default_tiny, untrained_tiny):  # n
         assert max_logprob_gap(model_dir, gens) < 1e-4
 
 
+def test_sampler_scores_equal_the_learners_at_any_temperature(default_tiny, untrained_tiny):  # noqa: F811
+    """The fp32 HF sampler's own untempered log-probs and entropies are what `learner.score` computes,
+    so generate_step can skip the second forward pass."""
+    for model_dir in (default_tiny, untrained_tiny):
+        for temperature in (1.0, 0.7):
+            gens = flat(HFBackend(model_dir).generate(PROMPTS[:24], 4, 12, temperature=temperature, seed=2))
+            model, tok = load_policy(model_dir)
+            old, ent = score(model, tok, [g.prompt_token_ids for g in gens], [g.response_token_ids for g in gens])
+            for o, e, g in zip(old, ent, gens):
+                assert len(g.policy_logprobs) == len(g.entropies) == len(g.response_token_ids) == len(o)
+                assert np.allclose(o, g.policy_logprobs, atol=1e-4) and np.allclose(e, g.entropies, atol=1e-4)
+            if temperature != 1.0:  # gen_logprobs stay those of the tempered distribution
+                assert max(float(np.abs(g.gen_logprobs - g.policy_logprobs).max()) for g in gens if len(g.gen_logprobs)) > 1e-3
+
+
 def test_masks_come_from_the_first_eos(untrained_backend):
     be = untrained_backend
     pad, eos = be.tokenizer.pad_token_id, be.tokenizer.eos_token_id

@@ -7,7 +7,8 @@ pads rows into tensors.
 Invariants:
 - Order is deterministic: files in the order given, rows in stored order; with `shuffle_seed` a
   permutation drawn from numpy's PCG64 seeded by (seed, epoch) — the same on every machine.
-- Every row is yielded exactly once per epoch (the last step may be short; nothing is dropped).
+- Every row is yielded exactly once per epoch (the last step may be short; nothing is dropped);
+  split across ranks (`iter_rank_steps`), every row of a step goes to exactly one rank.
 - `input_ids` is prompt + response, right-padded with `pad_id`; response token t of row i sits at
   `input_ids[i, positions[i, t]]` with `positions[i, t] = len(prompt_i) + t`, so the logits that
   predict it are at `positions[i, t] − 1`. Every prompt has at least one token.
@@ -28,6 +29,8 @@ import torch
 from torch import Tensor
 
 from storage.schema import CURATED
+
+from .distributed import passes, rank_block
 
 TOKEN_COLUMNS = ("old_logprobs", "gen_logprobs", "loss_mask")
 
@@ -152,6 +155,49 @@ def row_order(n: int, shuffle_seed: int | None = None, epoch: int = 0) -> np.nda
     return np.random.Generator(np.random.PCG64([shuffle_seed, epoch])).permutation(n)
 
 
+@dataclass
+class RankStep:
+    """One global optimiser step as one rank sees it."""
+
+    micro: list[Batch]  # this rank's micro-batches (maybe none)
+    passes: int  # forward/backward passes every rank runs (>= len(micro))
+    filler: Batch | None  # a real row of the step, for the zero-loss passes beyond `micro`
+    curation_ids: list[str]  # sorted curations of the whole step (every rank's rows)
+
+
+def iter_rank_steps(
+    rows: pa.Table,
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    pad_id: int = 0,
+    shuffle_seed: int | None = None,
+    epoch: int = 0,
+    rank: int = 0,
+    world: int = 1,
+) -> Iterator[RankStep]:
+    """Global steps of `micro_batch_size × grad_accum` rows; rank `rank` of `world` gets the
+    contiguous block `distributed.rank_block` of each step, in micro-batches of `micro_batch_size`."""
+    if micro_batch_size < 1 or grad_accum < 1:
+        raise ValueError("micro_batch_size and grad_accum must be >= 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    order = row_order(rows.num_rows, shuffle_seed, epoch)
+    per_step = micro_batch_size * grad_accum
+    curations = rows.column("curation_id")
+    for start in range(0, len(order), per_step):
+        idx = order[start : start + per_step]
+        lo, hi = rank_block(len(idx), rank, world)
+        mine = idx[lo:hi]
+        micro = [
+            collate(rows.take(pa.array(mine[m : m + micro_batch_size])), pad_id)
+            for m in range(0, len(mine), micro_batch_size)
+        ]
+        n = passes(len(idx), micro_batch_size, world)
+        filler = collate(rows.take(pa.array(idx[:1])), pad_id) if len(micro) < n else None
+        ids = sorted(set(curations.take(pa.array(idx)).to_pylist()))
+        yield RankStep(micro, n, filler, ids)
+
+
 def iter_steps(
     rows: pa.Table,
     micro_batch_size: int,
@@ -161,13 +207,5 @@ def iter_steps(
     epoch: int = 0,
 ) -> Iterator[list[Batch]]:
     """Optimiser steps of `micro_batch_size × grad_accum` rows, each a list of micro-batches."""
-    if micro_batch_size < 1 or grad_accum < 1:
-        raise ValueError("micro_batch_size and grad_accum must be >= 1")
-    order = row_order(rows.num_rows, shuffle_seed, epoch)
-    per_step = micro_batch_size * grad_accum
-    for start in range(0, len(order), per_step):
-        idx = order[start : start + per_step]
-        yield [
-            collate(rows.take(pa.array(idx[m : m + micro_batch_size])), pad_id)
-            for m in range(0, len(idx), micro_batch_size)
-        ]
+    for step in iter_rank_steps(rows, micro_batch_size, grad_accum, pad_id, shuffle_seed, epoch):
+        yield step.micro

@@ -12,6 +12,11 @@ Invariants:
   the same optimizer / scheduler / RNG state: the result equals an uninterrupted run.
 - A unit is never trained twice into a run even if callers misuse this module: `save_checkpoint`
   refuses a shard already consumed by the run inside its commit transaction.
+- Under `torch.distributed` (`dist`), rank 0 decides (the pending units, each new version) and
+  broadcasts it; every rank trains its block of each step; rank 0 alone publishes the checkpoint
+  (full weights, ledger, training rows and lease acks in one manifest commit, as above) and its
+  outcome is broadcast, so every rank moves on or fails together. A checkpoint holds the full,
+  unsharded state: a run resumes with the same or any other number of ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from storage.timing import Stopwatch
 
 from .checkpoint import (
     Checkpoint,
+    CheckpointError,
     consumed_entry,
     consumed_ledger,
     latest_checkpoint,
@@ -32,6 +38,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .distributed import SINGLE, Dist, publishable
 from .trainer import train_on_curation
 
 
@@ -99,6 +106,7 @@ def train_pending(
     lease: tuple[str, str] | None = None,
     extra_metrics: dict | None = None,
     timings: dict[str, float] | None = None,
+    dist: Dist = SINGLE,
     **train_kwargs,
 ) -> list[Checkpoint]:
     """Train every pending unit once, publishing one checkpoint per unit; return them.
@@ -108,22 +116,29 @@ def train_pending(
     `train_on_curation` (loss, epochs, micro_batch_size, grad_accum, ...). Each new version is
     one more than the highest published version of the buffer. `timings`, when given, gets the
     seconds spent in `optimiser` steps (reading the shards included) and checkpoint `publish`.
+    `dist`: this rank; `model` / `optimizer` are then the wrapped ones (`distributed.wrap`).
     """
-    ledger = consumed_ledger(buf, from_version) if any(
-        c.version == from_version for c in list_checkpoints(buf)
-    ) else []
-    todo = _units(pending_shards(buf, ledger, curation_ids, shards), per)
-    if max_units is not None:
-        todo = todo[:max_units]
+    todo = None
+    if dist.is_main:
+        ledger = consumed_ledger(buf, from_version) if any(
+            c.version == from_version for c in list_checkpoints(buf)
+        ) else []
+        todo = _units(pending_shards(buf, ledger, curation_ids, shards), per)
+        if max_units is not None:
+            todo = todo[:max_units]
+    todo = dist.broadcast(todo)
     published: list[Checkpoint] = []
     version, step = from_version, start_step
     clock = Stopwatch(timings)
     for unit in todo:
-        latest = latest_checkpoint(buf)
-        new_version = max(version, latest.version if latest else 0) + 1
+        new_version = None
+        if dist.is_main:
+            latest = latest_checkpoint(buf)
+            new_version = max(version, latest.version if latest else 0) + 1
+        new_version = dist.broadcast(new_version)
         rows = train_on_curation(
             model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit],
-            run_id=run_id, version=new_version, start_step=step, **train_kwargs,
+            run_id=run_id, version=new_version, start_step=step, dist=dist, **train_kwargs,
         )
         clock.lap("optimiser")
         step = rows[-1]["step"] if rows else step
@@ -135,13 +150,23 @@ def train_pending(
             "samples": sum(r["samples"] for r in rows),
             **(extra_metrics or {}),
         }
-        ck = save_checkpoint(
-            buf, model, optimizer, scheduler,
-            version=new_version, run_id=run_id, parent_version=version,
-            consumed=[consumed_entry(shard_curation_id(s), s.path) for s in unit],
-            tokenizer=tokenizer, step=step, metrics=metrics, training_rows=rows, lease=lease,
-        )
+        full = publishable(model, optimizer, dist)  # collective under FSDP2; None off rank 0
+        outcome: Checkpoint | str | None = None
+        if dist.is_main:
+            try:
+                outcome = save_checkpoint(
+                    buf, full[0], full[1], scheduler,
+                    version=new_version, run_id=run_id, parent_version=version,
+                    consumed=[consumed_entry(shard_curation_id(s), s.path) for s in unit],
+                    tokenizer=tokenizer, step=step, metrics=metrics, training_rows=rows, lease=lease,
+                )
+            except BaseException as exc:
+                dist.broadcast(str(exc) or type(exc).__name__)
+                raise
+        outcome = dist.broadcast(outcome)
+        if isinstance(outcome, str):
+            raise CheckpointError(f"rank 0 did not publish v{new_version}: {outcome}")
         clock.lap("publish")
-        published.append(ck)
+        published.append(outcome)
         version = new_version
     return published

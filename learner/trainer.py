@@ -12,6 +12,11 @@ Invariants:
 - No randomness inside a step; on CPU with `deterministic_cpu()` two runs from the same state give
   bit-identical weights.
 - Every returned row has exactly the columns of the `training` table.
+- Under `torch.distributed` (`dist`), each rank trains its block of every global step
+  (`batches.iter_rank_steps`), the step's `Normalizer` and metrics are all-reduced, and every rank
+  returns the same rows: the rows and the gradient are those of the single process (up to the
+  order of float sums). `timings` gets the seconds spent reading the shards (`read`) and
+  collating batches (`collate`), the store's input cost.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from torch import Tensor
 
 from storage.schema import TRAINING
 
-from .batches import Batch, iter_steps, read_curated
+from storage.timing import Stopwatch
+
+from .batches import Batch, iter_rank_steps, read_curated
+from .distributed import SINGLE, Dist, grad_norm_value, sync_gradients
 from .losses import LossConfig, LossStats, Normalizer, get_loss
 
 
@@ -89,9 +97,14 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = True) -> tuple[T
     return logp, entropy
 
 
-def _step_curation(batches: list[Batch]) -> str | None:
-    ids = sorted({c for b in batches for c in b.curation_ids})
-    return ",".join(ids) if ids else None
+def _all_reduced(stats: LossStats, total: float, dist: Dist) -> tuple[LossStats, float]:
+    if not dist.active:
+        return stats, total
+    has_entropy = stats.entropy is not None
+    vals = dist.sum([total, stats.tokens, stats.samples, stats.clipped, stats.approx_kl, stats.entropy or 0.0,
+                     float(has_entropy)])
+    entropy = vals[5] if vals[6] else None
+    return LossStats(int(vals[1]), int(vals[2]), vals[3], vals[4], entropy, stats.ref_kl), vals[0]
 
 
 def train_on_curation(
@@ -113,15 +126,19 @@ def train_on_curation(
     version: int = 0,
     start_step: int = 0,
     on_step: Callable[[dict], None] | None = None,
+    dist: Dist = SINGLE,
+    timings: dict[str, float] | None = None,
 ) -> list[dict]:
     """Train `model` on the curated Parquet files `shards` (in that order); return the step rows.
 
     `version` is the policy version these steps produce; rows are numbered `start_step + 1, ...`.
-    `on_step(row)` is called after each optimiser step.
+    `on_step(row)` is called after each optimiser step. `dist`: this rank (see the invariants).
     """
     loss_fn = get_loss(loss)
     device = next(model.parameters()).device
+    clock = Stopwatch(timings)
     rows_table = read_curated(shards)
+    clock.lap("read")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     was_training = model.training
     model.train()
@@ -131,36 +148,53 @@ def train_on_curation(
     step = start_step
     try:
         for epoch in range(epochs):
-            for micro in iter_steps(rows_table, micro_batch_size, grad_accum, pad_id, shuffle_seed, epoch):
-                micro = [b.to(device) for b in micro]
+            steps = iter_rank_steps(rows_table, micro_batch_size, grad_accum, pad_id, shuffle_seed, epoch,
+                                    dist.rank, dist.world)
+            while True:
+                clock.lap("other")
+                part = next(steps, None)
+                clock.lap("collate")
+                if part is None:
+                    break
+                micro = [b.to(device) for b in part.micro]
                 norm = Normalizer(0, 0, 0)
                 for b in micro:
                     norm = norm + Normalizer.of(b.loss_mask, b.lengths)
+                norm = dist.normalizer(norm)
                 lr = float(optimizer.param_groups[0]["lr"])
                 optimizer.zero_grad(set_to_none=True)
                 stats, total = LossStats(), 0.0
                 if norm.tokens:
-                    for b in micro:
-                        logp, entropy = response_logprobs(model, b)
-                        ref_logp = None
-                        if ref_model is not None:
-                            with torch.no_grad():
-                                ref_logp, _ = response_logprobs(ref_model, b, with_entropy=False)
-                        res = loss_fn(
-                            logp, b.old_logprobs, b.loss_mask, b.advantage, b.weight,
-                            config=loss_config, norm=norm, ref_logp=ref_logp,
-                            gen_logp=b.gen_logprobs, entropy=entropy,
-                        )
-                        res.loss.backward()
-                        total += float(res.loss.detach())
-                        stats = stats + res.stats
+                    for k in range(part.passes):
+                        last = k == part.passes - 1
+                        with sync_gradients(model, dist, last):
+                            if k >= len(micro):  # a zero-loss pass: the collectives of every rank line up
+                                logp, _ = response_logprobs(model, part.filler.to(device), with_entropy=False)
+                                (logp.sum() * 0.0).backward()
+                                continue
+                            b = micro[k]
+                            logp, entropy = response_logprobs(model, b)
+                            ref_logp = None
+                            if ref_model is not None:
+                                with torch.no_grad():
+                                    ref_logp, _ = response_logprobs(ref_model, b, with_entropy=False)
+                            res = loss_fn(
+                                logp, b.old_logprobs, b.loss_mask, b.advantage, b.weight,
+                                config=loss_config, norm=norm, ref_logp=ref_logp,
+                                gen_logp=b.gen_logprobs, entropy=entropy,
+                            )
+                            # DDP / FSDP2 average over ranks; the global normaliser wants the sum
+                            (res.loss * dist.world if dist.active else res.loss).backward()
+                            total += float(res.loss.detach())
+                            stats = stats + res.stats
                     limit = math.inf if max_grad_norm is None else max_grad_norm
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False))
+                    grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False))
                     optimizer.step()
                     if scheduler is not None:
                         scheduler.step()
                 else:
                     grad_norm = 0.0
+                stats, total = _all_reduced(stats, total, dist)
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 m = stats.metrics()
@@ -168,7 +202,7 @@ def train_on_curation(
                     "run_id": run_id,
                     "version": int(version),
                     "step": step,
-                    "curation_id": _step_curation(micro),
+                    "curation_id": ",".join(part.curation_ids) or None,
                     "loss": total,
                     "clip_fraction": m["clip_fraction"],
                     "approx_kl": m["approx_kl"],

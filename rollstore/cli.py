@@ -320,11 +320,19 @@ def train(
     follow: bool = typer.Option(False, "--follow", help="Keep leasing curations as they appear."),
     poll: float = typer.Option(1.0, "--poll", help="Seconds between polls with --follow."),
     max_idle: float = typer.Option(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
+    parallel: str = typer.Option("none", "--parallel", help="none | ddp | fsdp (under torchrun, or with --nproc)."),
+    nproc: int = typer.Option(0, "--nproc", help="Launch this many ranks with torchrun (default --parallel ddp)."),
 ):
-    """Train on curated shards exactly once each; publish a checkpoint per curation."""
-    from rollstore.train_cli import run_train
+    """Train on curated shards exactly once each; publish a checkpoint per curation.
 
-    run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle, out)
+    --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
+    number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
+    from rollstore.train_cli import launch_torchrun, run_train
+
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
+    run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle,
+              out, parallel=parallel)
 
 
 @app.command()

@@ -4,11 +4,16 @@ of the two-process loop, leasing curated shards as curations appear.
 Invariants: each unit (one curation's shards) is trained once and published as one checkpoint
 together with its consumed ledger (and, with --follow, the ack of its leases) in one manifest commit.
 Curated shards are verified against the manifest (size and sha256) before they are trained on.
+Under torchrun (`--parallel ddp|fsdp`), rank 0 verifies, leases, prints and publishes; every rank
+trains its block of each global step (learner/distributed.py). `--nproc N` re-runs the same command
+under `python -m torch.distributed.run --standalone --nproc-per-node N`.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from rich.console import Console
@@ -17,22 +22,50 @@ from storage.buffer import Buffer
 from storage.verify import verify_shards
 
 
+def launch_torchrun(nproc: int, parallel: str) -> int:
+    """Re-run this `train` command under torchrun with `nproc` ranks; return its exit status."""
+    argv = sys.argv[sys.argv.index("train"):]
+    keep: list[str] = []
+    skip = False
+    for arg in argv:  # drop --nproc and --parallel (with their values): torchrun's ranks get --parallel
+        if skip:
+            skip = False
+        elif arg in ("--nproc", "--parallel"):
+            skip = True
+        elif not arg.startswith(("--nproc=", "--parallel=")):
+            keep.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "rollstore.cli", *keep, "--parallel", parallel]
+    return subprocess.call(cmd)
+
+
 def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll,
-              max_idle, out: Console) -> list:
+              max_idle, out: Console, parallel: str = "none") -> list:
+    import torch
+
+    from learner import distributed
     from learner.consume import resume, train_pending
     from learner.models import load_policy
     from learner.trainer import make_optimizer
     from rollstore.models import resolve_model
 
+    dist = distributed.init(parallel)
+    if dist.active and dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     buf = Buffer.open(buffer)
-    model_obj, tokenizer = load_policy(resolve_model(model))
+    path = resolve_model(model) if dist.is_main else None  # rank 0 builds builtin:tiny once
+    dist.barrier()
+    model_obj, tokenizer = load_policy(dist.broadcast(path), device=str(dist.device))
     optimizer, scheduler = make_optimizer(model_obj, lr=lr)
     version, step = resume(buf, model_obj, optimizer, scheduler, run_id)
+    model_obj, optimizer = distributed.wrap(model_obj, optimizer, scheduler, dist)
     kwargs = dict(loss=loss, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                  tokenizer=tokenizer, per="curation")
+                  tokenizer=tokenizer, per="curation", dist=dist)
     published = []
 
     def report(cks):
+        if not dist.is_main:
+            return
         for ck in cks:
             out.print(f"v{ck.version}: trained {len(ck.consumed)} shard(s) of "
                       f"{', '.join(sorted({c['curation_id'] for c in ck.consumed}))}; "
@@ -40,21 +73,28 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
 
     try:
         if not follow:
-            verify_shards(buf.root, [s for s in buf.manifest.shards("curated") if not curations or s.key in curations])
+            if dist.is_main:
+                verify_shards(buf.root, [s for s in buf.manifest.shards("curated") if not curations or s.key in curations])
+            dist.barrier()
             cks = train_pending(buf, model_obj, optimizer, scheduler, run_id=run_id, from_version=version,
                                 start_step=step, curation_ids=curations or None, **kwargs)
             report(cks)
-            if not cks:
+            if not cks and dist.is_main:
                 out.print("nothing to train: every curated shard is already in this run's ledger")
             return cks
-        consumer, group = f"{run_id}-{os.getpid()}", f"learner:{run_id}"
+        consumer, group = dist.broadcast(f"{run_id}-{os.getpid()}"), f"learner:{run_id}"
         idle_since = time.monotonic()
         while True:
-            _lease_id, shards = buf.lease("curated", 64, consumer, group=group, ttl=3600.0)
-            if curations:
-                shards = [s for s in shards if s.key in set(curations)]
+            shards = None
+            if dist.is_main:  # rank 0 leases and verifies; every rank trains what it leased
+                _lease_id, shards = buf.lease("curated", 64, consumer, group=group, ttl=3600.0)
+                if curations:
+                    shards = [s for s in shards if s.key in set(curations)]
+                if shards:
+                    verify_shards(buf.root, shards)
+            shards = dist.broadcast(shards)
+            stop = dist.broadcast(not shards and bool(max_idle) and time.monotonic() - idle_since > max_idle)
             if shards:
-                verify_shards(buf.root, shards)
                 cks = train_pending(buf, model_obj, optimizer, scheduler, run_id=run_id, from_version=version,
                                     start_step=step, shards=shards, lease=(consumer, group), **kwargs)
                 if cks:
@@ -62,10 +102,12 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
                     published.extend(cks)
                     report(cks)
                 idle_since = time.monotonic()
-            elif max_idle and time.monotonic() - idle_since > max_idle:
+            elif stop:
                 break
             else:
                 time.sleep(poll)
     finally:
         buf.close()
+        if sys.exc_info()[0] is None:  # on an error the launcher tears the ranks down
+            distributed.close(dist)
     return published

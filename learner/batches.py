@@ -198,14 +198,8 @@ def iter_rank_steps(
         yield RankStep(micro, n, filler, ids)
 
 
-def iter_steps(
-    rows: pa.Table,
-    micro_batch_size: int,
-    grad_accum: int = 1,
-    pad_id: int = 0,
-    shuffle_seed: int | None = None,
-    epoch: int = 0,
-) -> Iterator[list[Batch]]:
-    """Optimiser steps of `micro_batch_size × grad_accum` rows, each a list of micro-batches."""
-    for step in iter_rank_steps(rows, micro_batch_size, grad_accum, pad_id, shuffle_seed, epoch):
+def iter_steps(rows: pa.Table, *args, **kwargs) -> Iterator[list[Batch]]:
+    """Optimiser steps of `micro_batch_size × grad_accum` rows, each a list of micro-batches
+    (`iter_rank_steps` of a single process: same arguments)."""
+    for step in iter_rank_steps(rows, *args, **kwargs):
         yield step.micro

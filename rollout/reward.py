@@ -16,7 +16,7 @@ Invariants:
 - `verify(gold, prediction)`: gold first, as math-verify expects (its comparison is asymmetric).
 - Integer answers are judged in the caller: when the judge is `judge_math` and both gold and
   prediction are plain integers (`-?digits`, at most 18 digits, surrounding whitespace allowed),
-  the verdict is integer equality — what math-verify returns for such a pair (tested against it),
+  or the prediction is blank, the verdict is integer equality (blank: wrong) — what math-verify returns for such a pair (tested against it),
   without the trip to a worker. Everything else goes to math-verify in the pool.
 - Starting the pool never re-runs the caller's script in the workers (see `_main_script_hidden`),
   so a plain script without an `if __name__ == "__main__"` guard can use it.
@@ -87,8 +87,13 @@ _PLAIN_INTEGER = re.compile(r"^\s*-?\d{1,18}\s*$")
 
 
 def integer_verdict(gold: str | None, prediction: str) -> tuple[bool | None, str | None] | None:
-    """(correct, None) when gold and prediction are both plain integers, else None (ask math-verify)."""
-    if gold is None or not _PLAIN_INTEGER.match(gold) or not _PLAIN_INTEGER.match(prediction):
+    """(correct, None) when gold is a plain integer and the prediction a plain integer or blank (an
+    empty answer parses to nothing: wrong), else None (ask math-verify)."""
+    if gold is None or not _PLAIN_INTEGER.match(gold):
+        return None
+    if not prediction.strip():
+        return False, None
+    if not _PLAIN_INTEGER.match(prediction):
         return None
     return int(gold) == int(prediction), None
 

@@ -138,3 +138,5 @@ def test_integer_fast_path_agrees_with_math_verify():
     check()
     assert integer_verdict("12", "12+1") is None and integer_verdict(r"\frac{1}{2}", "1") is None
     assert integer_verdict("7", "1" * 19) is None  # beyond 18 digits: math-verify decides
+    for blank in ("", "  "):
+        assert integer_verdict("7", blank) == judge_math("7", blank) == (False, None)

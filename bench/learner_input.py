@@ -7,9 +7,9 @@ thread and the same starting weights and optimiser state for every run:
 
 - **from the store** — `learner.trainer.train_on_curation(model, ..., shards)`, the real trainer:
   it reads the curated Parquet shards (`learner.batches.read_curated`), pads micro-batches
-  (`iter_steps` → `collate`) and takes the optimiser steps;
+  (`iter_rank_steps` → `collate`) and takes the optimiser steps;
 - **pre-built in memory** — the same call with the batches built beforehand (the trainer's
-  `read_curated`/`iter_steps` swapped for the ready list), so the steps run the same code on the
+  `read_curated`/`iter_rank_steps` swapped for the ready list), so the steps run the same code on the
   same tensors; this is what a trainer that keeps its rollouts in memory pays.
 
 The two paths alternate `--repeat` times (the fastest of each is reported) so that load from other
@@ -67,7 +67,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
 
     torch.set_num_threads(1)
     import learner.trainer as trainer
-    from learner.batches import iter_steps, read_curated
+    from learner.batches import iter_rank_steps, read_curated
 
     if model is None:
         from learner.models import load_policy
@@ -75,7 +75,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
 
         model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    real_read, real_iter = trainer.read_curated, trainer.iter_steps
+    real_read, real_iter = trainer.read_curated, trainer.iter_rank_steps
 
     # the store's overhead alone: read + pad every batch (best of `repeat`, after one warm-up)
     t_read = t_prepare = float("inf")
@@ -83,7 +83,8 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
         t0 = time.perf_counter()
         rows = read_curated(shards)
         t1 = time.perf_counter()
-        steps = list(iter_steps(rows, MICRO_BATCH))
+        rank_steps = list(iter_rank_steps(rows, MICRO_BATCH))
+        steps = [s.micro for s in rank_steps]
         t2 = time.perf_counter()
         t_read, t_prepare = min(t_read, t1 - t0), min(t_prepare, t2 - t0)
     n_rows = sum(len(b) for s in steps for b in s)
@@ -95,15 +96,15 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
         opt, sched = trainer.make_optimizer(model, lr=1e-5)
         if path == "memory":
             trainer.read_curated = lambda _shards: None
-            trainer.iter_steps = lambda *_a, **_k: iter(only or steps)
+            trainer.iter_rank_steps = lambda *_a, **_k: iter(only or rank_steps)
         try:
             t = time.perf_counter()
             trainer.train_on_curation(model, opt, sched, shards, loss="grpo", micro_batch_size=MICRO_BATCH)
             return time.perf_counter() - t, {k: v.clone() for k, v in model.state_dict().items()}
         finally:
-            trainer.read_curated, trainer.iter_steps = real_read, real_iter
+            trainer.read_curated, trainer.iter_rank_steps = real_read, real_iter
 
-    run("memory", steps[:2])  # warm-up (allocator, kernels)
+    run("memory", rank_steps[:2])  # warm-up (allocator, kernels)
     times = {"store": [], "memory": []}
     weights = {}
     for _ in range(max(1, repeat)):

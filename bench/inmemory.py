@@ -5,7 +5,7 @@ group-normalised advantages, filter and amplify, take the max-variance top-M by 
 sums, take the top-κ tokens by |A|·H with `np.partition`, and keep the selected rows with their
 loss masks as the training batch — in memory, nothing written, nothing audited.
 
-It follows algorithms.md closely enough to select the same rollouts and tokens as `rollstore
+It follows docs/curation.md closely enough to select the same rollouts and tokens as `rollstore
 curate` (tie-breaks by rollout_id and position included, which costs one lexsort), so the
 benchmark can report agreement; it is not the brute-force test reference (tests/reference.py),
 and it supports only what the benchmarked recipes use: eligibility (invalid only: the recipes'

@@ -1,4 +1,4 @@
-"""Curation parameters: the table of algorithms.md, recipes as presets, `--set` parsing, schedules.
+"""Curation parameters (docs/curation.md §Parameters), recipes as presets, `--set` parsing, schedules.
 
 Invariants:
 - Every recipe accepts every parameter; a recipe only sets defaults. Unknown names, a name given

@@ -1,9 +1,10 @@
 """One curation run: a snapshot and a recipe in, curated shards + audit + a curation record out.
 
 Invariants:
-- The stages run in algorithms.md's order, each as one SQL file of `queries/`, in one DuckDB
-  session over one pinned snapshot; per-token arrays are read from Parquet only by the token and
-  materialisation stages, and never pulled into Python except as the output being written.
+- The stages run in the order of docs/curation.md §Order of a run, each as one SQL file of
+  `queries/`, in one DuckDB session over one pinned snapshot; per-token arrays are read from
+  Parquet only by the token and materialisation stages, and never pulled into Python except as
+  the output being written.
 - Every candidate gets exactly one audit row with exactly one reason.
 - Curated shards, audit rows and the record are published in ONE manifest commit; a failure
   before it leaves nothing visible. The curation id is a hash of the snapshot, the recipe, the

@@ -1,4 +1,4 @@
-"""Evaluation arithmetic (algorithms.md §7): the unbiased pass@k estimator and avg@n.
+"""Evaluation arithmetic (docs/curation.md §Evaluation): the unbiased pass@k estimator and avg@n.
 
 Invariants: pass@k from n ≥ k samples with c correct is 1 − C(n−c, k)/C(n, k) (1 when n − c < k),
 computed as a product so it never overflows; unjudged samples count as incorrect.

@@ -1,4 +1,4 @@
-"""Policy losses of the learner, registered by name (algorithms.md §6; verl `core_algos.py` style).
+"""Policy losses of the learner, registered by name (docs/curation.md §Losses; verl `core_algos.py` style).
 
 Every loss has one signature: per-token tensors [B, T] `logp` (the policy being trained, with
 grad), `old_logp` (the trainer's log-probs at the sampling version), `mask` (bool: the kept

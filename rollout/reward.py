@@ -62,7 +62,8 @@ class Overlong:
 
 
 def overlong_penalty(length: int, l_max: int, l_cache: int) -> float:
-    """algorithms.md §2: 0 when |y| <= L_max − L_cache; ((L_max − L_cache) − |y|)/L_cache up to L_max; −1 beyond."""
+    """docs/curation.md §Overlong shaping: 0 when |y| <= L_max − L_cache;
+    ((L_max − L_cache) − |y|)/L_cache up to L_max; −1 beyond."""
     soft = l_max - l_cache
     if length <= soft:
         return 0.0

@@ -8,7 +8,8 @@ class RollstoreError(Exception):
 
 
 class ValidationError(RollstoreError):
-    """A row of an append broke a rule of schema.md; nothing of the append was written."""
+    """A row of an append broke a rule of docs/schema.md §Validation at append; nothing of the
+    append was written."""
 
     def __init__(self, file: str, rollout_id: str | None, column: str | None, message: str):
         self.file, self.rollout_id, self.column, self.message = file, rollout_id, column, message

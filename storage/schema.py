@@ -1,4 +1,4 @@
-"""Arrow schemas of rollstore's tables (the column contract of shared/spec/schema.md).
+"""Arrow schemas of rollstore's tables (the column contract documented in docs/schema.md).
 
 Invariants:
 - Column names and types here are a public contract; a change needs SCHEMA_VERSION bumped and a

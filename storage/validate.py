@@ -1,9 +1,9 @@
-"""Validation of rollout rows before an append (the rules of schema.md, in its order).
+"""Validation of rollout rows before an append (docs/schema.md §Validation at append, in its order).
 
 Invariants:
 - `validate_rollouts` either returns a table that conforms exactly to `ROLLOUTS` or raises one
   `ValidationError` naming the file, the first offending row's rollout_id and the column.
-- Checks run in schema.md's order; within a check, the first row in file order is reported.
+- Checks run in that section's order; within a check, the first row in file order is reported.
 - Uniqueness against the buffer is checked through a callable, so this module needs no manifest.
 """
 
@@ -156,7 +156,7 @@ def _first_fault(name: str, bad: np.ndarray, rows: np.ndarray, msg: str) -> list
 def validate_rollouts(
     table: pa.Table, file: str, existing: ExistingLookup | None = None
 ) -> pa.Table:
-    """Return `table` conformed to ROLLOUTS, or raise the first ValidationError of schema.md's order."""
+    """Return `table` conformed to ROLLOUTS, or raise the first ValidationError in docs/schema.md's order."""
     table = conform(table, file)
     if table.num_rows == 0:
         raise ValidationError(file, None, None, "no rows to append")

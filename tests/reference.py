@@ -1,7 +1,7 @@
 """Brute-force reference implementation of one curation run, for tests only.
 
-Written straight from /work/shared/spec/algorithms.md ("Parameters and exact semantics of a
-curation run", steps 1-9, with §1-§5), independently of the SQL engine in `queries/` and
+Written straight from the design notes' run semantics (steps 1-9; documented in docs/curation.md
+§Order of a run and its stage sections), independently of the SQL engine in `queries/` and
 `curate/`, which it must never import. Tests run both on the same rows and compare the audit
 (`selections`), the loss masks and the curation record.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 EPS = 1e-6
 
-# Defaults of the parameter table in algorithms.md (used only for keys missing from `params`).
+# Defaults of the parameter table (docs/curation.md §Parameters) (used only for keys missing from `params`).
 DEFAULTS = {
     "max_policy_lag": None,
     "max_reuse": None,

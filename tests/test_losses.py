@@ -1,4 +1,4 @@
-"""Losses against hand-computed values (algorithms.md §6)."""
+"""Losses against hand-computed values (docs/curation.md §Losses)."""
 
 from __future__ import annotations
 

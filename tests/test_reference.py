@@ -1,7 +1,7 @@
 """Hand-computed checks of the brute-force reference (tests/reference.py) itself.
 
 The reference is what the SQL curation engine is tested against, so it must first be shown to
-agree with algorithms.md on small cases worked out by hand.
+agree with docs/curation.md on small cases worked out by hand.
 """
 
 import math

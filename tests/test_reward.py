@@ -65,7 +65,7 @@ def test_rewards_with_overlong_shaping(pool):
 
 
 def test_overlong_penalty_formula():
-    # algorithms.md §2 with L_max 20, L_cache 4: 0 up to 16, linear to -1 at 20, -1 beyond.
+    # docs/curation.md §Overlong shaping with L_max 20, L_cache 4: 0 up to 16, linear to -1 at 20, -1 beyond.
     assert overlong_penalty(10, 20, 4) == 0.0
     assert overlong_penalty(16, 20, 4) == 0.0
     assert overlong_penalty(17, 20, 4) == pytest.approx(-0.25)

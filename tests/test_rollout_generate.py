@@ -148,7 +148,7 @@ def step_table(default_tiny):  # noqa: F811
 def test_generate_step_builds_valid_scored_rollouts(step_table):
     prompts, table = step_table
     assert table.schema == ROLLOUTS
-    validate_rollouts(table, "generate_step")  # the append-time rules of schema.md
+    validate_rollouts(table, "generate_step")  # the append-time rules of docs/schema.md
     rows = table.to_pylist()
     assert len(rows) == 24 * 6
     assert len({r["rollout_id"] for r in rows}) == len(rows)

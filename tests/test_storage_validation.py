@@ -1,4 +1,5 @@
-"""Every validation rule of schema.md, fed as a bad JSONL or Parquet file through `rollstore import`.
+"""Every validation rule of docs/schema.md §Validation at append, fed as a bad JSONL or Parquet
+file through `rollstore import`.
 
 Each rejected import must exit non-zero with ONE error line naming the file, the offending row's
 rollout_id and the column, and must leave the buffer exactly as it was (same manifest shards, same
@@ -252,7 +253,7 @@ def test_nullable_columns_may_be_absent_or_null(cli, fresh, tmp_path):
     assert res.code == 0, res.stderr
 
 
-# ---- order of the checks: the first failing rule of schema.md's order is the one reported -------
+# ---- order of the checks: the first failing rule of docs/schema.md's order is the one reported -------
 
 def test_order_lengths_before_nan(cli, seeded, tmp_path):
     rows = good_rows()

@@ -105,17 +105,39 @@ def init(buffer: str = typer.Argument(..., help="Directory of the new (or existi
 @guarded
 def import_(
     buffer: str,
-    files: List[str] = typer.Argument(..., help="JSONL or Parquet files of rows in the rollouts schema."),
+    files: List[str] = typer.Argument(..., help="JSONL or Parquet files of rows in the rollouts schema (or in --from's format)."),
     compact_entropies: bool = typer.Option(False, "--compact-entropies", help="Store entropies at bf16 precision."),
+    from_: Optional[str] = typer.Option(None, "--from", help="trl-completions | verl-jsonl | prime-rl | nemo-rl (default: rollstore's own schema)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="With --from: local tokenizer directory (retokenises text, decodes ids)."),
+    score_model: Optional[str] = typer.Option(None, "--score-model", help="With --from a text format: local model directory that recomputes gen_logprobs."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="With --from: run_id of the imported rows (default: the format's name)."),
 ):
-    """Append rollouts from files: one all-or-nothing append per file."""
+    """Append rollouts from files: one all-or-nothing append per file. With --from, convert another
+    framework's dump (docs/importers.md); importing the same file twice adds nothing."""
     from storage.importer import read_rows_file
 
+    if from_ is None:
+        if tokenizer or score_model or run_id:
+            fail("--tokenizer, --score-model and --run-id need --from FORMAT")
+        with open_buffer(buffer) as buf:
+            for path in files:
+                table = read_rows_file(path)
+                shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
+                out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
+        return
+    from storage.importers import FORMATS, import_file
+    from storage.importers.codec import load_codec
+
+    if from_ not in FORMATS:
+        fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
+    codec = load_codec(tokenizer, score_model)
     with open_buffer(buffer) as buf:
         for path in files:
-            table = read_rows_file(path)
-            shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
-            out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
+            res = import_file(buf, path, from_, codec, run_id, compact=compact_entropies)
+            where = f" -> {res.shard.path}" if res.shard is not None else ""
+            out.print(f"{path}: {res.rows} new rows, {res.skipped} already present{where}", highlight=False, markup=False)
+            if res.lossy:
+                out.print(f"  lossy: {'; '.join(res.lossy)}", highlight=False, markup=False)
 
 
 @app.command()

@@ -68,8 +68,10 @@ def _json_kind(value) -> str:
             dict: "object"}.get(type(value), type(value).__name__)
 
 
-def read_jsonl(path: str) -> pa.Table:
-    rows: list[dict] = []
+def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
+    """(line number, decoded object) for every non-blank line of a JSONL file; one error line
+    naming the file and the line for unreadable bytes, invalid JSON or a line that is not an object."""
+    rows: list[tuple[int, dict]] = []
     try:
         fh = open(path, "rb")
     except OSError as exc:
@@ -90,7 +92,12 @@ def read_jsonl(path: str) -> pa.Table:
                 raise ValidationError(path, None, None, f"line {lineno}: JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise ValidationError(path, None, None, f"line {lineno}: expected a JSON object")
-            rows.append(row)
+            rows.append((lineno, row))
+    return rows
+
+
+def read_jsonl(path: str) -> pa.Table:
+    rows = [row for _, row in read_jsonl_objects(path)]
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row))

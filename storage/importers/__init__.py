@@ -1,0 +1,49 @@
+"""Importers of other frameworks' rollout dumps into the rollouts schema (`rollstore import --from`).
+
+Each format module follows the writer of its project (cited in its docstring) and returns `Rows`;
+`import_file` turns them into one append.
+
+Invariants:
+- One file is one all-or-nothing append, validated by `Buffer.append_rollouts` like any import.
+- Rollout ids are content hashes: rows already in the buffer are dropped before the append, so
+  importing the same file twice adds nothing (the second import reports 0 new rows).
+- What a conversion had to guess (retokenised text, groups rebuilt from order, ...) is written into
+  every row's `meta` (`meta.import.lossy`) and returned to the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import nemorl, primerl, trl, verl
+from .common import ImportRefused, TextCodec, drop_present
+
+FORMATS = {
+    trl.FORMAT: trl.convert,
+    verl.FORMAT: verl.convert,
+    primerl.FORMAT: primerl.convert,
+    nemorl.FORMAT: nemorl.convert,
+}
+
+
+@dataclass
+class ImportResult:
+    rows: int  # rows appended
+    skipped: int  # rows already in the buffer (or repeated in the file)
+    shard: object | None  # the new shard, None when nothing was new
+    lossy: list[str]
+
+
+def import_file(buf, path: str, fmt: str, codec: TextCodec | None, run_id: str | None = None,
+                compact: bool = False) -> ImportResult:
+    convert = FORMATS.get(fmt)
+    if convert is None:
+        raise ImportRefused(f"--from {fmt}: unknown format (one of {', '.join(FORMATS)})")
+    rows = convert(path, codec, run_id or fmt)
+    table = rows.table()
+    n_file = table.num_rows
+    table, present = drop_present(table, buf.manifest.existing_ids)
+    if table.num_rows == 0:
+        return ImportResult(0, present, None, rows.lossy)
+    shard = buf.append_rollouts(table, source=path, compact=compact)
+    return ImportResult(shard.rows, n_file - shard.rows, shard, rows.lossy)

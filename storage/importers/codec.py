@@ -1,0 +1,78 @@
+"""Load a `TextCodec` from a local tokenizer directory (and optionally a scoring model).
+
+Invariants:
+- Only local directories are read (no network); transformers and torch are imported lazily, so
+  the token formats that need no model never load torch.
+- Encoding adds no special tokens: a dump's text is the model's text, templates included.
+- `score(prompt_ids, response_ids)` returns one log-probability (<= 0) per response token, from one
+  teacher-forced forward pass of the model in float32 on the CPU; the model loads on first use.
+- A prompt with no tokens cannot be scored (nothing predicts the first response token): refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .common import ImportRefused, TextCodec
+
+
+def load_codec(tokenizer_dir: str | None, score_model_dir: str | None = None) -> TextCodec | None:
+    if tokenizer_dir is None:
+        if score_model_dir is not None:
+            raise ImportRefused("--score-model needs --tokenizer DIR")
+        return None
+    if not os.path.isdir(tokenizer_dir):
+        raise ImportRefused(f"--tokenizer {tokenizer_dir}: not a directory")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    score = None
+    name = ""
+    if score_model_dir is not None:
+        if not os.path.isdir(score_model_dir):
+            raise ImportRefused(f"--score-model {score_model_dir}: not a directory")
+        score = _scorer(score_model_dir)
+        name = os.path.basename(os.path.normpath(score_model_dir))
+    return TextCodec(encode, decode, tok.eos_token_id, score, name)
+
+
+def _scorer(model_dir: str):
+    """A scoring function that loads the model on its first call (a refused import loads nothing)."""
+    import torch
+
+    held: dict = {}
+
+    def load():
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stderr carries only the one error line, if any
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        model.eval()
+        return model
+
+    def score(prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        if not response_ids:
+            return []
+        if "model" not in held:
+            held["model"] = load()
+        model = held["model"]
+        if not prompt_ids:
+            raise ImportRefused("--score-model: a row has an empty prompt; its first token cannot be scored")
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        start = len(prompt_ids) - 1
+        targets = ids[0, len(prompt_ids):]
+        picked = logp[start:start + len(response_ids)].gather(1, targets[:, None])[:, 0]
+        return [min(0.0, float(v)) for v in picked]
+
+    return score

@@ -142,6 +142,23 @@ def import_(
 
 @app.command()
 @guarded
+def export(
+    buffer: str,
+    to: str = typer.Option(..., "--to", help="A new (or empty) directory for the Parquet dataset and its README card."),
+    snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to export (default: latest)."),
+):
+    """Write a snapshot's tables as a plain Parquet dataset with a dataset card (README.md) that
+    DuckDB, Polars, pandas and Hugging Face datasets open without rollstore."""
+    from rollstore.export import export_snapshot
+
+    with open_buffer(buffer) as buf:
+        info = export_snapshot(buf, to, snapshot)
+    counts = ", ".join(f"{name} {n}" for name, n in info.rows.items()) or "no rows"
+    out.print(f"exported snapshot {info.snapshot_seq} to {info.path} ({counts})", highlight=False, markup=False)
+
+
+@app.command()
+@guarded
 def sql(
     buffer: str,
     query: str = typer.Argument(..., help="SELECT statement(s) over the buffer's tables and views."),

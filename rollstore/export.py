@@ -1,0 +1,120 @@
+"""`rollstore export`: a snapshot's tables as a plain Parquet dataset with a dataset card.
+
+Layout of DIR: `<table>/data-00000.parquet` for every table with rows at the snapshot (one file
+per table, default Parquet encodings and zstd, the rollstore schema's column names and types),
+and `README.md`: a Hugging Face dataset card whose YAML front matter names one config per table,
+so DuckDB (`read_parquet('DIR/rollouts/*.parquet')`), Polars, pandas and `datasets` open it with
+nothing of rollstore installed.
+
+Invariants:
+- Reads one pinned, verified snapshot (every shard's size and sha256 checked first): the export is
+  exactly that snapshot, whatever commits meanwhile.
+- DIR must not exist or be an empty directory, and must not lie in a buffer's managed files (the
+  `--out` guard). Everything is written under a sibling temp folder and renamed into place at the
+  end: a failed export leaves no DIR (or the empty one it found).
+- Rows stream shard by shard (memory bounded by one record batch), in manifest order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.buffer import Buffer, refuse_managed
+from storage.errors import RollstoreError
+from storage.schema import SCHEMA_VERSION, TABLES
+
+
+@dataclass
+class ExportInfo:
+    path: str
+    snapshot_seq: int
+    rows: dict[str, int]
+
+
+def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
+    target = os.path.abspath(to)
+    refuse_managed(to, "--to")
+    refuse_managed(os.path.join(to, "README.md"), "--to")
+    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+        raise RollstoreError(f"--to {to}: exists and is not an empty directory; choose a new one")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.partial-{uuid.uuid4().hex[:12]}")
+    os.makedirs(tmp)
+    try:
+        with buf.snapshot(seq, pin=True) as snap:
+            snap.verify()
+            rows = {}
+            for name in TABLES:
+                if snap.rows(name):
+                    rows[name] = _write_table(snap.arrow(name), name, os.path.join(tmp, name))
+            with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
+                fh.write(dataset_card(os.path.basename(buf.root.rstrip(os.sep)), snap.seq, rows))
+            seq_done = snap.seq
+        if os.path.isdir(target):
+            os.rmdir(target)  # the empty directory we were given (checked above)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportInfo(target, seq_done, rows)
+
+
+def _write_table(dataset, name: str, folder: str) -> int:
+    os.makedirs(folder)
+    path = os.path.join(folder, "data-00000.parquet")
+    n = 0
+    with pq.ParquetWriter(path, TABLES[name], compression="zstd") as writer:
+        for batch in dataset.to_batches():
+            if batch.num_rows:
+                writer.write_batch(batch)
+                n += batch.num_rows
+    return n
+
+
+def _type_text(t: pa.DataType) -> str:
+    return str(t).replace("timestamp[us, tz=UTC]", "timestamp[us, UTC]")
+
+
+def dataset_card(buffer_name: str, seq: int, rows: dict[str, int]) -> str:
+    """The README.md of an export: YAML front matter (`configs`, one per table) then a short text."""
+    names = list(rows)
+    lines = ["---", "configs:"]
+    for i, name in enumerate(names):
+        lines += [f"- config_name: {name}", "  data_files:", "  - split: train", f"    path: {name}/*.parquet"]
+        if i == 0:
+            lines.append("  default: true")
+    lines += ["tags:", "- rollstore", "- reinforcement-learning", "- grpo", "---", ""]
+    lines += [f"# {buffer_name}: rollstore snapshot {seq}", "",
+              f"An export of snapshot {seq} of the rollstore buffer `{buffer_name}` "
+              f"(schema version {SCHEMA_VERSION}). Each folder is one table as plain Parquet; column "
+              "names and types are rollstore's public schema. No rollstore is needed to read it.", "",
+              "| table | rows |", "|---|---|"]
+    lines += [f"| {name} | {n} |" for name, n in rows.items()]
+    empty = [name for name in TABLES if name not in rows]
+    if empty:
+        lines += ["", f"Empty at this snapshot (no folder): {', '.join(empty)}."]
+    first = names[0] if names else "rollouts"
+    lines += ["", "## Read it", "", "```python",
+              "import duckdb; duckdb.sql(\"SELECT * FROM read_parquet('" + first + "/*.parquet')\")",
+              f"import polars as pl; pl.read_parquet('{first}/*.parquet')",
+              f"import pandas as pd; pd.read_parquet('{first}')",
+              "from datasets import load_dataset",
+              f"load_dataset('parquet', data_files='{first}/*.parquet', split='train')",
+              "```", ""]
+    for name in names:
+        lines += [f"## `{name}` columns", "", "| column | type |", "|---|---|"]
+        lines += [f"| {f.name} | {_type_text(f.type)} |" for f in TABLES[name]]
+        lines.append("")
+    lines += ["Per-token lists (`gen_logprobs`, `old_logprobs`, `entropies`) have the length of "
+              "`response_token_ids`. `meta` is JSON text; rows imported from another framework say "
+              "there what the conversion lost (`meta.import.lossy`).", ""]
+    lines.append(f"<!-- rollstore export: {json.dumps({'snapshot': seq, 'rows': rows}, sort_keys=True)} -->")
+    return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from ..errors import RollstoreError, ValidationError
 from ..schema import ROLLOUTS
+from ..shardio import sha256_file as file_digest  # noqa: F401  (the importers' file hash)
 
 
 class ImportRefused(RollstoreError):
@@ -40,14 +41,6 @@ def stable_id(*parts) -> str:
     """A 32-hex-digit id from the JSON of `parts` (deterministic across runs and hosts)."""
     blob = json.dumps(parts, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_time(path: str) -> dt.datetime:

@@ -111,14 +111,15 @@ def import_(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="With --from: local tokenizer directory (retokenises text, decodes ids)."),
     score_model: Optional[str] = typer.Option(None, "--score-model", help="With --from a text format: local model directory that recomputes gen_logprobs."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="With --from: run_id of the imported rows (default: the format's name)."),
+    correct_threshold: Optional[float] = typer.Option(None, "--correct-threshold", help="With --from: where the format gives no verdict, correct = reward >= this (else null: curation counts the row invalid)."),
 ):
     """Append rollouts from files: one all-or-nothing append per file. With --from, convert another
     framework's dump (docs/importers.md); importing the same file twice adds nothing."""
     from storage.importer import read_rows_file
 
     if from_ is None:
-        if tokenizer or score_model or run_id:
-            fail("--tokenizer, --score-model and --run-id need --from FORMAT")
+        if tokenizer or score_model or run_id or correct_threshold is not None:
+            fail("--tokenizer, --score-model, --run-id and --correct-threshold need --from FORMAT")
         with open_buffer(buffer) as buf:
             for path in files:
                 table = read_rows_file(path)
@@ -133,7 +134,8 @@ def import_(
     codec = load_codec(tokenizer, score_model)
     with open_buffer(buffer) as buf:
         for path in files:
-            res = import_file(buf, path, from_, codec, run_id, compact=compact_entropies)
+            res = import_file(buf, path, from_, codec, run_id, compact=compact_entropies,
+                              correct_threshold=correct_threshold)
             where = f" -> {res.shard.path}" if res.shard is not None else ""
             out.print(f"{path}: {res.rows} new rows, {res.skipped} already present{where}", highlight=False, markup=False)
             if res.lossy:

@@ -247,6 +247,18 @@ def test_nemo_rl(tmp_path, cli, buf, tok_dir):
     assert again.code == 0 and "0 new rows" in again.stdout and len(rows_of(buf)) == 4
 
 
+def test_correct_threshold_makes_imported_groups_curatable(tmp_path, cli, buf, tok_dir):
+    p1 = [1, 5, 14, 5, 18]
+    f = nemo_file(tmp_path, 2, [(p1, [6, EOS], 1.0), (p1, [7, EOS], 0.0)])
+    assert cli("import", buf, f, "--from", "nemo-rl", "--tokenizer", tok_dir, "--correct-threshold", "0.5").code == 0
+    rows = rows_of(buf, "sample_idx")
+    assert [r["correct"] for r in rows] == [True, False] and "reward >= 0.5" in rows[0]["meta"]
+    res = cli("curate", buf, "--recipe", "grpo")
+    assert res.code == 0, res.stderr
+    sel = cli("sql", buf, "SELECT reason, count(*) AS n FROM selections GROUP BY 1", "-f", "json")
+    assert json.loads(sel.stdout) == [{"reason": "selected", "n": 2}]
+
+
 def test_nemo_rl_refusals(tmp_path, cli, buf, tok_dir):
     f = nemo_file(tmp_path, 1, [([1, 5], [6, EOS], 1.0)])
     line = one_error_line(cli("import", buf, f, "--from", "nemo-rl"))

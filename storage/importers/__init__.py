@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import nemorl, primerl, trl, verl
-from .common import ImportRefused, TextCodec, drop_present
+from .common import ImportRefused, TextCodec, derive_correct, drop_present
 
 FORMATS = {
     trl.FORMAT: trl.convert,
@@ -35,11 +35,13 @@ class ImportResult:
 
 
 def import_file(buf, path: str, fmt: str, codec: TextCodec | None, run_id: str | None = None,
-                compact: bool = False) -> ImportResult:
+                compact: bool = False, correct_threshold: float | None = None) -> ImportResult:
     convert = FORMATS.get(fmt)
     if convert is None:
         raise ImportRefused(f"--from {fmt}: unknown format (one of {', '.join(FORMATS)})")
     rows = convert(path, codec, run_id or fmt)
+    if correct_threshold is not None:
+        derive_correct(rows, correct_threshold)
     table = rows.table()
     n_file = table.num_rows
     table, present = drop_present(table, buf.manifest.existing_ids)

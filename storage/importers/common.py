@@ -159,3 +159,13 @@ def sample_idx(gidx: list[int]) -> list[int]:
         out.append(count.get(g, 0))
         count[g] = out[-1] + 1
     return out
+
+
+def derive_correct(rows: Rows, threshold: float) -> None:
+    """Fill the `correct` the format left null with `reward >= threshold` (recorded as lossy).
+    Curation treats a row without a verdict as invalid; most trainers log rewards, not verdicts."""
+    rewards = rows.columns.get("reward", [])
+    given = rows.columns.get("correct") or [None] * len(rewards)
+    if any(c is None for c in given):
+        rows.note(f"correct derived from reward >= {threshold:g} where the format gives no verdict")
+    rows.set("correct", [c if c is not None else bool(r >= threshold) for c, r in zip(given, rewards)])

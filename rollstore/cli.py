@@ -403,6 +403,7 @@ def loop(
     run_id: Optional[str] = typer.Option(None, "--run-id"),
     backend: Optional[str] = typer.Option(None, "--backend"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default 1: see the README)."),
+    learner_ranks: int = typer.Option(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
 
@@ -421,6 +422,12 @@ def loop(
     cfg = LoopConfig(buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
                      eval_ks=(1, eval_samples) if eval_samples else (1,),
                      **{k: v for k, v in given.items() if v is not None})
+    if learner_ranks > 1:
+        from rollstore.loop_ranks import run_loop_with_ranks
+
+        version = run_loop_with_ranks(cfg, learner_ranks, err)
+        out.print(f"{cfg.iterations} iterations; the {learner_ranks}-rank learner published v{version}", highlight=False)
+        return
     run_with_display(cfg, out)
 
 

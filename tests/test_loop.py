@@ -152,3 +152,21 @@ def test_the_demo_settings_learn_by_a_wide_margin(tmp_path, default_tiny):
         assert 0.10 <= sum(accs_) / len(accs_) <= 0.70, (level, sum(accs_) / len(accs_))
     sampled = sql(root, "SELECT step // 6 AS q, avg(coalesce(correct, false)::INT) FROM rollouts GROUP BY q ORDER BY q")
     assert sampled[-1][1] > sampled[0][1] + 0.1, sampled
+
+
+def test_loop_with_a_two_rank_learner(tmp_path, default_tiny):
+    """`rollstore loop --learner-ranks 2`: the generator alternates with a 2-rank DDP learner under
+    torchrun; every curation is trained exactly once, each into the version after its rollouts."""
+    root = str(tmp_path / "ranks")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([BIN, "loop", root, "--model", default_tiny, "--learner-ranks", "2", "--iterations", "3",
+                          "--prompts-per-iter", "16", "-G", "4", "--run-id", "r"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "the 2-rank learner published v3" in res.stdout
+    with Buffer.open(root) as buf:
+        assert [c.version for c in list_checkpoints(buf)] == [1, 2, 3]
+        ledger = consumed_ledger(buf, 3)
+        curated = {s.path for s in buf.snapshot().shards("curated")}
+    assert sorted(e["shard"] for e in ledger) == sorted(curated) and len(ledger) == len(curated) == 3
+    assert sql(root, "SELECT step, max(policy_version) FROM rollouts GROUP BY step ORDER BY step") == [(0, 0), (1, 1), (2, 2)]

@@ -1,0 +1,284 @@
+"""TRL plug-in: record every completion a `trl.GRPOTrainer` generates into a rollstore buffer, and
+optionally let a rollstore recipe curate each generation batch before TRL's loss sees it.
+
+Usage (see docs/trl.md):  `RollstoreGRPOTrainer(..., buffer="buf/", curate="dapo")` in place of
+`GRPOTrainer(...)`. Tested against trl 1.16 (the `trl` extra pins `trl>=1.16,<2`).
+
+Extension points used (no TRL code copied): a subclass overriding
+`GRPOTrainer._calculate_rewards` (to keep the per-function rewards it returns) and
+`GRPOTrainer._generate_and_score_completions` (to read, and under curation rewrite, the batch dict
+it returns). Only training batches are recorded; evaluation batches pass through untouched.
+
+Invariants:
+- One `rollouts` row per completion of a training generation batch, every completion (the ones TRL
+  trains on and the rest), appended as ONE shard per batch with `Buffer.append_rollouts`; rows are
+  built by `rollout.build.build_rollouts`, so ids and groups follow its rules.
+- Groups: TRL's sampler repeats each prompt `num_generations` times consecutively, so rows
+  g*G .. g*G+G-1 of a batch are group g (G = `num_generations`); a batch whose prompts break
+  that rule is refused with one line. `step` = the index of the generation batch in this trainer
+  (0, 1, ...); `policy_version` = TRL's `state.global_step` when the batch was generated.
+- `response_token_ids` run up to and including the first EOS (`finish_reason` "stop"), else the
+  whole completion ("length"); `prompt_token_ids` are TRL's prompt ids without left padding.
+- `old_logprobs`: TRL's `old_per_token_logps` when TRL computed them, else one extra no-grad forward
+  of the current policy through TRL's own `_get_per_token_logps_and_entropies` (tempered as TRL
+  does); `entropies` (behind `record_entropies`, forced on under curation) come from that same
+  forward. `gen_logprobs`: TRL's sampler log-probs (`sampling_per_token_logps`, vLLM) when present,
+  else the old log-probs (the HF generation path samples from these very weights); `meta.gen_logprobs`
+  says which.
+- `reward` = TRL's weighted sum of the reward functions (`reward_weights`, NaN treated as 0, as
+  TRL's logged reward); an unscorable completion (every function returned None) gets reward 0 and
+  `verify_error` "unscorable". `meta.rewards` has one value per reward function (null for None),
+  `meta.trl_advantage` the advantage TRL computed.
+- `correct`: from ONE reward function, the one named by `correct_reward`, or else the first whose
+  attribute `rollstore_correct` is true: correct = (its reward >= `correct_threshold`, default 1.0);
+  null when no such function exists or it returned None. Curation needs it (a row without
+  `correct` is `invalid` in the audit), so `curate` without such a function is refused.
+- Curation (`curate` set): after recording, `curate.run.curate` runs over exactly this batch
+  (`where run_id = ... AND step = ...`, `progress` = global_step / max_steps) and commits its
+  curated rows and audit. TRL's batch then gets: `advantages` = curated advantage x weight (0 for a
+  dropped row), and a loss mask = TRL's mask x the curated `loss_mask` (all zero for a dropped row),
+  carried in TRL's `tool_mask` (a loss-only mask: attention is unchanged). `num_items_in_batch` is
+  recounted over the curated mask. Normalisation is then TRL's own (docs/trl.md): under
+  `loss_type="grpo"`/"sapo"/"luspo"/"dr_grpo" a dropped row still counts in the batch mean;
+  under "bnpo", "dapo", "cispo", "vespo" it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from fractions import Fraction
+
+import numpy as np
+import pyarrow.dataset as ds
+import torch
+
+try:
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("rollstore.trl needs TRL: pip install -e '.[trl]'") from exc
+
+from curate.params import Recipe, load_recipe
+from curate.run import curate as run_curation
+from rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
+from rollout.build import build_rollouts
+from rollout.prompts import Prompt, prompt_hash
+from rollout.reward import Verdict
+from storage.buffer import Buffer
+from storage.errors import RollstoreError
+from storage.snapshot import sql_string
+
+__all__ = ["RollstoreGRPOTrainer", "TRLPluginError"]
+
+SOURCE = "trl"
+
+
+class TRLPluginError(RollstoreError):
+    """The TRL batch cannot be recorded or curated as this module's invariants require."""
+
+
+def _open_buffer(buffer: str | Buffer) -> Buffer:
+    if isinstance(buffer, Buffer):
+        return buffer
+    if os.path.isdir(buffer) and os.listdir(buffer):
+        return Buffer.open(buffer)
+    return Buffer.init(buffer)
+
+
+def _prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else float(x)
+
+
+class RollstoreGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` that records each training generation batch into `buffer` (a path or a `Buffer`)
+    and, with `curate` (a built-in recipe name, a .toml/.sql recipe path, or a `Recipe`), trains on
+    the rollstore-curated batch. `curate_sets`: recipe parameter overrides (not `where`/`progress`).
+    """
+
+    def __init__(
+        self,
+        *args,
+        buffer: str | Buffer,
+        run_id: str | None = None,
+        curate: str | Recipe | None = None,
+        curate_sets: dict | None = None,
+        record_entropies: bool = False,
+        correct_reward: str | None = None,
+        correct_threshold: float = 1.0,
+        gold_column: str = "answer",
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.rollstore_buffer = _open_buffer(buffer)
+        self.rollstore_run_id = run_id or f"trl-{uuid.uuid4().hex[:12]}"
+        self.rollstore_recipe = load_recipe(curate) if isinstance(curate, str) else curate
+        self.rollstore_sets = dict(curate_sets or {})
+        for reserved in ("where", "progress"):
+            if reserved in self.rollstore_sets:
+                raise TRLPluginError(f"curate_sets: {reserved} is set by the TRL plug-in for each batch")
+        self.rollstore_entropies = record_entropies or self.rollstore_recipe is not None
+        self.rollstore_correct_index = self._correct_index(correct_reward)
+        self.rollstore_threshold = float(correct_threshold)
+        if self.rollstore_recipe is not None and self.rollstore_correct_index is None:
+            raise TRLPluginError("curation needs `correct` (rows without it are `invalid`): pass correct_reward=NAME "
+                                 "or mark a reward function with rollstore_correct = True")
+        self.rollstore_gold_column = gold_column
+        self.rollstore_batches = 0
+        self.rollstore_curations: list = []  # CurationResult of each curated batch, in order
+        self._rollstore_rewards = None
+
+    def _correct_index(self, name: str | None) -> int | None:
+        if name is not None:
+            if name not in self.reward_func_names:
+                raise TRLPluginError(f"correct_reward={name!r} is not a reward function ({', '.join(self.reward_func_names)})")
+            return self.reward_func_names.index(name)
+        for i, func in enumerate(self.reward_funcs):
+            if getattr(func, "rollstore_correct", False):
+                return i
+        return None
+
+    # -- TRL extension points -------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rollstore_rewards = rewards.detach().float().cpu()
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return output
+        if self.accelerator.num_processes != 1:
+            raise TRLPluginError("the rollstore TRL plug-in records single-process runs only")
+        step = self.rollstore_batches
+        lengths = self._record(inputs, output, step)
+        self.rollstore_batches += 1
+        if self.rollstore_recipe is not None:
+            self._apply_curation(output, step, lengths)
+        return output
+
+    # -- recording --------------------------------------------------------------------------------
+
+    def _forward_scores(self, output) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, ent, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, output["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size, compute_entropy=self.rollstore_entropies,
+            )
+        return logps, ent
+
+    def _lengths(self, completion_ids: torch.Tensor) -> tuple[list[int], list[str]]:
+        eos = set(int(e) for e in self.eos_token_ids)
+        lengths, finish = [], []
+        for row in completion_ids.tolist():
+            cut = next((t + 1 for t, tok in enumerate(row) if tok in eos), None)
+            lengths.append(len(row) if cut is None else cut)
+            finish.append(FINISH_LENGTH if cut is None else FINISH_STOP)
+        return lengths, finish
+
+    def _record(self, inputs, output, step: int) -> list[int]:
+        G = self.num_generations
+        B = output["completion_ids"].size(0)
+        if B % G:
+            raise TRLPluginError(f"batch of {B} completions is not whole groups of num_generations={G}")
+        texts = [_prompt_text(x["prompt"]) for x in inputs]
+        for g in range(B // G):
+            if len(set(texts[g * G:(g + 1) * G])) != 1:
+                raise TRLPluginError(f"rows {g * G}..{g * G + G - 1} of the batch are not one prompt's group")
+        lengths, finish = self._lengths(output["completion_ids"])
+        own_logps, entropies = None, None
+        if "old_per_token_logps" not in output or self.rollstore_entropies:
+            own_logps, entropies = self._forward_scores(output)
+        old = output.get("old_per_token_logps")
+        old = (own_logps if old is None else old).float().cpu().numpy()
+        sampled = output.get("sampling_per_token_logps")
+        gen_source = "sampler" if sampled is not None else "old_logprobs"
+        gen = old if sampled is None else sampled.float().cpu().numpy()
+        ent = None if entropies is None else entropies.float().cpu().numpy()
+        p_ids = output["prompt_ids"].cpu()
+        p_mask = output["prompt_mask"].cpu().bool()
+        c_ids = output["completion_ids"].cpu()
+        per_func = self._rollstore_rewards
+        if per_func is None or per_func.shape[0] != B:
+            raise TRLPluginError("TRL's per-function rewards were not seen for this batch")
+        weights = self.reward_weights.float().cpu()
+        summed = torch.nan_to_num(per_func * weights.unsqueeze(0), nan=0.0).sum(dim=1)
+        unscorable = torch.isnan(per_func).all(dim=1)
+        advantages = output["advantages"].float().cpu()
+
+        prompts, gens, verdicts, olds, ents, metas = [], [], [], [], [], []
+        for g in range(B // G):
+            x = inputs[g * G]
+            gold = x.get(self.rollstore_gold_column)
+            prompts.append(Prompt(prompt_hash(texts[g * G]), texts[g * G], None if gold is None else str(gold), SOURCE))
+            gens.append([]), verdicts.append([]), olds.append([]), ents.append([])
+            for i in range(g * G, (g + 1) * G):
+                n = lengths[i]
+                resp = c_ids[i, :n].tolist()
+                gens[-1].append(Generation(
+                    prompt_token_ids=p_ids[i][p_mask[i]].tolist(), response_token_ids=resp,
+                    text=self.processing_class.decode(resp, skip_special_tokens=True) if hasattr(self.processing_class, "decode") else "",
+                    gen_logprobs=gen[i, :n].astype(np.float32), finish_reason=finish[i]))
+                olds[-1].append(old[i, :n].astype(np.float32))
+                ents[-1].append(None if ent is None else ent[i, :n].astype(np.float32))
+                correct = None
+                if self.rollstore_correct_index is not None:
+                    r = float(per_func[i, self.rollstore_correct_index])
+                    correct = None if math.isnan(r) else r >= self.rollstore_threshold
+                verdicts[-1].append(Verdict(correct, 0.0 if unscorable[i] else float(summed[i]),
+                                            "unscorable" if unscorable[i] else None))
+                metas.append(json.dumps({
+                    "rewards": {name: _finite(float(per_func[i, k])) for k, name in enumerate(self.reward_func_names)},
+                    "trl_advantage": float(advantages[i]),
+                    "gen_logprobs": gen_source,
+                    "trl_global_step": int(self.state.global_step),
+                }, sort_keys=True))
+        table = build_rollouts(prompts, gens, verdicts, run_id=self.rollstore_run_id, step=step,
+                               policy_version=int(self.state.global_step), old_logprobs=olds,
+                               entropies=ents if ent is not None else None)
+        import pyarrow as pa
+
+        table = table.set_column(table.schema.get_field_index("meta"), table.schema.field("meta"), pa.array(metas, pa.string()))
+        self.rollstore_buffer.append_rollouts(table, source=f"trl:{self.rollstore_run_id}:batch{step}")
+        self._rollstore_ids = table.column("rollout_id").to_pylist()
+        self._rollstore_rewards = None
+        return lengths
+
+    # -- curation ---------------------------------------------------------------------------------
+
+    def _apply_curation(self, output, step: int, lengths: list[int]) -> None:
+        max_steps = max(int(self.state.max_steps or 0), 1)
+        progress = Fraction(min(int(self.state.global_step), max_steps), max_steps)
+        sets = dict(self.rollstore_sets)
+        sets["where"] = f"run_id = {sql_string(self.rollstore_run_id)} AND step = {step}"
+        sets["progress"] = progress
+        result = run_curation(self.rollstore_buffer, self.rollstore_recipe, sets)
+        self.rollstore_curations.append(result)
+        with self.rollstore_buffer.snapshot() as snap:
+            curated = snap.arrow("curated").to_table(
+                filter=ds.field("curation_id") == result.curation_id,
+                columns=["rollout_id", "advantage", "weight", "loss_mask"]).to_pylist()
+        index = {rid: i for i, rid in enumerate(self._rollstore_ids)}
+        advantages = torch.zeros_like(output["advantages"])
+        keep = torch.zeros_like(output["completion_mask"])
+        for row in curated:
+            i = index.get(row["rollout_id"])
+            if i is None:
+                raise TRLPluginError(f"curation {result.curation_id} returned {row['rollout_id']}, not of this batch")
+            if len(row["loss_mask"]) != lengths[i]:
+                raise TRLPluginError(f"{row['rollout_id']}: curated loss_mask has {len(row['loss_mask'])} tokens, completion {lengths[i]}")
+            advantages[i] = float(row["advantage"]) * float(row["weight"])
+            keep[i, : lengths[i]] = torch.tensor(row["loss_mask"], dtype=keep.dtype)
+        output["advantages"] = advantages
+        tool_mask = output.get("tool_mask")
+        output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
+        loss_mask = output["completion_mask"] * output["tool_mask"]
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()

@@ -1,0 +1,163 @@
+"""The TRL plug-in (rollstore/trl.py) with a real `trl.GRPOTrainer` on the untrained tiny Llama, CPU.
+
+Rewards are test-controlled functions of the completion, so group variance is known: the prompt
+"1+1=" gets a constant reward (a zero-variance group), the others a reward that depends on the
+completion's length parity (groups with variance, almost surely).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("trl", reason="the TRL plug-in needs the optional extra: pip install -e '.[trl]'")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from rollout_helpers import untrained_tiny  # noqa: E402,F401
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from rollout.arith import train_prompts  # noqa: E402
+from rollstore.cli import app  # noqa: E402
+from rollstore.trl import RollstoreGRPOTrainer  # noqa: E402
+from storage.buffer import Buffer  # noqa: E402
+
+G = 4
+CONSTANT = "1+1="
+
+
+def parity(completions, completion_ids, prompts, **kw):
+    """1 for an even-length completion; 1 for every completion of the constant prompt."""
+    return [1.0 if p == CONSTANT else float(len(c) % 2 == 0) for p, c in zip(prompts, completion_ids)]
+
+
+parity.rollstore_correct = True
+
+
+def scaled(completions, completion_ids, prompts, **kw):
+    """A second reward function: a length-dependent reward scaled large, 0 on the constant prompt."""
+    return [0.0 if p == CONSTANT else 1000.0 * len(c) for p, c in zip(prompts, completion_ids)]
+
+
+def dataset():
+    texts = [CONSTANT] + [p.prompt for p in train_prompts(3, seed=1)]
+    return Dataset.from_list([{"prompt": t, "answer": str(i)} for i, t in enumerate(texts)])
+
+
+def config(out, steps=2, **kw):
+    return GRPOConfig(
+        output_dir=str(out), num_generations=G, per_device_train_batch_size=2 * G, max_completion_length=6,
+        max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, seed=0, temperature=1.0, dataloader_num_workers=0, disable_tqdm=True, **kw)
+
+
+def make(cls, model_dir, out, funcs, steps=2, **extra):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    cfg_kw = extra.pop("cfg", {})
+    return cls(model=model, reward_funcs=funcs, args=config(out, steps, **cfg_kw), train_dataset=dataset(),
+               processing_class=tok, **extra)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def rollouts(buf_dir):
+    with Buffer.open(buf_dir) as buf, buf.snapshot() as snap:
+        return snap.arrow("rollouts").to_table().to_pylist()
+
+
+def test_recorder_rows_groups_versions(untrained_tiny, tmp_path):  # noqa: F811
+    buf = str(tmp_path / "buf")
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [parity, scaled], steps=2,
+              buffer=buf, run_id="run", record_entropies=True)
+    tr.train()
+    rows = rollouts(buf)
+    assert len(rows) == 2 * 2 * G  # two generation batches of 2 prompts x G completions
+    for r in rows:
+        assert len(r["gen_logprobs"]) == len(r["old_logprobs"]) == len(r["entropies"]) == len(r["response_token_ids"])
+        meta = json.loads(r["meta"])
+        assert set(meta["rewards"]) == {"parity", "scaled"}
+        assert r["reward"] == pytest.approx(meta["rewards"]["parity"] + meta["rewards"]["scaled"])
+        assert r["correct"] == (meta["rewards"]["parity"] >= 1.0)
+        assert r["policy_version"] == r["step"]  # one generation batch per optimizer step here
+        assert isinstance(meta["trl_advantage"], float)
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    assert len(groups) == 4 and all(len(g) == G for g in groups.values())
+    for g in groups.values():
+        assert len({r["prompt"] for r in g}) == 1 and sorted(r["sample_idx"] for r in g) == list(range(G))
+        assert len({r["step"] for r in g}) == 1
+    assert {r["policy_version"] for r in rows} == {0, 1}
+
+
+
+def first_loss(cls, model_dir, out, funcs, **extra):
+    tr = make(cls, model_dir, out, funcs, steps=1, **extra)
+    tr.train()
+    return tr, tr.state.log_history[0]["loss"]
+
+
+def test_grpo_recipe_matches_vanilla_loss(untrained_tiny, tmp_path):  # noqa: F811
+    _, vanilla = first_loss(GRPOTrainer, untrained_tiny, tmp_path / "v", [parity, scaled])
+    tr, curated = first_loss(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "c", [parity, scaled],
+                             buffer=str(tmp_path / "buf"), curate="grpo")
+    print(f"vanilla {vanilla!r} curated {curated!r} diff {abs(vanilla - curated):.3e}")
+    assert abs(vanilla - curated) <= 1e-6
+
+
+def test_dapo_drops_zero_variance_groups(untrained_tiny, tmp_path):  # noqa: F811
+    buf = str(tmp_path / "buf")
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [parity], steps=1,
+              buffer=buf, run_id="dapo", curate="dapo")
+    seen = {}
+    original = tr._compute_loss
+
+    def spy(model, inputs):
+        seen["inputs"] = inputs
+        return original(model, inputs)
+
+    tr._compute_loss = spy
+    tr.train()
+    rows = rollouts(buf)
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault(r["group_id"], []).append(r)
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        sel = snap.arrow("selections").to_table().to_pylist()
+    reasons = {s["rollout_id"]: (s["selected"], s["reason"]) for s in sel}
+    assert set(reasons) == {r["rollout_id"] for r in rows}
+    for gid, g in by_prompt.items():
+        zero_var = len({r["correct"] for r in g}) == 1
+        for r in g:
+            selected, reason = reasons[r["rollout_id"]]
+            assert selected == (not zero_var), (gid, reason)
+            if zero_var:
+                assert reason != "selected" and reason
+    assert any(len({r["correct"] for r in g}) == 1 for g in by_prompt.values())  # the constant prompt
+    inputs = seen["inputs"]
+    mask = inputs["completion_mask"] * inputs["tool_mask"]
+    # the rows whose whole loss mask is zero are exactly the dropped ones, and have zero advantage
+    dropped = (mask.sum(-1) == 0)
+    assert dropped.any()
+    assert torch.all(inputs["advantages"][dropped] == 0)
+
+    # `rollstore audit` and `rollstore report` on the buffer TRL filled
+    runner = CliRunner()
+    res = runner.invoke(app, ["audit", buf])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["report", buf, "--out", str(tmp_path / "report.html")])
+    assert res.exit_code == 0, res.output
+    assert os.path.getsize(tmp_path / "report.html") > 0

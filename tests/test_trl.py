@@ -161,3 +161,52 @@ def test_dapo_drops_zero_variance_groups(untrained_tiny, tmp_path):  # noqa: F81
     res = runner.invoke(app, ["report", buf, "--out", str(tmp_path / "report.html")])
     assert res.exit_code == 0, res.output
     assert os.path.getsize(tmp_path / "report.html") > 0
+
+
+def _grads(tr, inputs):
+    tr.model.zero_grad()
+    tr._compute_loss(tr.model, inputs).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in tr.model.parameters()]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_dapo_dropped_rows_contribute_zero_gradient(untrained_tiny, tmp_path, loss_type):  # noqa: F811
+    """Dropped rows add nothing to the gradient. Under loss_type dapo (token sum / kept tokens) the
+    curated batch's gradient equals its kept rows' alone; under loss_type grpo (mean over rows) a
+    dropped row still counts in the mean, so it is the kept rows' gradient x kept / batch rows."""
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [parity], steps=1,
+              buffer=str(tmp_path / "buf"), curate="dapo", cfg={"loss_type": loss_type})
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1  # set by Trainer.train(); this test calls the loss directly
+    rows = dataset().to_list()[:2]  # the constant prompt (zero variance) and one with variance
+    batch = tr._generate_and_score_completions([r for r in rows for _ in range(G)])
+    kept = (batch["completion_mask"] * batch["tool_mask"]).sum(-1) > 0
+    assert 0 < int(kept.sum()) < kept.numel()
+    sliced = {k: (v[kept] if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == kept.numel() else v)
+              for k, v in batch.items()}
+    full, only_kept = _grads(tr, batch), _grads(tr, sliced)
+    scale = 1.0 if loss_type == "dapo" else int(kept.sum()) / kept.numel()
+    assert max(float((a - scale * b).abs().max()) for a, b in zip(full, only_kept)) <= 1e-6
+    assert any(float(a.abs().max()) > 0 for a in full)
+
+
+def test_d3s_curation_records_entropies_and_masks_tokens(untrained_tiny, tmp_path):  # noqa: F811
+    buf = str(tmp_path / "buf")
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [parity], steps=2,
+              buffer=buf, run_id="d3s", curate="d3s")
+    tr.train()
+    rows = rollouts(buf)
+    assert len(rows) == 2 * 2 * G and all(r["entropies"] is not None for r in rows)
+    assert len(tr.rollstore_curations) == 2
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        sel = snap.arrow("selections").to_table().to_pylist()
+        curated = snap.arrow("curated").to_table().to_pylist()
+    assert len(sel) == len(rows) and all(s["reason"] for s in sel)
+    assert curated and any(any(m) and not all(m) for m in (c["loss_mask"] for c in curated))  # top-|A|*H tokens
+
+
+def test_curate_without_a_correct_function_is_refused(untrained_tiny, tmp_path):  # noqa: F811
+    from rollstore.trl import TRLPluginError
+
+    with pytest.raises(TRLPluginError, match="curation needs `correct`"):
+        make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [scaled], buffer=str(tmp_path / "b"), curate="dapo")

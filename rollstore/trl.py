@@ -52,6 +52,7 @@ import uuid
 from fractions import Fraction
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as ds
 import torch
 
@@ -244,8 +245,6 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         table = build_rollouts(prompts, gens, verdicts, run_id=self.rollstore_run_id, step=step,
                                policy_version=int(self.state.global_step), old_logprobs=olds,
                                entropies=ents if ent is not None else None)
-        import pyarrow as pa
-
         table = table.set_column(table.schema.get_field_index("meta"), table.schema.field("meta"), pa.array(metas, pa.string()))
         self.rollstore_buffer.append_rollouts(table, source=f"trl:{self.rollstore_run_id}:batch{step}")
         self._rollstore_ids = table.column("rollout_id").to_pylist()

@@ -145,7 +145,7 @@ def test_dapo_drops_zero_variance_groups(untrained_tiny, tmp_path):  # noqa: F81
             selected, reason = reasons[r["rollout_id"]]
             assert selected == (not zero_var), (gid, reason)
             if zero_var:
-                assert reason != "selected" and reason
+                assert reason == "zero_variance", (gid, reason)
     assert any(len({r["correct"] for r in g}) == 1 for g in by_prompt.values())  # the constant prompt
     inputs = seen["inputs"]
     mask = inputs["completion_mask"] * inputs["tool_mask"]

@@ -81,6 +81,7 @@ class Part:
     key: str | None = None
     subdir: str | None = None  # under the table's directory, e.g. the curation id
     name: str | None = None  # file stem; a fresh unique one when None
+    metadata: dict[str, str] | None = None  # extra key-value metadata of the Parquet file
 
     def relpath(self) -> str:
         folder = TABLE_DIRS[self.table_name]
@@ -171,6 +172,8 @@ class Buffer:
                 else:
                     schema = TABLES[part.table_name]
                     table = part.table.select(schema.names).cast(schema)
+                    if part.metadata:
+                        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
                     rel = part.relpath()
                     nbytes, digest = publish_file(table, self.root, rel, is_orphan)
                     written.append(
@@ -194,9 +197,12 @@ class Buffer:
         return seq, self.manifest.shards_by_id(ids)
 
     def append_rollouts(
-        self, table: pa.Table, source: str = "<memory>", compact: bool = False
+        self, table: pa.Table, source: str = "<memory>", compact: bool = False,
+        metadata: dict[str, str] | None = None,
     ) -> Shard:
-        """Validate and append one table of rollouts as one shard (all or nothing)."""
+        """Validate and append one table of rollouts as one shard (all or nothing). `metadata`:
+        extra key-value metadata written into the shard's Parquet footer (e.g. an import's lossy
+        conversions)."""
         table = validate_rollouts(table, source, self.manifest.existing_ids)
         if compact:
             table = compact_entropies(table)
@@ -215,7 +221,7 @@ class Buffer:
                 rid = next(r for r, g in zip(rids, gids) if g in groups)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
-        _, shards = self.commit([Part("rollouts", table)], "append", {"source": source}, register)
+        _, shards = self.commit([Part("rollouts", table, metadata=metadata)], "append", {"source": source}, register)
         return shards[0]
 
     def append(self, table_name: str, table: pa.Table, key: str | None = None) -> Shard:

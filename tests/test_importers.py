@@ -55,6 +55,18 @@ def rows_of(root: str, order: str = "step, group_id, sample_idx") -> list[dict]:
         return con.sql(f"SELECT * FROM rollouts ORDER BY {order}").to_arrow_table().to_pylist()
 
 
+def shard_notes(root: str) -> list[dict]:
+    """The `rollstore.import` key-value metadata of each rollouts shard's Parquet file, read with
+    plain pyarrow (manifest order)."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    with Buffer.open(root) as b:
+        paths = [os.path.join(root, s.path) for s in b.manifest.shards("rollouts")]
+    return [json.loads(pq.read_schema(p).metadata[b"rollstore.import"]) for p in paths]
+
+
 def one_error_line(res) -> str:
     assert res.code != 0, (res.stdout, res.stderr)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
@@ -95,6 +107,13 @@ def test_trl_completions(tmp_path, cli, buf, tok_dir, model_dir):
     assert meta["rewards"] == {"correctness_reward": 1.0, "format_reward": 0.5}
     assert any("retokenised" in x for x in meta["import"]["lossy"])
     assert any("duplicated rows dropped" in x for x in meta["import"]["lossy"])
+    # the shard's Parquet footer carries the same list, one shard per file
+    notes = shard_notes(buf)
+    assert [(n["format"], n["file"], n["rows"]) for n in notes] == [
+        ("trl-completions", "completions_00010.parquet", 2), ("trl-completions", "completions_00020.parquet", 2)]
+    by_file = {r["step"]: json.loads(r["meta"])["import"]["lossy"] for r in rows}
+    assert [n["lossy"] for n in notes] == [by_file[10], by_file[20]]
+    assert all(any("group rebuilt from order" in x for x in n["lossy"]) for n in notes)
     # idempotent
     again = cli("import", buf, f1, f2, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert again.code == 0 and "0 new rows" in again.stdout
@@ -253,6 +272,9 @@ def test_correct_threshold_makes_imported_groups_curatable(tmp_path, cli, buf, t
     assert cli("import", buf, f, "--from", "nemo-rl", "--tokenizer", tok_dir, "--correct-threshold", "0.5").code == 0
     rows = rows_of(buf, "sample_idx")
     assert [r["correct"] for r in rows] == [True, False] and "reward >= 0.5" in rows[0]["meta"]
+    (note,) = shard_notes(buf)
+    assert note["format"] == "nemo-rl" and note["lossy"] == json.loads(rows[0]["meta"])["import"]["lossy"]
+    assert any("reward >= 0.5" in x for x in note["lossy"])
     res = cli("curate", buf, "--recipe", "grpo")
     assert res.code == 0, res.stderr
     sel = cli("sql", buf, "SELECT reason, count(*) AS n FROM selections GROUP BY 1", "-f", "json")

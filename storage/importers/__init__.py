@@ -8,11 +8,15 @@ Invariants:
 - Rollout ids are content hashes: rows already in the buffer are dropped before the append, so
   importing the same file twice adds nothing (the second import reports 0 new rows).
 - What a conversion had to guess (retokenised text, groups rebuilt from order, ...) is written into
-  every row's `meta` (`meta.import.lossy`) and returned to the caller.
+  every row's `meta` (`meta.import.lossy`), into the shard's Parquet key-value metadata (key
+  `rollstore.import`: JSON {"format", "file", "rows", "lossy"}), and returned to the caller.
+  `rollstore compact` merges shards into new files without that key; the per-row copy stays.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 from . import nemorl, primerl, trl, verl
@@ -24,6 +28,8 @@ FORMATS = {
     primerl.FORMAT: primerl.convert,
     nemorl.FORMAT: nemorl.convert,
 }
+
+METADATA_KEY = "rollstore.import"  # the Parquet key-value metadata an imported shard carries
 
 
 @dataclass
@@ -47,5 +53,7 @@ def import_file(buf, path: str, fmt: str, codec: TextCodec | None, run_id: str |
     table, present = drop_present(table, buf.manifest.existing_ids)
     if table.num_rows == 0:
         return ImportResult(0, present, None, rows.lossy)
-    shard = buf.append_rollouts(table, source=path, compact=compact)
+    note = {"format": fmt, "file": os.path.basename(path), "rows": table.num_rows, "lossy": list(rows.lossy)}
+    shard = buf.append_rollouts(table, source=path, compact=compact,
+                                metadata={METADATA_KEY: json.dumps(note, sort_keys=True, ensure_ascii=False)})
     return ImportResult(shard.rows, n_file - shard.rows, shard, rows.lossy)

@@ -201,17 +201,10 @@ def _write_dir(
     fsync_dir(os.path.dirname(tmp))
 
 
-def _live_checkpoint_rows(con: sqlite3.Connection, root: str, exclude: list[int]) -> list[dict]:
+def _live_checkpoint_rows(buf: Buffer, con: sqlite3.Connection, exclude: list[int]) -> list[dict]:
     skip = set(exclude)
-    files = [
-        os.path.join(root, path)
-        for shard_id, path in con.execute(
-            "SELECT shard_id, path FROM shards WHERE table_name = 'checkpoints' AND removed_seq IS NULL "
-            "ORDER BY shard_id"
-        )
-        if shard_id not in skip
-    ]
-    return _rows_from_files(files)
+    return _rows_from_files([os.path.join(buf.root, path) for shard_id, path in buf.manifest.live_paths("checkpoints", con)
+                             if shard_id not in skip])
 
 
 def save_checkpoint(
@@ -264,7 +257,7 @@ def save_checkpoint(
     def publish(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
-        others = _live_checkpoint_rows(con, buf.root, ids)
+        others = _live_checkpoint_rows(buf, con, ids)
         if any(int(r["version"]) == version for r in others):
             raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
         taken = {
@@ -280,7 +273,7 @@ def save_checkpoint(
                 f"v{taken[dup[0]]} of run {run_id!r}"
             )
         if lease is not None:
-            _ack_in_transaction(con, shards, *lease, now.timestamp())
+            _ack_in_transaction(buf, con, shards, *lease, now.timestamp())
         if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)
             aside = os.path.join(buf.root, "tmp", f"orphan-{uuid.uuid4().hex}")
             os.rename(final, aside)
@@ -302,15 +295,11 @@ def save_checkpoint(
     )
 
 
-def _ack_in_transaction(con: sqlite3.Connection, shards: list[str], consumer: str, group: str, now: float) -> None:
-    for path in shards:
-        cur = con.execute(
-            "UPDATE leases SET acked_at = ? WHERE consumer_group = ? AND consumer = ? AND acked_at IS NULL "
-            "AND shard_id = (SELECT shard_id FROM shards WHERE path = ?)",
-            (now, group, consumer, path),
-        )
-        if cur.rowcount != 1:
-            raise CheckpointError(f"lease on {path} is not held by {consumer!r} (group {group!r}); nothing published")
+def _ack_in_transaction(buf: Buffer, con: sqlite3.Connection, shards: list[str], consumer: str, group: str,
+                        now: float) -> None:
+    missing = buf.manifest.ack_paths(con, shards, consumer, group, now)
+    if missing:
+        raise CheckpointError(f"lease on {missing[0]} is not held by {consumer!r} (group {group!r}); nothing published")
 
 
 def append_training_metrics(buf: Buffer, rows: Sequence[dict]):

@@ -165,6 +165,33 @@ class Manifest:
         sql += " ORDER BY added_seq, shard_id"
         return [Shard(*row) for row in self.con.execute(sql, args)]
 
+    def live_key_count(self, table: str, key: str, con: sqlite3.Connection | None = None) -> int:
+        """Live shards of `table` under `key` (e.g. a curation's record), read inside `con` when given."""
+        return int((con or self.con).execute(
+            "SELECT count(*) FROM shards WHERE table_name = ? AND key = ? AND removed_seq IS NULL", (table, key),
+        ).fetchone()[0])
+
+    def live_paths(self, table: str, con: sqlite3.Connection | None = None) -> list[tuple[int, str]]:
+        """(shard_id, path) of the live shards of `table`, in shard order, read inside `con` when given."""
+        return [(int(i), str(p)) for i, p in (con or self.con).execute(
+            "SELECT shard_id, path FROM shards WHERE table_name = ? AND removed_seq IS NULL ORDER BY shard_id",
+            (table,),
+        )]
+
+    def ack_paths(self, con: sqlite3.Connection, paths: list[str], consumer: str, group: str, now: float) -> list[str]:
+        """Inside the transaction `con`: ack the open leases of `consumer` (in `group`) on the shards at
+        `paths`; returns the paths whose lease `consumer` did not hold (nothing is acked for them)."""
+        missing = []
+        for path in paths:
+            cur = con.execute(
+                "UPDATE leases SET acked_at = ? WHERE consumer_group = ? AND consumer = ? AND acked_at IS NULL "
+                "AND shard_id = (SELECT shard_id FROM shards WHERE path = ?)",
+                (now, group, consumer, path),
+            )
+            if cur.rowcount != 1:
+                missing.append(path)
+        return missing
+
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         rows = {r[0]: Shard(*r) for r in self.con.execute(
             f"SELECT {_SHARD_COLS} FROM shards WHERE shard_id IN ({','.join('?' * len(ids))})", ids)}

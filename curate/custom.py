@@ -16,16 +16,10 @@ import math
 
 import pyarrow as pa
 
+from queries import load_sql
 from queries.session import Session
 from storage.errors import RollstoreError
 
-CANDIDATES_VIEW = """
-CREATE OR REPLACE TEMP VIEW candidates AS
-SELECT r.*, w.group_size, w.group_accuracy, w.difficulty, w.advantage_raw,
-       w.advantage_final AS advantage
-FROM work w JOIN rollouts r USING (rollout_id)
-WHERE w.reason IS NULL
-"""
 
 
 class CustomRecipeError(RollstoreError):
@@ -41,14 +35,11 @@ def _as_f32(col) -> list:
     return col.cast(pa.float64()).cast(pa.float32(), safe=False).cast(pa.float64()).to_pylist()
 
 
-def apply_custom_recipe(session: Session, stages, sql: str) -> int:
-    """Run the user's SELECT, validate it, and record its choice in `work`. Returns rows selected."""
-    session.execute(CANDIDATES_VIEW)
-    statements = session.check_user_sql(sql)
-    if len(statements) != 1:
-        raise CustomRecipeError("custom recipe: the SQL file must hold exactly one SELECT statement")
-    stages.text.append(statements[0])
-    result: pa.Table = session.run_user_sql(statements[0], timeout=None)
+def apply_custom_recipe(session: Session, statement: str) -> int:
+    """Run the user's SELECT (one statement, checked by the sandbox), validate its result, and
+    record its choice in `work`. Returns rows selected."""
+    session.execute(load_sql("curate_custom_candidates"))
+    result: pa.Table = session.run_user_sql(statement, timeout=None)
     cols = result.column_names
     for need in ("rollout_id", "advantage"):
         if need not in cols:
@@ -77,15 +68,6 @@ def apply_custom_recipe(session: Session, stages, sql: str) -> int:
         "wt": pa.array(weights, pa.float64()).cast(pa.float32()),
     })
     session.con.register("custom_choice", chosen)
-    session.execute(
-        "CREATE OR REPLACE TEMP TABLE work AS "
-        "SELECT w.* EXCLUDE (reason, selected, advantage_final, weight), "
-        "CASE WHEN w.reason IS NOT NULL THEN w.reason WHEN c.rollout_id IS NOT NULL THEN 'selected' "
-        "ELSE 'not_selected' END AS reason, "
-        "c.rollout_id IS NOT NULL AS selected, "
-        "CASE WHEN c.rollout_id IS NOT NULL THEN c.adv ELSE w.advantage_final END AS advantage_final, "
-        "coalesce(c.wt, w.weight) AS weight "
-        "FROM work w LEFT JOIN custom_choice c USING (rollout_id)"
-    )
+    session.execute(load_sql("curate_custom_apply"))
     session.con.unregister("custom_choice")
     return len(ids)

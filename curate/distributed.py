@@ -1,26 +1,30 @@
-"""Curation on dask.distributed, with the embedded engine's stages, SQL and bytes.
+"""Curation on dask.distributed: the embedded engine's plan, SQL and bytes.
 
 Invariants:
-- A partition holds whole prompts: batch rows go to partition md5(prompt_id) mod P. So it holds
-  whole groups (a group's rows share one prompt, checked at append) and the whole difficulty
-  history of its prompts. The group-local stages (statistics, advantages, filter, difficulty,
-  amplification, in-group and PODS selection) run inside the partition with the embedded engine's
-  own stage helpers (`curate.run`) and the client's SQL text, shipped with every task.
-- Global decisions are exact merges, never approximations: μ and the per-prompt history from
-  integer counts; the cross-group max-variance subset by the same select SQL over every pool row's
-  (rollout_id, advantage_final), gathered on the client; the token threshold from the per-shard
-  histograms of the monotone score bucket, summed, then the head of the one bucket that holds the
-  K-th token; the record's numbers by the record SQL over all candidates' narrow rows in one task.
-- Curated shards are materialised per input shard and cut into exactly the embedded engine's
-  parts (one task per output shard, so materialisation runs as wide as there are output shards),
-  with the client's row-group sizing (its core count), so the worker's host does not change the
-  bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<run>/. Nothing is
-  visible until the client links every file into place and commits them with the record in ONE
-  `Buffer.commit`. On any failure (a lost worker past Dask's retries, an interrupt, an error) the
-  run folder is removed and nothing is committed. Tasks are pure functions of their inputs, so a
-  task that Dask reruns after losing a worker gives the same rows and bytes.
-- The curation id hashes `stage_texts`, like the embedded engine: the engine is not part of the
-  result, and a curation run on either engine is idempotent with the other.
+- The client builds the plan (`curate.plan`) and ships it with every task: workers run the
+  client's SQL text, step by step, in the plan's order. This module adds only the merges of the
+  GLOBAL steps and the placement of the others:
+  - ROW steps of the candidates phase and PROMPT steps (the difficulty history) run per input
+    shard; their rows go to partition md5(prompt_id) mod P, so a partition holds whole prompts,
+    hence whole groups (a group's rows share one prompt, checked at append) and the whole history
+    of its prompts (per-prompt counts add up exactly);
+  - GROUP and ROW steps then run inside each partition until a GLOBAL step, whose merge is exact:
+    μ from integer counts (`curate.run.mu_of`); the cross-group max-variance subset by the same
+    select step over every pool row, run on the client, its `picked` rows sent back by partition;
+  - the record's steps and the audit run over every candidate's narrow row in one task;
+  - token steps run per input shard holding a selected row: the entropies are read once and kept
+    (as the worker's Arrow table) for the threshold's second pass, the kept counts and the
+    materialisation; the threshold merges summed histograms, then the bucket's heads
+    (`curate.tokens`);
+  - curated shards are cut exactly as the embedded engine cuts them (`output.part_layout`), one
+    task per output shard, with the client's row-group sizing, so the worker's host does not
+    change the bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<run>/.
+- Nothing is visible until the client links every file into place and commits them with the
+  record in ONE `Buffer.commit`. On any failure (a lost worker past Dask's retries, an interrupt,
+  an error) the run folder is removed and nothing is committed. Tasks are pure functions of their
+  inputs, so a task that Dask reruns after losing a worker gives the same rows and bytes.
+- The curation id is the plan's (`Plan.curation_id`): a curation run on either engine is
+  idempotent with the other.
 - Workers never open the manifest (SQLite wants one host): they read the pinned snapshot's file
   list, and the buffer must be on storage every worker reads at the same path.
 """
@@ -35,7 +39,6 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
-from importlib import resources
 
 import duckdb
 import pyarrow as pa
@@ -48,46 +51,33 @@ from storage.schema import CURATED, CURATIONS, SELECTIONS, TABLES
 from storage.shardio import READ_THREADS, write_tmp
 from storage.snapshot import SnapshotFiles, sql_string
 
-from .params import ParamError, Params, Recipe, resolve, token_budget
-from .run import (
-    CURATION_INPUTS,
-    HISTOGRAM,
-    MISSING_ENTROPIES,
-    TOKEN_ORDER,
-    CurationError,
+from .output import (
     CurationResult,
-    _score_expr,
-    _Stages,
-    _substitute,
     already_committed,
-    batch_accuracy,
-    batch_mu,
-    curated_rows_per_shard,
+    audit_path,
     curated_table,
-    curation_id_for,
-    kept_counts_table,
-    mask_parameters,
-    materialise_shard,
-    missing_entropies_error,
     new_record,
-    pick_bucket,
+    part_layout,
+    part_name,
     publish,
-    run_summary,
-    stage_amplify,
-    stage_apply,
-    stage_groups,
-    stage_params,
-    stage_select,
-    stage_texts,
-    texts_sha256,
+    rows_per_shard,
+    sorted_by_rollout,
+    summarise,
 )
+from .params import CurationError, ParamError, Params, Recipe, resolve, token_budget
+from .plan import GLOBAL, PROMPT, Plan, Step, build
+from .run import CURATION_INPUTS, mu_of
+from .steps import Runner, latest_checkpoint, latest_policy, latest_step, parquet, with_defaults
+from .tokens import mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
 
 NO_SELECTIONS = ("(SELECT NULL::VARCHAR AS rollout_id, NULL::VARCHAR AS curation_id, "
                  "NULL::BOOLEAN AS selected WHERE false)")
 HISTORY_MERGE = ("SELECT prompt_id, sum(n)::BIGINT AS n, sum(k)::BIGINT AS k "
                  "FROM history_parts GROUP BY prompt_id")
-DECISIONS = ("SELECT shard, rollout_id, selected, advantage_final, weight FROM work WHERE selected "
-             "ORDER BY shard, rollout_id")
+DECISIONS = ("SELECT shard, rollout_id, selected, advantage_final, weight, tokens_total FROM work "
+             "WHERE selected ORDER BY shard, rollout_id")
+POOL = "SELECT rollout_id, reason, advantage_final, part FROM work WHERE reason IS NULL"
+SELECTION_PHASES = ("groups", "difficulty", "amplify", "select", "apply")
 
 
 def require_dask():
@@ -103,9 +93,8 @@ def require_dask():
 @dataclass(frozen=True)
 class _Ctx:
     files: SnapshotFiles
-    params: Params
-    q: dict
-    sql: dict  # stage name -> SQL text of the client's installation
+    plan: Plan  # the client's plan: every step's SQL text travels with it
+    values: dict  # the $values of the run so far (μ joins them after its merge)
     partitions: int
     memory_limit: str
     threads: int
@@ -115,6 +104,9 @@ class _Ctx:
 
     def shard(self, i: int) -> str:
         return self.files.listing["rollouts"][i]
+
+    def step(self, sql: str) -> Step:
+        return self.plan.step(sql)
 
 
 def _start(ctx: _Ctx, kind: str) -> None:
@@ -176,14 +168,14 @@ class _State:
 
     work: pa.Table
     history: pa.Table | None = None
-    stats: dict = field(default_factory=dict)
-    pool: pa.Table | None = None
+    values: dict = field(default_factory=dict)
+    stop: int | None = None  # index of the GLOBAL step the partition waits at (None: done)
+    partial: object = None  # its share of that step's input
 
 
 @dataclass
 class _Written:
     part: WrittenPart
-    kept: pa.Table | None = None
     fallback: int = 0
 
 
@@ -199,90 +191,91 @@ def _item(obj, i: int):
 def _scan_defaults(ctx: _Ctx, i: int):
     """The latest (created_at, run_id, step) and the max policy_version of one input shard."""
     _start(ctx, "scan")
-    with _session(ctx, ctx.shard(i)) as s:
-        row = s.one("SELECT created_at, run_id, step FROM rollouts "
-                    "ORDER BY created_at DESC, run_id DESC, step DESC LIMIT 1")
-        version = s.one("SELECT max(policy_version) FROM rollouts")[0]
-    return row, version
+    source = parquet([ctx.shard(i)])
+    with _session(ctx) as s:
+        return latest_step(s, source), latest_policy(s, source)
 
 
 def _map_shard(ctx: _Ctx, i: int) -> list[tuple[pa.Table, pa.Table | None]]:
-    """Step 1 (row-local) over one input shard, and its partial difficulty history, split by
+    """The candidates phase (ROW steps) and the PROMPT steps over one input shard, split by
     partition. The `where` predicate sees the whole snapshot, as in the embedded engine."""
     _start(ctx, "map")
-    p, q = ctx.params, ctx.q
-    source = f"read_parquet({sql_string(ctx.shard(i))}, hive_partitioning = false)"
+    source = parquet([ctx.shard(i)], located=True)
     part = f"(md5_number(prompt_id) % {ctx.partitions})::INTEGER"
     with _session(ctx, whole=True) as s:
-        stages = _Stages(s, ctx.sql)
-        stages.run("curate_candidates", q, rollouts=f"{source} AS rollouts",
-                   selections="selections" if q["max_reuse"] is not None else NO_SELECTIONS, where=p["where"])
+        runner = Runner(s, dict(ctx.values))
+        for step in ctx.plan.phase("candidates"):
+            bound = {"rollouts": source}
+            if "selections" in step.relations and ctx.values["max_reuse"] is None:
+                bound["selections"] = NO_SELECTIONS
+            runner.run(step, {k: v for k, v in bound.items() if k in step.relations})
         work = _read(s, f"SELECT *, {int(i)}::INTEGER AS shard, {part} AS part FROM work")
         history = None
-        if p["amplify"] == "da3po":
-            stages.run("curate_history", q, rows=source, out="history_parts")
-            history = _read(s, f"SELECT *, {part} AS part FROM history_parts")
+        for step in ctx.plan.steps:
+            if step.scope == PROMPT:
+                runner.run(step, {"rows": parquet([ctx.shard(i)])})
+                history = _read(s, f"SELECT *, {part} AS part FROM prompt_history")
     return list(zip(_split(work, "part", ctx.partitions), _split(history, "part", ctx.partitions)))
 
 
-def _partition_groups(ctx: _Ctx, *pieces) -> _State:
-    """Steps 2–4 of one partition. With da3po: its share of μ's counts and its prompts' merged
-    history, and the client's μ comes back in `_partition_select`; otherwise it goes on with
-    step 5 and the local selection in the same task."""
+def _partition_start(ctx: _Ctx, *pieces) -> _State:
+    """A partition's rows (and its prompts' merged history), then its selection steps."""
     _start(ctx, "groups")
-    p, q = ctx.params, ctx.q
     with _session(ctx) as s:
-        stages = _Stages(s, ctx.sql)
         _load(s, "work", _concat([w for w, _ in pieces]))
-        stats = {"n_candidates": s.one("SELECT count(*) FROM work")[0], "k": 0, "n": 0}
-        stage_groups(stages, q)
-        if p["amplify"] == "da3po":
-            stats["k"], stats["n"] = batch_accuracy(stages, q)
-            _load(s, "history_parts", _concat([h for _, h in pieces]))
-            return _State(_read(s, "SELECT * FROM work"), _read(s, HISTORY_MERGE), stats)
-        return _select_in(s, stages, ctx, None, stats)
+        history = [h for _, h in pieces if h is not None]
+        if history:
+            _load(s, "history_parts", _concat(history))
+            _load(s, "prompt_history", _read(s, HISTORY_MERGE))
+        return _advance(ctx, s, _first_selection_step(ctx.plan), dict(ctx.values))
 
 
-def _partition_select(ctx: _Ctx, state: _State, mu: float | None) -> _State:
-    """Step 5 and the local selection of a da3po run, given the batch's μ."""
+def _partition_resume(ctx: _Ctx, state: _State, merged: dict, picked: pa.Table | None) -> _State:
+    """A partition after the client merged the GLOBAL step it waited at."""
     _start(ctx, "select")
     with _session(ctx) as s:
         _load(s, "work", state.work)
-        _load(s, "prompt_history", state.history)
-        return _select_in(s, _Stages(s, ctx.sql), ctx, mu, state.stats)
-
-
-def _select_in(s: Session, stages: _Stages, ctx: _Ctx, mu: float | None, stats: dict) -> _State:
-    """Step 5, then steps 6–7 when they are local (none, in-group, PODS); for the cross-group
-    selection, the pool's (rollout_id, advantage_final) for the client's global decision."""
-    p, q = ctx.params, ctx.q
-    stage_amplify(stages, q, p, mu)
-    pool = None
-    if p["sample"] == "cross_group":
-        pool = _read(s, "SELECT rollout_id, NULL::VARCHAR AS reason, advantage_final, part "
-                        "FROM work WHERE reason IS NULL")
-    else:
-        stage_select(stages, q, p)
-        stage_apply(stages, q, p)
-    return _State(_read(s, "SELECT * FROM work"), stats=stats, pool=pool)
-
-
-def _collect(ctx: _Ctx, picked: pa.Table | None, *states: _State) -> dict:
-    """Every candidate's final narrow row in one table (the client's cross-group choice `picked`
-    applied: a row-local join): the record's numbers, and per input shard the decisions
-    (selected rows, their advantage and weight) that token scoring and materialisation need."""
-    _start(ctx, "collect")
-    p = ctx.params
-    n_shards = len(ctx.files.listing["rollouts"])
-    with _session(ctx) as s:
-        stages = _Stages(s, ctx.sql)
-        _load(s, "work", _concat([st.work for st in states]))
+        if state.history is not None:
+            _load(s, "prompt_history", state.history)
         if picked is not None:
             _load(s, "picked", picked)
-            stage_apply(stages, ctx.q, p)
-        summary = run_summary(stages, p)
+        return _advance(ctx, s, state.stop + 1, {**state.values, **merged})
+
+
+def _first_selection_step(plan: Plan) -> int:
+    return next(i for i, s in enumerate(plan.steps) if s.phase in SELECTION_PHASES)
+
+
+def _advance(ctx: _Ctx, s: Session, start: int, values: dict) -> _State:
+    """Run the selection steps from `start` until a GLOBAL one (returning its partial input) or the end."""
+    runner = Runner(s, values)
+    history = _read(s, "SELECT * FROM prompt_history") if _has(s, "prompt_history") else None
+    for idx in range(start, len(ctx.plan.steps)):
+        step = ctx.plan.steps[idx]
+        if step.phase not in SELECTION_PHASES or step.scope == PROMPT:
+            continue
+        if step.scope == GLOBAL:
+            partial = runner.rows(step) if step.merge == "mu" else _read(s, POOL)
+            return _State(_read(s, "SELECT * FROM work"), history, values, idx, partial)
+        runner.run(step)
+    return _State(_read(s, "SELECT * FROM work"), None, values)
+
+
+def _has(s: Session, name: str) -> bool:
+    return bool(s.one("SELECT count(*) FROM duckdb_tables() WHERE table_name = $n", {"n": name})[0])
+
+
+def _collect(ctx: _Ctx, *states: _State) -> dict:
+    """Every candidate's final narrow row in one task: the record's numbers, and per input shard
+    the decisions (selected rows, their advantage and weight) that the token steps need."""
+    _start(ctx, "collect")
+    n_shards = len(ctx.files.listing["rollouts"])
+    with _session(ctx) as s:
+        _load(s, "work", _concat([st.work for st in states]))
+        runner = Runner(s, dict(ctx.values))
+        summary = summarise(runner, ctx.plan)
         summary["sample_budget"] = (s.one("SELECT count(*) FROM work WHERE selected")[0]
-                                    if p["sample"] != "none" else None)
+                                    if ctx.plan.counts_budget else None)
         decisions = _split(_read(s, DECISIONS), "shard", n_shards)
         summary["selected_per_shard"] = [t.num_rows for t in decisions]
         work = _read(s, "SELECT * FROM work")
@@ -290,28 +283,54 @@ def _collect(ctx: _Ctx, picked: pa.Table | None, *states: _State) -> dict:
             "decisions": [t.drop_columns(["shard"]) if t.num_rows else None for t in decisions]}
 
 
-def _token_histogram(ctx: _Ctx, i: int, decisions: pa.Table):
-    """(first selected rollout without entropies, or None; the (bucket, count) histogram)."""
+def _decision(collected: dict, i: int) -> pa.Table:
+    return collected["decisions"][i]
+
+
+def _entropies(ctx: _Ctx, i: int, decisions: pa.Table) -> dict:
+    """One shard's token steps, pass 1: its selected rows' entropies (read once, returned for the
+    later steps), the first one missing, and the score histogram."""
     _start(ctx, "tokens")
-    token = ctx.params["token"]
-    with _session(ctx, ctx.shard(i)) as s:
+    with _session(ctx) as s:
         _load(s, "work", decisions)
-        missing = s.one(MISSING_ENTROPIES)
+        runner = Runner(s, dict(ctx.values))
+        runner.run(ctx.step("curate_token_entropies"), {"rollouts": parquet([ctx.shard(i)])})
+        missing = runner.rows(ctx.step("curate_missing_entropies"))
         if missing:
-            return missing[0], []
-        _Stages(s, ctx.sql).run("curate_token_scores", score=_score_expr(token, "h", "advantage_final"))
-        return None, [(int(b), int(n)) for b, n in s.execute(HISTOGRAM).fetchall()]
+            return {"missing": missing[0][0], "hist": [], "table": None}
+        runner.run(ctx.step("curate_token_scores"))
+        hist = [(int(b), int(n)) for b, n in runner.rows(ctx.step("curate_token_histogram"))]
+        return {"missing": None, "hist": hist, "table": _read(s, "SELECT * FROM selected_entropies")}
 
 
-def _token_head(ctx: _Ctx, i: int, decisions: pa.Table, bucket: int, n: int) -> pa.Table:
-    """The first `n` tokens of one bucket of one shard, in the threshold's order."""
+def _token_head(ctx: _Ctx, scored: dict, bucket: int, n: int) -> pa.Table:
+    """The first `n` tokens of one bucket of one shard, from its kept entropies (no Parquet read)."""
     _start(ctx, "tokens")
-    token = ctx.params["token"]
-    with _session(ctx, ctx.shard(i)) as s:
-        _load(s, "work", decisions)
-        _Stages(s, ctx.sql).run("curate_token_scores", score=_score_expr(token, "h", "advantage_final"))
-        return _read(s, f"SELECT score, rollout_id, pos FROM token_scores WHERE bucket = $b {TOKEN_ORDER} "
-                        f"LIMIT $n", {"b": bucket, "n": n})
+    with _session(ctx) as s:
+        _load(s, "selected_entropies", scored["table"])
+        runner = Runner(s, dict(ctx.values))
+        runner.run(ctx.step("curate_token_scores"))
+        return runner.table(ctx.step("curate_token_bucket"), bucket=bucket, n=n)
+
+
+def _task_runner(ctx: _Ctx, s: Session, decisions: pa.Table, scored: dict | None, values: dict) -> Runner:
+    """A session holding one shard's decisions as `work` and its selected entropies."""
+    _load(s, "work", decisions)
+    runner = Runner(s, {**ctx.values, **values})
+    if scored is None:
+        runner.run(ctx.step("curate_no_entropies"))
+    else:
+        _load(s, "selected_entropies", scored["table"])
+    return runner
+
+
+def _kept(ctx: _Ctx, decisions: pa.Table, scored: dict | None, values: dict) -> pa.Table:
+    """Tokens kept per selected row of one shard."""
+    _start(ctx, "kept")
+    with _session(ctx) as s:
+        runner = _task_runner(ctx, s, decisions, scored, values)
+        runner.run(ctx.step("curate_tokens_kept"))
+        return _read(s, "SELECT * FROM kept_counts")
 
 
 def _write(ctx: _Ctx, table_name: str, table: pa.Table, relpath: str, key: str) -> WrittenPart:
@@ -321,51 +340,29 @@ def _write(ctx: _Ctx, table_name: str, table: pa.Table, relpath: str, key: str) 
     return WrittenPart(table_name, tmp, relpath, table.num_rows, token_count(table), nbytes, sha, key)
 
 
-def _materialise_part(ctx: _Ctx, curation_id: str, name: str, slices: list, mask_params: dict,
-                      materialise_sql: str, *decisions: pa.Table) -> _Written:
+def _materialise_part(ctx: _Ctx, curation_id: str, k: int, slices: list, values: dict, *inputs) -> _Written:
     """One curated shard: slices (shard, start, rows) of materialised input shards, written to tmp."""
     _start(ctx, "materialise")
-    pieces, ids, counts, fallback = [], [], [], 0
-    with _session(ctx) as s:
-        for (i, start, rows), dec in zip(slices, decisions):
-            _load(s, "work", dec)
-            table = materialise_shard(s, ctx.shard(i), materialise_sql, mask_params).slice(start, rows)
-            ids.extend(table.column("rollout_id").to_pylist())
-            counts.extend(table.column("tokens_kept").to_pylist())
-            fallback += int(pc.sum(table.column("fallback")).as_py() or 0)
-            pieces.append(table)
-    part = _write(ctx, "curated", curated_table(pieces, curation_id),
-                  f"curated/{curation_id}/{name}.parquet", curation_id)
-    return _Written(part, kept_counts_table(ids, counts), fallback)
+    pieces = []
+    for (i, start, rows), (decisions, scored) in zip(slices, zip(inputs[::2], inputs[1::2])):
+        with _session(ctx) as s:
+            runner = _task_runner(ctx, s, decisions, scored, values)
+            table = runner.table(ctx.step("curate_materialise"), {"rollouts": parquet([ctx.shard(i)])})
+            pieces.append(sorted_by_rollout(table).slice(start, rows))
+    table, fallback = curated_table(pieces, curation_id)
+    name, path = part_name(curation_id, k)
+    return _Written(_write(ctx, "curated", table, path, curation_id), fallback)
 
 
-def _write_audit(ctx: _Ctx, curation_id: str, collected: dict, *written: _Written) -> WrittenPart:
+def _write_audit(ctx: _Ctx, curation_id: str, collected: dict, *kept: pa.Table) -> WrittenPart:
     """The audit: one row per candidate, in rollout_id order, written to tmp."""
     _start(ctx, "audit")
-    kept = [w.kept for w in written]
     with _session(ctx) as s:
         _load(s, "work", collected["work"])
-        s.con.register("kept_counts", _concat(kept) if kept else kept_counts_table([], []))
-        audit = _Stages(s, ctx.sql).table("curate_audit", {"curation_id": curation_id}).cast(SELECTIONS)
-    return _write(ctx, "selections", audit, f"audit/{curation_id}/audit.parquet", curation_id)
-
-
-def part_layout(rows_per_input: list[int], rows_per_shard: int) -> list[list[tuple[int, int, int]]]:
-    """The embedded engine's cut of the curated rows (input shard after input shard) into curated
-    shards of `rows_per_shard` rows: per output shard, its (input shard, first row, rows) slices."""
-    parts, current, filled = [], [], 0
-    for i, n in enumerate(rows_per_input):
-        start = 0
-        while start < n:
-            take = min(n - start, rows_per_shard - filled)
-            current.append((i, start, take))
-            filled, start = filled + take, start + take
-            if filled == rows_per_shard:
-                parts.append(current)
-                current, filled = [], 0
-    if filled:
-        parts.append(current)
-    return parts
+        _load(s, "kept_counts", _concat(list(kept)) if kept else pa.table(
+            {"rollout_id": pa.array([], pa.string()), "tokens_kept": pa.array([], pa.int32())}))
+        audit = Runner(s, {"curation_id": curation_id}).table(ctx.step("curate_audit")).cast(SELECTIONS)
+    return _write(ctx, "selections", audit, audit_path(curation_id), curation_id)
 
 
 # ---- the client ------------------------------------------------------------------------------
@@ -401,11 +398,6 @@ def _versions() -> tuple[str, str]:
     import duckdb
 
     return duckdb.__version__, pa.__version__
-
-
-def _stage_sql() -> dict[str, str]:
-    folder = resources.files("queries")
-    return {f.name[:-4]: f.read_text() for f in folder.iterdir() if f.name.startswith("curate_") and f.name.endswith(".sql")}
 
 
 class _Run:
@@ -446,6 +438,7 @@ def curate_dask(
     threads: int | None = None,
     scheduler=None,
     partitions: int | None = None,
+    dry_run: bool = False,
     _task_hooks: dict | None = None,
 ) -> CurationResult:
     """`curate.run.curate` on dask.distributed: the same curation id, curated shards and audit.
@@ -472,12 +465,12 @@ def curate_dask(
                                     f"{'/'.join(mine)}: every process must run the same versions")
         run = uuid.uuid4().hex[:12]
         folder = os.path.join("tmp", f"curate-{run}")
-        ctx = _Ctx(snap.frozen(), params, {}, _stage_sql(), partitions or 2 * len(versions), memory_limit,
+        ctx = _Ctx(snap.frozen(), build(params, recipe), {}, partitions or 2 * len(versions), memory_limit,
                    threads or 1, folder, READ_THREADS, dict(_task_hooks or {}))
         job = _Run(client, ctx, run)
         os.makedirs(os.path.join(buf.root, folder))
         try:
-            return _curate(buf, snap, session, job, recipe, commit)
+            return _curate(buf, snap, session, job, recipe, params, commit, dry_run)
         except BaseException:
             job.cancel()
             raise
@@ -488,83 +481,80 @@ def curate_dask(
 def _resolve(job: _Run, session: Session, params: Params) -> Params:
     """The embedded engine's defaults for `where` and `current_version`, merged over shards."""
     n_shards = len(job.ctx.files.listing["rollouts"])
-    values = dict(params.values)
-    version = None
-    if values["current_version"] is None:
-        row = session.one("SELECT max(version) FROM checkpoints")
-        version = None if row[0] is None else int(row[0])
-    need_scan = values["where"] is None or (values["current_version"] is None and version is None)
+    version = latest_checkpoint(session) if params["current_version"] is None else None
+    need_scan = params["where"] is None or (params["current_version"] is None and version is None)
     scans = job.gather([job.submit(_scan_defaults, job.ctx, i) for i in range(n_shards)]) if need_scan else []
-    if values["where"] is None:
-        rows = [tuple(row) for row, _ in scans if row is not None]
-        if not rows:
-            raise CurationError("empty batch: the snapshot has no rollouts")
-        _, run_id, step = max(rows)
-        values["where"] = f"run_id = {sql_string(run_id)} AND step = {int(step)}"
-    if values["current_version"] is None:
-        versions = [v for _, v in scans if v is not None]
-        values["current_version"] = version if version is not None else (max(versions) if versions else None)
-    return Params(values, params.user_set)
+    latest = max((tuple(row) for row, _ in scans if row is not None), default=None)
+    versions = [v for _, v in scans if v is not None]
+    if version is None and versions:
+        version = max(versions)
+    return with_defaults(params, latest, version)
 
 
-def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, commit: bool) -> CurationResult:
-    ctx = job.ctx
-    params = _resolve(job, session, ctx.params)
+def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
+            dry_run: bool) -> CurationResult:
+    params = _resolve(job, session, params)
     session.check_predicate(params["where"])
-    sql_sha = texts_sha256(stage_texts(params, recipe))
-    curation_id = curation_id_for(snap.seq, recipe.name, params.to_json(), sql_sha)
-    if commit and already_committed(buf, curation_id):
+    plan = build(params, recipe)
+    curation_id = plan.curation_id(snap.seq)
+    if commit and not dry_run and already_committed(buf, curation_id):
         return _existing(buf, curation_id, snap.seq)
-    p, q = params, stage_params(params)
-    ctx = job.ctx = dataclasses.replace(ctx, params=params, q=q)
+    ctx = job.ctx = dataclasses.replace(job.ctx, plan=plan, values=dict(plan.values))
     n_shards, n_parts = len(ctx.files.listing["rollouts"]), ctx.partitions
     if n_shards == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {p['where']}")
+        raise CurationError(f"empty batch: no rollouts match where = {params['where']}")
 
-    # Step 1 per input shard, shuffled to partitions by prompt; steps 2–7 per partition (with a
-    # round trip for da3po's μ); the cross-group selection on the client.
+    # Candidates per input shard, shuffled to partitions by prompt; the selection steps per
+    # partition, with a round trip to the client at each GLOBAL step.
     maps = [job.submit(_map_shard, ctx, i) for i in range(n_shards)]
-    states = [job.submit(_partition_groups, ctx, *[job.item(m, j) for m in maps]) for j in range(n_parts)]
-    stats = job.gather([job.get(st, "stats") for st in states])
+    states = [job.submit(_partition_start, ctx, *[job.item(m, j) for m in maps]) for j in range(n_parts)]
     del maps
-    if sum(s["n_candidates"] for s in stats) == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {p['where']}")
-    if p["amplify"] == "da3po":
-        mu = batch_mu(sum(s["k"] for s in stats), sum(s["n"] for s in stats))
-        states = [job.submit(_partition_select, ctx, st, mu) for st in states]
-    picked = None
-    if p["sample"] == "cross_group":
-        picked = _cross_group_pick(session, ctx, _concat(job.gather([job.get(st, "pool") for st in states])))
+    if sum(job.gather([job.submit(_rows, st) for st in states])) == 0:
+        raise CurationError(f"empty batch: no rollouts match where = {params['where']}")
+    while True:
+        stop = job.gather([job.get(st, "stop") for st in states])[0]
+        if stop is None:
+            break
+        step, partials = plan.steps[stop], job.gather([job.get(st, "partial") for st in states])
+        if step.merge == "mu":
+            mu = mu_of([row for rows in partials for row in rows])
+            states = [job.submit(_partition_resume, ctx, st, {"mu": mu}, None) for st in states]
+        else:  # "pool": the select step over the whole batch's pool, on the client
+            picked = _pick(session, ctx, step, _concat(partials))
+            states = [job.submit(_partition_resume, ctx, st, {}, part) for st, part in
+                      zip(states, _split(picked, "part", n_parts))]
 
     # Every candidate's row in one task: the record's numbers and the per-shard decisions.
-    collected = job.submit(_collect, ctx, picked, *states)
+    collected = job.submit(_collect, ctx, *states)
     del states
     summary = job.item(collected, "summary").result()
     decisions = [job.submit(_decision, collected, i) if n else None
                  for i, n in enumerate(summary["selected_per_shard"])]
-
+    scored = [None] * n_shards
     threshold = None
-    if p["token"] != "none":
-        threshold = _token_threshold(job, session, decisions, token_budget(summary["curated_tokens"], p.token_fraction()))
-    mask_params = mask_parameters(p["token"], threshold)
-    materialise_sql = _substitute(ctx.sql["curate_materialise"], {"score": _score_expr(p["token"], "h", "w.advantage_final")})
-
-    layout = part_layout(summary["selected_per_shard"], curated_rows_per_shard(summary))
-    written = [job.submit(_materialise_part, ctx, curation_id, f"part-{k:05d}", slices, mask_params, materialise_sql,
-                          *[decisions[i] for i, _, _ in slices])
-               for k, slices in enumerate(layout)]
-    audit_future = job.submit(_write_audit, ctx, curation_id, collected, *written)
-    parts: list[_Written] = job.gather(written)
+    if plan.token_stage:
+        scored = [job.submit(_entropies, ctx, i, d) if d is not None else None for i, d in enumerate(decisions)]
+        threshold = _token_threshold(job, scored, token_budget(summary["tokens_selected"], params.token_fraction()))
+    values = mask_values(threshold)
+    shards = [i for i, d in enumerate(decisions) if d is not None]
+    kept = [job.submit(_kept, ctx, decisions[i], scored[i], values) for i in shards]
+    audit_future = job.submit(_write_audit, ctx, curation_id, collected, *kept)
+    tokens_kept = sum(int(pc.sum(t.column("tokens_kept")).as_py() or 0) for t in job.gather(kept))
+    record = new_record(plan, curation_id, snap.seq, summary, summary["sample_budget"], threshold, tokens_kept)
     audit_part: WrittenPart = audit_future.result()
+    audit = pq.read_table(os.path.join(buf.root, audit_part.tmp_relpath)).cast(SELECTIONS)
+    out = CurationResult(curation_id, record, summary["reasons"], snap.seq, committed=False, audit=audit)
+    if dry_run:
+        return out
 
-    record = new_record(curation_id, snap.seq, recipe, params, sql_sha, summary, summary["sample_budget"], threshold)
-    record["tokens_kept"] = int(sum(pc.sum(w.kept.column("tokens_kept")).as_py() or 0 for w in parts))
+    layout = part_layout(summary["selected_per_shard"], rows_per_shard(summary))
+    written = [job.submit(_materialise_part, ctx, curation_id, k, slices, values,
+                          *[x for i, _, _ in slices for x in (decisions[i], scored[i])])
+               for k, slices in enumerate(layout)]
+    parts: list[_Written] = job.gather(written)
     record["old_logprobs_fallback"] = sum(w.fallback for w in parts)
-    output_files = [w.part.relpath for w in parts] + [audit_part.relpath]
-    record["output_files"] = json.dumps(output_files)
-    out = CurationResult(curation_id, record, summary["reasons"], snap.seq, committed=False,
-                         output_files=output_files)
-    out.audit = pq.read_table(os.path.join(buf.root, audit_part.tmp_relpath)).cast(SELECTIONS)
+    out.output_files = [w.part.relpath for w in parts] + [audit_part.relpath]
+    record["output_files"] = json.dumps(out.output_files)
     if not commit:
         curated = [pq.read_table(os.path.join(buf.root, w.part.tmp_relpath)) for w in parts]
         out.curated = pa.concat_tables(curated).cast(CURATED) if curated else CURATED.empty_table()
@@ -573,39 +563,38 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, comm
     return publish(buf, lambda: [w.part for w in parts] + [audit_part, record_part], curation_id, out)
 
 
-def _decision(collected: dict, i: int) -> pa.Table:
-    return collected["decisions"][i]
+def _rows(state: _State) -> int:
+    return state.work.num_rows
 
 
-def _cross_group_pick(session: Session, ctx: _Ctx, pool: pa.Table) -> pa.Table:
-    """Steps 6–7 over the whole batch's pool, with the same select SQL: `picked` plus `part`."""
+def _pick(session: Session, ctx: _Ctx, step: Step, pool: pa.Table) -> pa.Table:
+    """The merge of a pooled GLOBAL step: the same step over every partition's pool rows, on the
+    client; its `picked` rows with their partition."""
     _load(session, "work", pool.sort_by("rollout_id"))
-    _Stages(session, ctx.sql).run("curate_select", ctx.q, pool_key="'batch'", value="advantage_final")
+    Runner(session, dict(ctx.values)).run(step)
     return _read(session, "SELECT p.*, w.part FROM picked p JOIN work w USING (rollout_id)")
 
 
-def _token_threshold(job: _Run, session: Session, decisions: list, k: int):
+def _token_threshold(job: _Run, scored: list, k: int):
     """The K-th token over all shards: summed histograms pick the bucket and the offset in it; the
     first offset+1 tokens of that bucket from each shard hold the K-th one."""
-    shards = [i for i, d in enumerate(decisions) if d is not None]
-    results = job.gather([job.submit(_token_histogram, job.ctx, i, decisions[i]) for i in shards])
-    missing = sorted(m for m, _ in results if m is not None)
+    shards = [i for i, f in enumerate(scored) if f is not None]
+    results = job.gather([job.submit(_get_fields, scored[i]) for i in shards])
+    missing = sorted(r["missing"] for r in results if r["missing"] is not None)
     if missing:
-        raise missing_entropies_error(missing[0], job.ctx.params["token"])
-    merged: dict[int, int] = {}
-    for _, hist in results:
-        for bucket, n in hist:
-            merged[bucket] = merged.get(bucket, 0) + n
-    found = pick_bucket(sorted(merged.items(), reverse=True), k)
+        raise missing_entropies_error(missing[0], job.ctx.plan.params["token"])
+    found = pick_bucket(merge_histograms([r["hist"] for r in results]), k)
     if found is None:
         return None
     bucket, offset = found
-    holders = [i for i, (_, hist) in zip(shards, results) if any(b == bucket for b, _ in hist)]
-    heads = job.gather([job.submit(_token_head, job.ctx, i, decisions[i], bucket, offset + 1) for i in holders])
-    _load(session, "token_heads", _concat(heads))
-    row = session.one(f"SELECT score, rollout_id, pos FROM token_heads {TOKEN_ORDER} LIMIT 1 OFFSET $o",
-                      {"o": offset})
-    return float(row[0]), str(row[1]), int(row[2])
+    holders = [i for i, r in zip(shards, results) if any(b == bucket for b, _ in r["hist"])]
+    heads = job.gather([job.submit(_token_head, job.ctx, scored[i], bucket, offset + 1) for i in holders])
+    return threshold_of(heads, offset)
+
+
+def _get_fields(scored: dict) -> dict:
+    """A shard's token pass-1 result without its entropies table (that stays on the worker)."""
+    return {"missing": scored["missing"], "hist": scored["hist"]}
 
 
 def _existing(buf: Buffer, curation_id: str, snapshot_seq: int) -> CurationResult:

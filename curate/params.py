@@ -24,10 +24,15 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from storage.errors import RollstoreError
+from storage.snapshot import sql_string
 
 
 class ParamError(RollstoreError):
     """A parameter or recipe was unknown, repeated or out of range."""
+
+
+class CurationError(RollstoreError):
+    """The run cannot proceed (empty batch, missing entropies, bad custom SQL, ...)."""
 
 
 NONE = None
@@ -262,5 +267,10 @@ def budget(n: int, f: Fraction) -> int:
 
 
 def token_budget(n_tokens: int, kappa: Fraction) -> int:
-    """ceil(κ·N) tokens."""
+    """K = ⌈κ·N⌉ tokens of the N response tokens of the selected rows."""
     return math.ceil(kappa * n_tokens)
+
+
+def step_where(run_id: str, step: int) -> str:
+    """The `where` predicate of one step of one run: the batch a trainer curates after sampling it."""
+    return f"run_id = {sql_string(run_id)} AND step = {int(step)}"

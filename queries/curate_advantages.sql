@@ -1,4 +1,4 @@
--- Step 3 — group-normalised advantages (algorithms.md 1) for the rows of {rows}, grouped as in
+-- Advantages — group-normalised (docs/curation.md §Advantages) for the rows of {rows}, grouped as in
 -- {groups}: A = (r − mean) / (std + ε), ε = 1e-6, std per $std_mode ('sample' ddof 1,
 -- 'population', 'none' = Dr. GRPO's r − mean). A group of one, or one whose rewards are all equal
 -- as stored, gets A = 0 with no arithmetic. Computed in float64, stored as float32.

@@ -1,4 +1,4 @@
--- Step 5b — advantage amplification (algorithms.md 3). Reads, per row, the correctness, group
+-- Amplification — the factor (docs/curation.md §Amplification). Reads, per row, the correctness, group
 -- accuracy p = amp_k / amp_n and advantage amp_adv it should act on (the full group's, or a PODS
 -- subset's), and sets amplification w and advantage_final = f32(w · amp_adv).
 --   $mode 'da3po': w = clip(p(1−q̂) / (q̂(1−p)), 1, w_max); q̂ undefined → 1; q̂ = 0 → w_max.

@@ -1,4 +1,4 @@
--- Step 5 inputs — what amplification acts on, per row: the full group (p = k/G, advantage_raw), or,
+-- Amplification inputs — what amplification acts on, per row: the full group (p = k/G, advantage_raw), or,
 -- with PODS, the chosen subset of a selected row (p = k'/m, the subset's re-normalised advantage;
 -- `subset_adv` holds it). Rows outside the statistics are never amplified.
 CREATE OR REPLACE TEMP TABLE work AS

@@ -1,4 +1,4 @@
--- Step 6 — record the sample stage's choice: pool rows in `picked` become 'selected' or
+-- Sample selection, applied — record the sample stage's choice: pool rows in `picked` become 'selected' or
 -- 'not_selected' with their sample_rank; rows that left earlier keep their reason.
 CREATE OR REPLACE TEMP TABLE work AS
 SELECT

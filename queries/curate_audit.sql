@@ -1,4 +1,4 @@
--- The audit (schema.md `selections`): exactly one row per candidate, in rollout_id order.
+-- Audit (docs/schema.md `selections`): exactly one row per candidate, in rollout_id order.
 SELECT
     $curation_id                                    AS curation_id,
     w.rollout_id, w.group_id, w.prompt_id, w.policy_version,

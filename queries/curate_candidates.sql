@@ -1,12 +1,15 @@
--- Step 1 — eligibility (algorithms.md, "Order inside a run", 1).
--- The batch is every snapshot row matched by the `where` predicate; each candidate gets the first
--- reason that applies, in this order: invalid, truncated, stale, reused. NULL reason = eligible.
--- Per-token arrays stay in `rollouts`; the working table `work` holds one narrow row per candidate.
+-- Eligibility (docs/curation.md §Eligibility). The batch is every snapshot row matched by the
+-- `where` predicate; each candidate gets the first reason that applies, in this order: invalid,
+-- truncated, stale, reused. NULL reason = eligible. Per-token arrays stay in the rollouts shards;
+-- `work` holds one narrow row per candidate, with the shard (`filename`) it lives in, so later steps
+-- open only the shards that hold a selected row. `{length}` counts a row's response tokens: from
+-- `entropies` when the plan prunes tokens (a dry run then never reads token ids), else from
+-- `response_token_ids`.
 CREATE OR REPLACE TEMP TABLE work AS
 WITH batch AS (
     SELECT rollout_id, group_id, prompt_id, policy_version, reward, correct, verify_error,
-           finish_reason, len(response_token_ids)::INTEGER AS tokens_total
-    FROM {rollouts}
+           finish_reason, ({length})::INTEGER AS tokens_total, filename
+    FROM {rollouts} AS rollouts
     WHERE ({where})
 ),
 times_selected AS (  -- distinct committed curations that selected each rollout

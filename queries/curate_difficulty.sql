@@ -1,4 +1,4 @@
--- Step 5a — difficulty q̂ per group (algorithms.md 3 and step 5): pooled accuracy of the judged
+-- Amplification — difficulty q̂ per group (docs/curation.md §Amplification): pooled accuracy of the judged
 -- attempts at the group's prompt within the last $window policy versions (`prompt_history`, from
 -- curate_history.sql), plus the group's own rows that reached step 2 (counted once, even below the
 -- window), smoothed by a Beta prior centred on $mu (accuracy of the batch's eligible rows,

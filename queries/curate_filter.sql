@@ -1,6 +1,6 @@
--- Steps 2–4 applied to `work`: group statistics and advantages join back to each eligible row
+-- Group statistics, advantages and dynamic sampling applied to `work`: group statistics and advantages join back to each eligible row
 -- (audit columns group_size, group_accuracy, advantage_raw), then the dynamic-sampling filter
--- (DAPO, algorithms.md 2): with $dynamic, groups with p ∈ {0, 1} — judged on `correct`, never on
+-- (DAPO; docs/curation.md §Dynamic sampling): with $dynamic, groups with p ∈ {0, 1} — judged on `correct`, never on
 -- the shaped reward — get 'zero_variance' and leave the pool.
 CREATE OR REPLACE TEMP TABLE work AS
 SELECT

@@ -1,4 +1,4 @@
--- Step 2 — group statistics (algorithms.md 1, "Order inside a run", 2) over the rows of {rows}:
+-- Group statistics (docs/curation.md §Group statistics) over the rows of {rows}:
 -- G_g rows, k correct, whether every reward is equal as stored (float32), and the reward mean
 -- (float64, compensated summation). Used on the eligible rows and again on a PODS subset.
 CREATE OR REPLACE TEMP TABLE {out} AS

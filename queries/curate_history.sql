@@ -1,4 +1,4 @@
--- Step 5a input — the difficulty history (algorithms.md step 5): per prompt, the judged attempts
+-- Amplification input — the difficulty history (docs/curation.md §Amplification): per prompt, the judged attempts
 -- (`correct` not null, `verify_error` null) within the last $window policy versions
 -- [current_version − W + 1, current_version], from any run and any step, whatever their
 -- eligibility in this run. Integer counts, so per-shard partial histories add up exactly.

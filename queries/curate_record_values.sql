@@ -1,4 +1,4 @@
--- Step 9 — the advantages behind the record's variances. The pool entering step 6 is every row
+-- Record — the advantages behind the record's variances. The pool entering step 6 is every row
 -- that ended 'selected' or 'not_selected'; before PODS re-normalises, its advantages are
 -- advantage_raw. adv_var_before = population variance of `before` over these rows,
 -- adv_var_after = of `after` over the selected ones. The caller computes both with exactly

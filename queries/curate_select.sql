@@ -1,4 +1,4 @@
--- Steps 6–7 — maximum-variance subset selection (PODS arXiv 2504.13818; D3S arXiv 2509.22115).
+-- Sample selection — maximum-variance subsets (PODS arXiv 2504.13818; D3S arXiv 2509.22115).
 -- Pools: rows still eligible (reason NULL), one pool per {pool_key} (the batch, or a group).
 -- Budget per pool of n rows: m = min(n, max(2, ⌊n·f + ½⌋)), f = $f_num / $f_den exactly.
 -- Order each pool by (v desc, rollout_id asc); S_j = first j rows ∪ last m − j rows, j = 0..m.

@@ -1,19 +1,17 @@
--- Step 8a — token scores (D3S arXiv 2509.22115; 80/20 rule arXiv 2506.01939): one row per response
--- token of a selected row, score = |advantage_final| · H (float64 from the stored float32 values)
--- or H alone. A view, so the threshold passes stream over Parquet instead of holding every score.
--- `bucket` is a monotone key of the score (binary exponent and 12 mantissa bits) for the exact
--- two-pass top-K threshold: a histogram finds the bucket holding the K-th token, then only that
--- bucket is sorted.
+-- Token scores (D3S arXiv 2509.22115; 80/20 rule arXiv 2506.01939; docs/curation.md §Token
+-- selection): one row per response token of a selected row, score = |advantage_final| · H (float64
+-- from the stored float32 values) or H alone, per {score}. A view over `selected_entropies`, so it
+-- costs nothing until the threshold passes stream over it. `bucket` is a monotone key of the score
+-- (binary exponent and 12 mantissa bits) for the exact two-pass top-K threshold: a histogram finds
+-- the bucket holding the K-th token, then only that bucket is sorted.
 CREATE OR REPLACE TEMP VIEW token_scores AS
 WITH tokens AS (
     SELECT
-        w.rollout_id,
-        unnest(r.entropies)                              AS h,
-        unnest(range(1, len(r.entropies) + 1))           AS pos,
-        w.advantage_final
-    FROM work w
-    JOIN rollouts r USING (rollout_id)
-    WHERE w.selected
+        rollout_id,
+        unnest(entropies)                                AS h,
+        unnest(range(1, len(entropies) + 1))             AS pos,
+        advantage_final
+    FROM selected_entropies
 ),
 scored AS (
     SELECT rollout_id, pos, ({score})::DOUBLE AS score FROM tokens

@@ -24,7 +24,7 @@ def run_curate(buf: Buffer, recipe: str, sets: list[str], progress: str | None, 
         if "progress" in values:
             raise RollstoreError("parameter 'progress' given twice (--progress and --set progress=...)")
         values["progress"] = progress
-    return curate(buf, load_recipe(recipe), values, snapshot_seq=snapshot, commit=not dry_run,
+    return curate(buf, load_recipe(recipe), values, snapshot_seq=snapshot, dry_run=dry_run,
                   memory_limit=memory_limit, engine=engine, scheduler=scheduler, partitions=partitions,
                   timeout=timeout)
 
@@ -50,7 +50,7 @@ def print_summary(result: CurationResult, out: Console) -> None:
     if result.already_existed:
         lines.append("note          identical curation already committed; nothing new written")
     elif not result.committed:
-        lines.append("note          dry run: nothing committed")
+        lines.append("note          dry run: nothing committed, no curated shards (token ids and log-probs not read)")
     for line in lines:
         out.print(line, highlight=False, markup=False)
     print(result.curation_id, flush=True)

@@ -23,7 +23,7 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-import curate.run as run_module  # noqa: E402
+import curate.output as output_module  # noqa: E402
 from curate.distributed import curate_dask  # noqa: E402
 from curate.params import ParamError, load_recipe  # noqa: E402
 from curate.run import CurationError, curate  # noqa: E402
@@ -43,7 +43,7 @@ def client():
 
 @pytest.fixture(autouse=True)
 def small_curated_shards(monkeypatch):
-    monkeypatch.setattr(run_module, "CURATED_SHARD_BYTES", 10_000)
+    monkeypatch.setattr(output_module, "CURATED_SHARD_BYTES", 10_000)
 
 
 def _generate(root: str) -> None:
@@ -285,7 +285,7 @@ def test_killed_worker_fails_cleanly_or_completes_identically(pair, client):
         seq = buf.manifest.latest_seq()
     worker = threading.Thread(target=go)
     worker.start()
-    _kill_one_worker_while(client, lambda key: "partition_groups" in key)
+    _kill_one_worker_while(client, lambda key: "partition_start" in key)
     worker.join(300)
     assert not worker.is_alive()
     print("outcome after the kill:", repr(outcome.get("error", "completed")))

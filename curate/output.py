@@ -1,0 +1,184 @@
+"""What a curation produces, shared by both engines: the record, the audit, the cut of curated
+rows into shards, and the one commit that publishes them.
+
+Invariants:
+- The record's numbers come from the plan's record steps over every candidate; its variances are
+  summed exactly (math.fsum), so they do not depend on row order, threads or engine.
+- Curated rows are cut input shard after input shard (the snapshot's order), each shard's rows
+  sorted by rollout_id, into shards of `rows_per_shard` rows (`part_layout`): both engines cut the
+  same way, so they write the same bytes.
+- Curated shards, the audit and the record are published in ONE manifest commit; a failure before
+  it leaves nothing visible, and an identical curation already committed is never written twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.buffer import Buffer
+from storage.schema import CURATED
+from storage.shardio import ROW_GROUP_BYTES
+
+from .plan import Plan
+from .steps import Runner
+
+CURATED_SHARD_BYTES = ROW_GROUP_BYTES
+
+
+@dataclass
+class CurationResult:
+    curation_id: str
+    record: dict
+    reasons: dict[str, int]
+    snapshot_seq: int
+    committed: bool = True
+    already_existed: bool = False
+    audit: pa.Table | None = None
+    curated: pa.Table | None = None
+    output_files: list[str] = field(default_factory=list)
+
+
+def summarise(runner: Runner, plan: Plan) -> dict:
+    """The record's numbers over the whole `work` table (every candidate of the run), and the
+    selected rows per input shard (filename -> rows)."""
+    steps = {s.sql: s for s in plan.phase("record")}
+    n_candidates, n_selected, tokens_candidate, tokens_selected = runner.rows(steps["curate_record"])[0]
+    values = runner.table(steps["curate_record_values"])
+    selected = values.column("selected").to_numpy(zero_copy_only=False).astype(bool)
+    after = values.column("after").to_numpy(zero_copy_only=False)[selected]
+    return {
+        "n_candidates": int(n_candidates),
+        "n_selected": int(n_selected),
+        "tokens_candidate": int(tokens_candidate),
+        "tokens_selected": int(tokens_selected),
+        "adv_var_before": exact_var_pop(values.column("before").to_numpy(zero_copy_only=False)),
+        "adv_var_after": exact_var_pop(after),
+        "reasons": {r: int(n) for r, n in runner.rows(steps["curate_reasons"])},
+        "selected_files": {f: int(n) for f, n in runner.rows(steps["curate_selected_files"])},
+    }
+
+
+def exact_var_pop(values: np.ndarray) -> float | None:
+    """Population variance with exactly rounded sums: the same float whatever the order of values."""
+    values = values[~np.isnan(values)] if values.dtype.kind == "f" else values.astype(np.float64)
+    if len(values) == 0:
+        return None
+    mean = math.fsum(values) / len(values)
+    return math.fsum((values - mean) ** 2) / len(values)
+
+
+def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, sample_budget: int | None,
+               threshold, tokens_kept: int) -> dict:
+    p = plan.params
+    kappa = p.token_fraction() if plan.token_stage else None
+    return {
+        "curation_id": curation_id,
+        "created_at": dt.datetime.now(dt.timezone.utc),
+        "recipe": plan.recipe,
+        "params": p.to_json(),
+        "sql_sha256": plan.sha256(),
+        "snapshot_seq": snapshot_seq,
+        "progress": float(p["progress"]),
+        "sample_budget": sample_budget,
+        "token_fraction": float(kappa) if kappa is not None else None,
+        "token_threshold": threshold[0] if threshold else None,
+        "n_candidates": summary["n_candidates"],
+        "n_selected": summary["n_selected"],
+        "tokens_candidate": summary["tokens_candidate"],
+        "tokens_kept": int(tokens_kept),
+        "adv_var_before": summary["adv_var_before"],
+        "adv_var_after": summary["adv_var_after"],
+        "old_logprobs_fallback": None,  # counted while the curated rows are materialised
+        "output_files": "[]",
+    }
+
+
+def rows_per_shard(summary: dict) -> int:
+    """Rows per curated shard: about CURATED_SHARD_BYTES of learner input each."""
+    n_selected = summary["n_selected"]
+    per_row = max(1, (summary["tokens_selected"] * 14 + n_selected * 64) // max(1, n_selected))
+    return max(1, CURATED_SHARD_BYTES // per_row)
+
+
+def part_layout(rows_per_input: list[int], per_shard: int) -> list[list[tuple[int, int, int]]]:
+    """The cut of the curated rows (input shard after input shard) into curated shards of
+    `per_shard` rows: per output shard, its (input shard, first row, rows) slices."""
+    parts, current, filled = [], [], 0
+    for i, n in enumerate(rows_per_input):
+        start = 0
+        while start < n:
+            take = min(n - start, per_shard - filled)
+            current.append((i, start, take))
+            filled, start = filled + take, start + take
+            if filled == per_shard:
+                parts.append(current)
+                current, filled = [], 0
+    if filled:
+        parts.append(current)
+    return parts
+
+
+def part_name(curation_id: str, k: int) -> tuple[str, str]:
+    """(name, relative path) of curated shard k."""
+    name = f"part-{k:05d}"
+    return name, f"curated/{curation_id}/{name}.parquet"
+
+
+def audit_path(curation_id: str) -> str:
+    return f"audit/{curation_id}/audit.parquet"
+
+
+def sorted_by_rollout(table: pa.Table) -> pa.Table:
+    return table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
+
+
+def curated_table(pieces: list[pa.Table], curation_id: str) -> tuple[pa.Table, int]:
+    """One curated shard's table from consecutive slices of materialised input shards, and how
+    many of its rows fell back to gen_logprobs."""
+    table = pa.concat_tables(pieces)
+    fallback = int(pc.sum(table.column("fallback")).as_py() or 0)
+    table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
+    return table.select(CURATED.names).cast(CURATED), fallback
+
+
+def already_committed(buf: Buffer, curation_id: str) -> bool:
+    """Whether the manifest holds a live record of this curation: the only test of "committed"
+    (files on disk without a manifest row are orphans of a crashed run, never trusted)."""
+    return buf.manifest.live_key_count("curations", curation_id) > 0
+
+
+class _AlreadyCommitted(Exception):
+    pass
+
+
+def publish(buf: Buffer, parts, curation_id: str, out: CurationResult) -> CurationResult:
+    """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
+    the manifest says this curation is already committed (then nothing is written: the run is
+    idempotent). A concurrent identical run that commits first makes this one roll back."""
+
+    def refuse_duplicate(con, _seq, _ids):
+        if buf.manifest.live_key_count("curations", curation_id, con) > 1:
+            raise _AlreadyCommitted()
+
+    out.committed = True
+    if already_committed(buf, curation_id):
+        out.already_existed = True
+        return out
+    try:
+        buf.commit(parts(), "curate", {"curation_id": curation_id}, refuse_duplicate)
+    except _AlreadyCommitted:
+        out.already_existed = True
+    except FileExistsError:
+        # A file of this curation is named by the manifest but its record is not live (e.g. a
+        # concurrent identical run committed between our check and our link): decide again.
+        if not already_committed(buf, curation_id):
+            raise
+        out.already_existed = True
+    return out

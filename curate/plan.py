@@ -1,0 +1,221 @@
+"""The curation plan: one ordered list of steps, built from the parameters alone.
+
+Each step is one SQL file of `queries/` with its fragments (`{name}`), the values it binds
+(`$name`), its scope and what it reads and writes. `rollstore recipes --explain NAME` prints it.
+
+Invariants:
+- This module is the only place where recipe modes branch. The engines (`curate.run`, embedded;
+  `curate.distributed`, Dask) run the steps in order; what differs between them is only how a
+  GLOBAL step's results from several partitions are merged (`Step.merge`), and which input a step
+  with `relations` reads (one shard, or the shards holding a selected row).
+- The curation id is a hash of the plan: of every step's text as built here (relations at their
+  canonical names), with the snapshot, the recipe name and the effective parameters. Two runs with
+  the same id run the same SQL on the same data, on either engine.
+- Scopes: ROW steps act on each candidate alone; PROMPT steps add up per prompt; GROUP steps need
+  whole groups (a Dask partition holds whole prompts, hence whole groups); SHARD steps run per
+  input shard; GLOBAL steps need the whole batch, and name their merge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from queries import load_sql, parameters_of, render
+
+from .params import Params, Recipe
+from .tokens import kept_expression, mask_expression, score_expression
+
+ROW, PROMPT, GROUP, SHARD, GLOBAL = "row", "prompt", "group", "shard", "global"
+PHASES = ("candidates", "groups", "difficulty", "amplify", "select", "apply", "record", "tokens", "output")
+
+# Relations some steps read, at their canonical names (what the plan hashes).
+ELIGIBLE = "(SELECT * FROM work WHERE reason IS NULL)"
+CHOSEN = "(SELECT * FROM work WHERE selected)"
+HISTORY_ROWS = ("(SELECT * FROM rollouts WHERE prompt_id IN "
+                "(SELECT prompt_id FROM work WHERE group_size IS NOT NULL))")
+MISSING_LENGTHS = "SELECT count(*) > 0 FROM work WHERE tokens_total IS NULL"
+
+
+@dataclass(frozen=True)
+class Step:
+    sql: str                                    # queries/<sql>.sql, or "custom" (the user's SELECT)
+    phase: str
+    scope: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    fragments: tuple[tuple[str, str], ...] = ()
+    relations: tuple[str, ...] = ()             # fragments an engine binds to its own input
+    guard: str | None = None                    # run only when this query returns true
+    merge: str | None = None                    # GLOBAL steps: how partitions' results combine
+    text: str = ""                              # the step's SQL as hashed
+    source: str = ""                            # the SQL file's text (engines render from it)
+
+    def render(self, **bound: str) -> str:
+        """The SQL to run, with `bound` relations in place of their canonical ones."""
+        unknown = set(bound) - set(self.relations)
+        if unknown:
+            raise KeyError(f"{self.sql}: {sorted(unknown)} are not relations of this step")
+        if self.sql == "custom":
+            return self.text
+        return render(self.sql, {**dict(self.fragments), **bound}, text=self.source)
+
+    @property
+    def parameters(self) -> list[str]:
+        return sorted(parameters_of(self.text))
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    params: Params
+    steps: tuple[Step, ...]
+    values: dict = field(default_factory=dict)  # the $values every run binds (more come at run time)
+
+    def phase(self, name: str) -> list[Step]:
+        return [s for s in self.steps if s.phase == name]
+
+    def step(self, sql: str) -> Step | None:
+        return next((s for s in self.steps if s.sql == sql), None)
+
+    @property
+    def token_stage(self) -> bool:
+        return self.params["token"] != "none"
+
+    @property
+    def counts_budget(self) -> bool:
+        """Whether the record's sample_budget is the number selected (a sample stage runs)."""
+        return self.params["sample"] != "none"
+
+    def sha256(self) -> str:
+        return hashlib.sha256("\n;\n".join(s.text for s in self.steps).encode()).hexdigest()
+
+    def curation_id(self, snapshot_seq: int) -> str:
+        text = f"{snapshot_seq}\n{self.recipe}\n{self.params.to_json()}\n{self.sha256()}"
+        return f"cur-{hashlib.sha256(text.encode()).hexdigest()[:20]}"
+
+
+def values_of(p: Params) -> dict:
+    """The $values of the steps that the parameters fix (μ, the threshold and the curation id come
+    at run time)."""
+    tau = p["amplify_tau"]
+    f = p.sample_fraction()
+    return {
+        "drop_truncated": p["truncated"] == "drop",
+        "max_policy_lag": p["max_policy_lag"],
+        "max_reuse": p["max_reuse"],
+        "current_version": 0 if p["current_version"] is None else p["current_version"],
+        "std_mode": p["std"],
+        "dynamic": p["filter"] == "dynamic",
+        "window": p["difficulty_window"],
+        "prior": float(p["difficulty_prior"]),
+        "tau_num": tau.numerator,
+        "tau_den": tau.denominator,
+        "w_max": float(p["amplify_max"]),
+        "mode": p["amplify"],
+        "amplify_on": p["amplify"] != "none",
+        "pods": p["sample"] == "pods",
+        "f_num": f.numerator,
+        "f_den": f.denominator,
+    }
+
+
+def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -> Plan:
+    """The plan of a run with these parameters (`where` and `current_version` resolved)."""
+    p = params
+    token, sample, amplify = p["token"], p["sample"], p["amplify"]
+    pods = sample == "pods"
+    steps: list[Step] = []
+
+    def add(sql: str, phase: str, scope: str, reads: tuple, writes: tuple, relations: tuple = (),
+            guard: str | None = None, merge: str | None = None, **fragments: str) -> None:
+        frags = tuple(sorted(fragments.items()))
+        source = load_sql(sql)
+        steps.append(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
+                          render(sql, dict(frags), text=source), source))
+
+    add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
+        relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
+        length="len(entropies)" if token != "none" else "len(response_token_ids)")
+    if token != "none":
+        add("curate_lengths", "candidates", ROW, ("work", "rollouts"), ("work",), relations=("rollouts",),
+            guard=MISSING_LENGTHS, rollouts="rollouts")
+
+    add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=ELIGIBLE, out="full_groups")
+    add("curate_advantages", "groups", GROUP, ("work", "full_groups"), ("full_adv",),
+        rows=ELIGIBLE, groups="full_groups", out="full_adv")
+    add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",))
+
+    if amplify == "da3po":
+        add("curate_batch_accuracy", "difficulty", GLOBAL, ("work",), ("$mu",), merge="mu")
+        add("curate_history", "difficulty", PROMPT, ("rollouts",), ("prompt_history",), relations=("rows",),
+            rows=HISTORY_ROWS, out="prompt_history")
+        add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",))
+    else:
+        add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",))
+
+    def amplification(phase: str) -> None:
+        add("curate_amplify_inputs", phase, GROUP, ("work", "subset_adv"), ("work",))
+        add("curate_amplify", phase, GROUP, ("work", "difficulty"), ("work",))
+
+    if not pods:
+        add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",))
+        amplification("amplify")
+
+    if recipe.sql is not None:
+        steps.append(Step("custom", "select", GLOBAL, ("candidates",), ("work",), merge="custom",
+                          text=custom_statement or ""))
+    else:
+        if sample == "none":
+            add("curate_select_all", "select", ROW, ("work",), ("picked",))
+        else:
+            cross = sample == "cross_group"
+            add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
+                merge="pool" if cross else None, pool_key="'batch'" if cross else "group_id",
+                value="reward" if pods else "advantage_final")
+        add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",))
+        if pods:
+            add("curate_group_stats", "apply", GROUP, ("work",), ("subset_groups",), rows=CHOSEN, out="subset_groups")
+            add("curate_advantages", "apply", GROUP, ("work", "subset_groups"), ("subset_adv",),
+                rows=CHOSEN, groups="subset_groups", out="subset_adv")
+            amplification("apply")
+
+    add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="all rows")
+    add("curate_record_values", "record", GLOBAL, ("work",), ("record",), merge="all rows")
+    add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="all rows")
+    add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",), merge="all rows")
+
+    if token != "none":
+        add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
+            relations=("rollouts",), rollouts="rollouts")
+        add("curate_missing_entropies", "tokens", SHARD, ("selected_entropies",), ("error",))
+        add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_scores",),
+            score=score_expression(token))
+        add("curate_token_histogram", "tokens", GLOBAL, ("token_scores",), ("bucket",), merge="histogram")
+        add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
+            merge="heads")
+    else:
+        add("curate_no_entropies", "tokens", SHARD, (), ("selected_entropies",))
+
+    add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
+        kept=kept_expression(token))
+    add("curate_materialise", "output", SHARD,
+        ("work", "selected_entropies", "rollouts.token_ids", "rollouts.logprobs"), ("curated",),
+        relations=("rollouts",), rollouts="rollouts", loss_mask=mask_expression(token))
+    add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="all rows")
+    return Plan(recipe.name, params, tuple(steps), values_of(params))
+
+
+def explain(plan: Plan) -> list[dict]:
+    """The plan as rows for a person: step, phase, scope, SQL file, values and fragments, reads → writes."""
+    rows = []
+    for i, s in enumerate(plan.steps, 1):
+        used = [f"${k}={plan.values[k]!r}" if k in plan.values else f"${k} (at run time)" for k in s.parameters]
+        frags = [f"{{{k}}}={v}" for k, v in s.fragments if k not in s.relations or v != k]
+        rows.append({
+            "step": i, "phase": s.phase, "scope": s.scope + (f" ({s.merge})" if s.merge else ""),
+            "sql": "custom SELECT (the recipe's SQL)" if s.sql == "custom" else f"queries/{s.sql}.sql",
+            "uses": used + frags + ([f"only when: {s.guard}"] if s.guard else []),
+            "reads": list(s.reads), "writes": list(s.writes),
+        })
+    return rows

@@ -1,0 +1,84 @@
+"""Running plan steps in one DuckDB session: binding values, guards, the run's defaults.
+
+Invariants:
+- A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
+  Dask worker runs the client's SQL), with only the relations the step declares rebound.
+- Values are bound by DuckDB (`$name`), never pasted into the text; a value a step needs but the
+  runner lacks is a programming error, raised before anything runs.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from queries import bind, load_sql, render
+from queries.session import Session
+
+from storage.snapshot import sql_string
+
+from .params import CurationError, Params, step_where
+from .plan import Step
+
+
+class Runner:
+    """Runs steps in `session` with `values` (a dict the engine extends as the run goes: μ, the
+    token threshold, the curation id)."""
+
+    def __init__(self, session: Session, values: dict):
+        self.session = session
+        self.values = values
+
+    def _sql(self, step: Step, bound: dict, extra: dict) -> tuple[str, dict]:
+        sql = step.render(**bound)
+        return sql, bind(sql, {**self.values, **extra})
+
+    def wanted(self, step: Step) -> bool:
+        """False when the step's guard says it has nothing to do."""
+        return step.guard is None or bool(self.session.one(step.guard)[0])
+
+    def run(self, step: Step, bound: dict | None = None, **extra) -> None:
+        if self.wanted(step):
+            sql, args = self._sql(step, bound or {}, extra)
+            self.session.execute(sql, args or None).fetchall()
+
+    def rows(self, step: Step, bound: dict | None = None, **extra) -> list[tuple]:
+        sql, args = self._sql(step, bound or {}, extra)
+        return self.session.execute(sql, args or None).fetchall()
+
+    def table(self, step: Step, bound: dict | None = None, **extra) -> pa.Table:
+        sql, args = self._sql(step, bound or {}, extra)
+        return self.session.con.sql(sql, params=args or None).to_arrow_table()
+
+
+def parquet(paths: list[str], located: bool = False) -> str:
+    """A relation over these Parquet files (with their `filename` when `located`)."""
+    listing = ", ".join(sql_string(p) for p in paths)
+    extra = ", filename = true" if located else ""
+    return f"read_parquet([{listing}]{extra}, hive_partitioning = false)"
+
+
+def latest_step(session: Session, rollouts: str) -> tuple | None:
+    """(created_at, run_id, step) of the newest rollout of `rollouts`, or None."""
+    return session.one(render("curate_latest_step", {"rollouts": rollouts}))
+
+
+def latest_policy(session: Session, rollouts: str) -> int | None:
+    row = session.one(render("curate_latest_policy", {"rollouts": rollouts}))
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def latest_checkpoint(session: Session) -> int | None:
+    row = session.one(load_sql("curate_latest_checkpoint"))
+    return None if row[0] is None else int(row[0])
+
+
+def with_defaults(params: Params, latest: tuple | None, version: int | None) -> Params:
+    """`where` (the latest step) and `current_version` filled when the user left them unset."""
+    values = dict(params.values)
+    if values["where"] is None:
+        if latest is None:
+            raise CurationError("empty batch: the snapshot has no rollouts")
+        values["where"] = step_where(latest[1], latest[2])
+    if values["current_version"] is None:
+        values["current_version"] = version
+    return Params(values, params.user_set)

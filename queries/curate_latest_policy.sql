@@ -1,0 +1,3 @@
+-- The default current_version when no checkpoint exists: the newest policy_version sampled.
+SELECT max(policy_version) AS version
+FROM {rollouts};

@@ -468,12 +468,24 @@ def demo(
 
 
 @app.command()
-def recipes():
-    """List the built-in recipes."""
+@guarded
+def recipes(
+    explain: Optional[str] = typer.Option(None, "--explain", metavar="RECIPE",
+                                          help="Print this recipe's plan: each step's SQL file, values, reads and writes."),
+    set_: List[str] = typer.Option([], "--set", help="name=value parameter override (with --explain), repeatable."),
+):
+    """List the built-in recipes, or explain one as the plan it runs."""
     from curate.params import builtin_recipes, load_recipe
 
-    for name in builtin_recipes():
-        out.print(f"{name:12s} {load_recipe(name).description}", highlight=False)
+    if explain is None:
+        if set_:
+            raise RollstoreError("--set goes with --explain RECIPE")
+        for name in builtin_recipes():
+            out.print(f"{name:12s} {load_recipe(name).description}", highlight=False)
+        return
+    from rollstore.explain import print_plan
+
+    print_plan(explain, set_, out)
 
 
 def main() -> None:  # pragma: no cover

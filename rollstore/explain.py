@@ -1,0 +1,40 @@
+"""`rollstore recipes --explain NAME`: a recipe read as the plan it runs, step by step.
+
+Invariants: what is printed is `curate.plan.build` of the resolved parameters, the same object the
+engines run and hash; nothing here re-derives the plan. Values known only at run time (the default
+batch, μ, the token threshold) are marked so. A custom `.sql` recipe shows its SELECT as one step.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from curate.params import Params, load_recipe, parse_sets, resolve
+from curate.plan import build, explain
+
+LATEST = "run_id = <the latest run> AND step = <its latest step>"  # resolved at run time
+
+
+def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
+    recipe = load_recipe(recipe_ref)
+    params = resolve(recipe, parse_sets(sets))
+    values = dict(params.values)
+    if values["where"] is None:
+        values["where"] = LATEST
+    plan = build(Params(values, params.user_set), recipe, recipe.sql.strip() if recipe.sql is not None else None)
+    if params["current_version"] is None:
+        plan.values.pop("current_version")  # shown as "(at run time)"
+    say = lambda text="": out.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    say(f"recipe {recipe.name}: {recipe.description}")
+    say(f"parameters {params.to_json()}")
+    if params["current_version"] is None:
+        say("current_version: the newest checkpoint's version, else the newest policy_version (at run time)")
+    say()
+    for row in explain(plan):
+        say(f"{row['step']:>2}. {row['phase']:<10} {row['scope']:<16} {row['sql']}")
+        say(f"      reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes'])}")
+        for use in row["uses"]:
+            say(f"      {use}")
+    say()
+    say(f"{len(plan.steps)} steps. The curation id hashes their text (plan sha256 {plan.sha256()[:16]}…) with "
+        "the snapshot, the recipe name and the parameters.")

@@ -36,6 +36,14 @@ WITH adv AS (
 )
 SELECT count(*), sum(abs(a) * h) FROM (SELECT a, unnest(entropies) AS h FROM adv)
 """
+COPY_SQL = """
+COPY (
+    SELECT r.rollout_id, r.group_id, r.prompt_id, r.policy_version, r.prompt_token_ids, r.response_token_ids,
+           coalesce(r.old_logprobs, r.gen_logprobs) AS old_logprobs, r.gen_logprobs, i.advantage,
+           list_transform(r.entropies, lambda h: h > 0) AS loss_mask, 1.0::FLOAT AS weight
+    FROM rollouts r JOIN read_parquet('{ids}') i USING (rollout_id)
+) TO '{out}' (FORMAT parquet, COMPRESSION zstd, COMPRESSION_LEVEL 3)
+"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,12 +82,11 @@ class StageClock:
         setattr(owner, attr, timed)
 
     def install(self):
-        import curate.run as run
+        from curate.steps import Runner
         from storage.buffer import Buffer
 
-        self.wrap(run._Stages, "run", lambda a: a[1])
-        self.wrap(run._Stages, "table", lambda a: a[1])
-        self.wrap(run, "_threshold", lambda a: "token threshold (2 passes)")
+        for method in ("run", "rows", "table"):
+            self.wrap(Runner, method, lambda a: a[1].sql)
         self.wrap(Buffer, "commit", lambda a: "materialise + write + commit")
 
 
@@ -94,8 +101,22 @@ def child_floor(root: str, memory_limit: str, where: str) -> dict:
     return {"seconds": time.perf_counter() - t0, "baseline_rss_mib": base, "scored_tokens": int(n)}
 
 
+def child_copy(root: str, memory_limit: str, ids: str, out: str) -> dict:
+    """The copy floor: one DuckDB COPY of the selected rows' curated columns (ids from a curate
+    child's output) to Parquet, with the codec rollstore writes (zstd level 3)."""
+    from queries.session import Session
+    from storage.buffer import Buffer
+
+    base = common.rss_mib()
+    t0 = time.perf_counter()
+    with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap, memory_limit, sandbox=False) as s:
+        s.execute(COPY_SQL.format(ids=ids, out=out))
+    return {"seconds": time.perf_counter() - t0, "baseline_rss_mib": base, "peak_rss_mib": common.peak_rss_mib(),
+            "bytes": os.path.getsize(out)}
+
+
 def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where: str, out: str | None,
-                 prof: bool) -> dict:
+                 prof: bool, dry_run: bool = False) -> dict:
     from curate.params import load_recipe
     from curate.run import curate
     from storage.buffer import Buffer
@@ -104,7 +125,8 @@ def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where
 
     def go():
         with Buffer.open(root) as buf:
-            return curate(buf, load_recipe(recipe), {"where": where, "progress": progress}, memory_limit=memory_limit)
+            return curate(buf, load_recipe(recipe), {"where": where, "progress": progress}, memory_limit=memory_limit,
+                          dry_run=dry_run)
 
     with StageClock() as clock:
         t0 = time.perf_counter()
@@ -157,9 +179,12 @@ def child_reference(root: str, recipe: str, progress: str, out: str | None, prof
 
 
 def run_one(kind: str, root: str, recipe: str = "", memory_limit: str = "1GB", progress: str = "0",
-            where: str = "true", out: str | None = None, profile: bool = False, first_shards: int = 0) -> dict:
+            where: str = "true", out: str | None = None, profile: bool = False, first_shards: int = 0,
+            ids: str | None = None) -> dict:
     args = ["--child", kind, "--root", root, "--recipe-one", recipe or "d3s", "--memory-limit", memory_limit,
             "--progress", progress, "--where", where, "--first-shards", first_shards]
+    if ids:
+        args += ["--ids", ids]
     if out:
         args += ["--out", out]
     if profile:
@@ -209,14 +234,33 @@ def measure(root: str, recipes, memory_limit: str = "1GB", progress: str = "0", 
             ref_out = os.path.join(workdir, f"{recipe}-ref.parquet")
             rs = common.best_of(lambda r=recipe, o=rs_out: run_one("curate", root, r, memory_limit, progress, out=o),
                                 repeat)
+            dry = common.best_of(lambda r=recipe: run_one("dry", root, r, memory_limit, progress), repeat)
+            copy_out = os.path.join(workdir, f"{recipe}-copy.parquet")
+            copy = common.best_of(lambda o=rs_out, c=copy_out: run_one("copy", root, memory_limit=memory_limit, ids=o,
+                                                                       out=c), repeat)
             ref = common.best_of(lambda r=recipe, o=ref_out: run_one("reference", root, r, memory_limit, progress,
                                                                      out=o), repeat)
-            per[recipe] = {"rollstore": rs, "reference": ref, "agreement": agreement(rs_out, ref_out)}
+            per[recipe] = {"rollstore": rs, "dry": dry, "copy": copy, "reference": ref,
+                           "agreement": agreement(rs_out, ref_out)}
+        growth = buffer_growth(root, info, workdir, memory_limit, progress, repeat)
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
-    return {"info": info, "floor": floor, "recipes": per, "memory_limit": memory_limit, "progress": progress,
+    return {"info": info, "floor": floor, "recipes": per, "growth": growth, "memory_limit": memory_limit, "progress": progress,
             "repeat": repeat}
+
+
+def buffer_growth(root: str, info: dict, workdir: str, memory_limit: str, progress: str, repeat: int) -> dict:
+    """d3s over the first step's batch (`where = step = 0`) in this buffer and in a buffer holding
+    only that step (the same generated rows): what the rest of the buffer costs a one-step batch."""
+    one = os.path.join(workdir, "one-step-buffer")
+    if not os.path.exists(one):
+        common.build_buffer(one, info["tokens"] // info["shards"], info["tokens"] // info["shards"])
+    runs = {}
+    for name, path in (("1-step buffer", one), (f"{info['shards']}-step buffer", root)):
+        runs[name] = common.best_of(lambda p=path: run_one("curate", p, "d3s", memory_limit, progress,
+                                                           where="step = 0"), repeat)
+    return runs
 
 
 def ratios(m: dict) -> dict:
@@ -225,21 +269,47 @@ def ratios(m: dict) -> dict:
             for r, v in m["recipes"].items()}
 
 
+def targets(m: dict) -> list[tuple[str, float, float]]:
+    """(what, measured ratio, target) for every recipe: dry run ÷ scan floor ≤ 2, full ÷ copy floor ≤ 1.5."""
+    out = []
+    for r, v in m["recipes"].items():
+        out.append((f"{r} --dry-run ÷ scan floor", v["dry"]["seconds"] / m["floor"]["seconds"], 2.0))
+        out.append((f"{r} full curation ÷ copy floor", v["rollstore"]["seconds"] / v["copy"]["seconds"], 1.5))
+        out.append((f"{r} full curation ÷ in-memory reference", v["rollstore"]["seconds"] / v["reference"]["seconds"],
+                    float("nan")))
+        out.append((f"{r} --dry-run ÷ in-memory reference", v["dry"]["seconds"] / v["reference"]["seconds"], 1.0))
+    g = list(m["growth"].values())
+    out.append((f"d3s of step 0: {list(m['growth'])[1]} ÷ 1-step buffer", g[1]["seconds"] / g[0]["seconds"], 1.5))
+    return out
+
+
 def tables(m: dict) -> str:
     info, floor = m["info"], m["floor"]
     tokens = info["tokens"]
     rows = [["scan floor (one DuckDB scan: same columns, \\|A\\|·H, no selection)", floor["seconds"], 1.0, None,
              tokens / floor["seconds"] / 1e6, floor["peak_rss_mib"], None, None]]
     for recipe, v in m["recipes"].items():
-        rs, ref = v["rollstore"], v["reference"]
+        rs, ref, dry, copy = v["rollstore"], v["reference"], v["dry"], v["copy"]
         rows.append([f"{recipe}: in-memory reference (numpy; load {ref['load_seconds']:.2f} s of it)", ref["seconds"],
                      ref["seconds"] / floor["seconds"], 1.0, tokens / ref["seconds"] / 1e6, ref["peak_rss_mib"],
                      ref["n_selected"], ref["tokens_kept"]])
+        rows.append([f"{recipe}: copy floor (one DuckDB COPY of the selected rows' curated columns, zstd 3)",
+                     copy["seconds"], copy["seconds"] / floor["seconds"], copy["seconds"] / ref["seconds"],
+                     tokens / copy["seconds"] / 1e6, copy["peak_rss_mib"], rs["n_selected"], None])
+        rows.append([f"**{recipe}: rollstore curate --dry-run** (record + audit, no curated shards)", dry["seconds"],
+                     dry["seconds"] / floor["seconds"], dry["seconds"] / ref["seconds"], tokens / dry["seconds"] / 1e6,
+                     dry["peak_rss_mib"], dry["n_selected"], dry["tokens_kept"]])
         rows.append([f"**{recipe}: rollstore curate**", rs["seconds"], rs["seconds"] / floor["seconds"],
                      rs["seconds"] / ref["seconds"], tokens / rs["seconds"] / 1e6, rs["peak_rss_mib"],
                      rs["n_selected"], rs["tokens_kept"]])
     out = [common.md_table(["run", "seconds", "× floor", "× in-memory", "Mtokens/s", "peak RSS (MiB)", "selected",
                             "tokens kept"], rows)]
+    out.append("")
+    out.append("Targets (issue 15), from this one run:")
+    out.append("")
+    out.append(common.md_table(["ratio", "measured", "target", "met"],
+                               [[w, x, None if t != t else t, "-" if t != t else ("yes" if x <= t else "**no**")]
+                                for w, x, t in targets(m)]))
     out.append("")
     out.append("Agreement of the in-memory reference with rollstore (selected rollouts, tokens kept per rollout, "
                "final advantages):")
@@ -293,13 +363,16 @@ def main() -> None:
     ap.add_argument("--where", default="true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ids", default=None, help="copy child: the selected rows (a curate child's --out)")
     ap.add_argument("--first-shards", type=int, default=0, help="reference child: only the first K shards")
     a = ap.parse_args()
     if a.child == "floor":
         return common.child_result(child_floor(a.root, a.memory_limit, a.where))
-    if a.child == "curate":
+    if a.child in ("curate", "dry"):
         return common.child_result(child_curate(a.root, a.recipe_one, a.memory_limit, a.progress, a.where, a.out,
-                                                a.profile))
+                                                a.profile, dry_run=a.child == "dry"))
+    if a.child == "copy":
+        return common.child_result(child_copy(a.root, a.memory_limit, a.ids, a.out))
     if a.child == "reference":
         return common.child_result(child_reference(a.root, a.recipe_one, a.progress, a.out, a.profile,
                                                    a.first_shards or None))

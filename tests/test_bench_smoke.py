@@ -24,11 +24,13 @@ def in_process(monkeypatch):
     """run_one → the child function in this process (no fresh interpreter per measurement)."""
 
     def run_one(kind, root, recipe="", memory_limit="1GB", progress="0", where="true", out=None, profile=False,
-                first_shards=0):
+                first_shards=0, ids=None):
         if kind == "floor":
             r = curation.child_floor(root, memory_limit, where)
-        elif kind == "curate":
-            r = curation.child_curate(root, recipe, memory_limit, progress, where, out, profile)
+        elif kind in ("curate", "dry"):
+            r = curation.child_curate(root, recipe, memory_limit, progress, where, out, profile, kind == "dry")
+        elif kind == "copy":
+            r = curation.child_copy(root, memory_limit, ids, out)
         else:
             r = curation.child_reference(root, recipe, progress, out, profile, first_shards or None)
         r.setdefault("peak_rss_mib", common.peak_rss_mib())
@@ -63,7 +65,14 @@ def test_curation_tables_and_agreement(small_buffer, in_process, tmp_path):
     tables = text.split("\n\n")
     main = next(t for t in tables if t.startswith("| run |"))
     assert _columns(main) == 8
-    assert len(_body(main)) == 1 + 2 * 2  # floor + (reference, rollstore) per recipe
+    assert len(_body(main)) == 1 + 2 * 4  # floor + (reference, copy floor, dry run, rollstore) per recipe
+    for recipe, v in m["recipes"].items():  # the dry run gives the full run's numbers
+        assert (v["dry"]["n_selected"], v["dry"]["tokens_kept"]) == (v["rollstore"]["n_selected"],
+                                                                      v["rollstore"]["tokens_kept"]), recipe
+        assert v["copy"]["bytes"] > 0
+    targets = curation.targets(m)
+    assert len(targets) == 4 * 2 + 1 and all(x > 0 for _, x, _ in targets)
+    assert set(m["growth"]) == {"1-step buffer", f"{m['info']['shards']}-step buffer"}
     for recipe, v in m["recipes"].items():
         a = v["agreement"]
         assert a["same_rollouts"], recipe

@@ -9,7 +9,7 @@ Invariants:
     hence whole groups (a group's rows share one prompt, checked at append) and the whole history
     of its prompts (per-prompt counts add up exactly);
   - GROUP and ROW steps then run inside each partition until a GLOBAL step, whose merge is exact:
-    μ from integer counts (`curate.run.mu_of`); the cross-group max-variance subset by the same
+    μ from integer counts (`curate.steps.mu_of`); the cross-group max-variance subset by the same
     select step over every pool row, run on the client, its `picked` rows sent back by partition;
   - the record's steps and the audit run over every candidate's narrow row in one task;
   - token steps run per input shard holding a selected row: the entropies are read once and kept
@@ -66,8 +66,16 @@ from .output import (
 )
 from .params import CurationError, ParamError, Params, Recipe, resolve, token_budget
 from .plan import GLOBAL, PROMPT, Plan, Step, build
-from .run import CURATION_INPUTS, mu_of
-from .steps import Runner, latest_checkpoint, latest_policy, latest_step, parquet, with_defaults
+from .steps import (
+    CURATION_INPUTS,
+    Runner,
+    latest_checkpoint,
+    latest_policy,
+    latest_step,
+    mu_of,
+    parquet,
+    with_defaults,
+)
 from .tokens import mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
 
 NO_SELECTIONS = ("(SELECT NULL::VARCHAR AS rollout_id, NULL::VARCHAR AS curation_id, "

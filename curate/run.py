@@ -42,21 +42,21 @@ from .output import (
 )
 from .params import CurationError, ParamError, Params, Recipe, resolve, token_budget
 from .plan import Plan, build
-from .steps import Runner, latest_checkpoint, latest_policy, latest_step, parquet, with_defaults
+from .steps import (
+    CURATION_INPUTS,
+    Runner,
+    latest_checkpoint,
+    latest_policy,
+    latest_step,
+    mu_of,
+    parquet,
+    with_defaults,
+)
 from .tokens import merge_histograms, mask_values, missing_entropies_error, pick_bucket, threshold_of
 
 DEFAULT_TIMEOUT = 600.0  # seconds for the stages that run user SQL (`where`, a custom recipe)
-# Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
-CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
-__all__ = ["CURATION_INPUTS", "CurationError", "CurationResult", "curate", "mu_of"]
-
-
-def mu_of(counts: list[tuple[int, int]]) -> float | None:
-    """The merge of curate_batch_accuracy.sql: μ = Σk / Σn over the partitions (None when Σn = 0)."""
-    k = sum(int(c[0] or 0) for c in counts)
-    n = sum(int(c[1] or 0) for c in counts)
-    return k / n if n else None
+__all__ = ["CurationError", "CurationResult", "curate"]
 
 
 def custom_statement(session: Session, recipe: Recipe) -> str | None:

@@ -19,6 +19,16 @@ from storage.snapshot import sql_string
 from .params import CurationError, Params, step_where
 from .plan import Step
 
+# Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
+CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
+
+
+def mu_of(counts: list[tuple[int, int]]) -> float | None:
+    """The merge of curate_batch_accuracy.sql: μ = Σk / Σn over the partitions (None when Σn = 0)."""
+    k = sum(int(c[0] or 0) for c in counts)
+    n = sum(int(c[1] or 0) for c in counts)
+    return k / n if n else None
+
 
 class Runner:
     """Runs steps in `session` with `values` (a dict the engine extends as the run goes: μ, the

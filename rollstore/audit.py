@@ -21,11 +21,11 @@ import sys
 
 import pyarrow as pa
 from rich.console import Console
+from rich.text import Text
 
 from queries import load_sql
 from queries.session import Session
-from rollstore.curation_cli import latest_curation, render_marked
-from rollstore.output import _csv_ready, _jsonable, render_table
+from rollstore.output import csv_ready, jsonable, render_table
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 
@@ -36,6 +36,25 @@ RECORD_FIELDS = ("curation_id", "recipe", "snapshot_seq", "progress", "n_candida
 TABLE_ROWS = 50  # rows of the compare differences printed in table format
 
 
+
+def latest_curation(session: Session) -> str:
+    row = session.one("SELECT curation_id FROM curations ORDER BY created_at DESC, curation_id DESC LIMIT 1")
+    if row is None:
+        raise RollstoreError("the buffer has no curations yet: run `rollstore curate` first")
+    return row[0]
+
+
+def render_marked(response: str, tokens: list[dict]) -> Text:
+    """The response with kept tokens in bold green and dropped ones dim. Token i is character i
+    when the text has one character per token (character-level policies); otherwise token ids."""
+    text = Text()
+    per_char = len(response) in (len(tokens), len(tokens) - 1)
+    for i, tok in enumerate(tokens):
+        piece = (response[i] if i < len(response) else "⏎") if per_char else f"[{tok['token_id']}]"
+        text.append(piece, style="bold green" if tok["kept"] else "dim")
+    return text
+
+
 def record(session: Session, cid: str) -> dict:
     cols = ", ".join(RECORD_FIELDS)
     row = session.one(f"SELECT {cols} FROM curations WHERE curation_id = $c", {"c": cid})
@@ -43,7 +62,7 @@ def record(session: Session, cid: str) -> dict:
         raise RollstoreError(f"no curation {cid!r} in this buffer")
     rec = dict(zip(RECORD_FIELDS, row))
     rec["params"] = json.loads(rec["params"])
-    return _jsonable(rec)
+    return jsonable(rec)
 
 
 def view(session: Session, name: str, params: dict) -> pa.Table:
@@ -68,7 +87,7 @@ def params_diff(a: dict, b: dict) -> pa.Table:
 def write_json(head: dict, views: list[tuple[str, pa.Table]]) -> None:
     doc = dict(head)
     for name, table in views:
-        doc[name] = [_jsonable(r) for r in table.to_pylist()]
+        doc[name] = [jsonable(r) for r in table.to_pylist()]
     sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
     sys.stdout.flush()
 
@@ -78,7 +97,7 @@ def write_csv(views: list[tuple[str, pa.Table]]) -> None:
 
     parts = []
     for name, table in views:
-        table = _csv_ready(table)  # lists and structs as JSON text
+        table = csv_ready(table)  # lists and structs as JSON text
         parts.append(table.add_column(0, "view", pa.array([name] * table.num_rows, pa.string())))
     merged = pa.concat_tables(parts, promote_options="permissive")
     sink = pa.BufferOutputStream()
@@ -130,7 +149,7 @@ def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console)
         out.print(render_marked(response, tokens.to_pylist()))
         render_table(tokens, out, title="tokens (kept = in the loss)")
 
-    emit(fmt, _jsonable(head), [("tokens", tokens)], as_table)
+    emit(fmt, jsonable(head), [("tokens", tokens)], as_table)
 
 
 def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:

@@ -289,7 +289,7 @@ def audit(
     format: str = typer.Option("table", "--format", "-f", help="table|json|csv"),
 ):
     """Reason counts and keep rates of a curation, one rollout's kept tokens, or two curations compared."""
-    from rollstore.curation_cli import run_audit
+    from rollstore.audit import run_audit
 
     with open_buffer(buffer) as buf:
         run_audit(buf, curation_id, rollout, out, format, compare)

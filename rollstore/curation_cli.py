@@ -1,17 +1,14 @@
-"""`rollstore curate` and `rollstore audit`: run a recipe, print its summary; read the audit back.
+"""`rollstore curate`: run a recipe, print its summary (the audit is read back by rollstore/audit.py).
 
-Invariants: `curate` prints the curation id alone on the last line of stdout; the audit views are
-plain SQL over the `selections`, `curated` and `rollouts` tables (queries/audit_*.sql, rollstore/audit.py).
+Invariants: `curate` prints the curation id alone on the last line of stdout.
 """
 
 from __future__ import annotations
 
 from rich.console import Console
-from rich.text import Text
 
 from curate.params import load_recipe, parse_sets
 from curate.run import CurationResult, curate
-from queries.session import Session
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 
@@ -54,29 +51,3 @@ def print_summary(result: CurationResult, out: Console) -> None:
     for line in lines:
         out.print(line, highlight=False, markup=False)
     print(result.curation_id, flush=True)
-
-
-def latest_curation(session: Session) -> str:
-    row = session.one("SELECT curation_id FROM curations ORDER BY created_at DESC, curation_id DESC LIMIT 1")
-    if row is None:
-        raise RollstoreError("the buffer has no curations yet: run `rollstore curate` first")
-    return row[0]
-
-
-def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out: Console, fmt: str = "table",
-              compare: str | None = None) -> None:
-    """The audit views (rollstore/audit.py): one curation, one rollout's tokens, or two curations."""
-    from rollstore.audit import run_audit as run
-
-    run(buf, curation_id, rollout_id, out, fmt, compare)
-
-
-def render_marked(response: str, tokens: list[dict]) -> Text:
-    """The response with kept tokens in bold green and dropped ones dim. Token i is character i
-    when the text has one character per token (character-level policies); otherwise token ids."""
-    text = Text()
-    per_char = len(response) in (len(tokens), len(tokens) - 1)
-    for i, tok in enumerate(tokens):
-        piece = (response[i] if i < len(response) else "⏎") if per_char else f"[{tok['token_id']}]"
-        text.append(piece, style="bold green" if tok["kept"] else "dim")
-    return text

@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.progress import Progress
 
 from storage.buffer import Buffer
-from storage.snapshot import sql_string
 
 
 def _next_step(buf: Buffer, run_id: str) -> int:
@@ -59,10 +58,10 @@ def run_generate(buffer, prompts_ref, model, backend_name, group_size, num_promp
             err.print(f"step {step}: {shard.rows} rollouts, {shard.tokens} tokens, policy v{version} -> {shard.path}",
                       highlight=False)
             if follow:
-                from curate.params import load_recipe
+                from curate.params import load_recipe, step_where
                 from curate.run import curate
 
-                cur = curate(buf, load_recipe(recipe), {**(sets or {}), "where": f"run_id = {sql_string(run_id)} AND step = {step}",
+                cur = curate(buf, load_recipe(recipe), {**(sets or {}), "where": step_where(run_id, step),
                                                         "progress": str(i / steps),
                                                         "max_policy_lag": str(max_policy_lag)})
                 err.print(f"step {step}: curation {cur.curation_id} kept {cur.record['n_selected']} samples",

@@ -27,11 +27,10 @@ from typing import Callable
 
 import pyarrow as pa
 
-from curate.params import load_recipe, resolve
+from curate.params import load_recipe, resolve, step_where
 from curate.run import CurationResult, curate
 from queries.session import Session
 from storage.buffer import Buffer
-from storage.snapshot import sql_string
 from storage.timing import Stopwatch
 
 
@@ -287,7 +286,7 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
                         note = f"only {sum(_surviving_groups(t) for t in generated)} groups survived after {batches} batches"
                         break
             clock = Stopwatch(phases)
-            where = f"run_id = {sql_string(run_id)} AND step = {it}"
+            where = step_where(run_id, it)
             cur: CurationResult = curate(
                 buf, recipe, {**sets, "where": where, "progress": str(it / cfg.iterations)},
                 session=curation_session,

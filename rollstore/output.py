@@ -27,7 +27,7 @@ from rich.text import Text
 MAX_TABLE_ROWS = 1000
 
 
-def _jsonable(value):
+def jsonable(value):
     if isinstance(value, float):
         return None if math.isnan(value) or math.isinf(value) else value
     if isinstance(value, (dt.datetime, dt.date, dt.time)):
@@ -37,9 +37,9 @@ def _jsonable(value):
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, list):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     return value
 
 
@@ -80,16 +80,16 @@ def _python_safe(table: pa.Table) -> pa.Table:
 
 
 def to_json(table: pa.Table) -> str:
-    return json.dumps([_jsonable(row) for row in _python_safe(table).to_pylist()], ensure_ascii=False)
+    return json.dumps([jsonable(row) for row in _python_safe(table).to_pylist()], ensure_ascii=False)
 
 
-def _csv_ready(table: pa.Table) -> pa.Table:
+def csv_ready(table: pa.Table) -> pa.Table:
     """CSV cannot hold lists or structs: render them as JSON text."""
     cols = []
     table = _python_safe(table)
     for name, col in zip(table.column_names, table.columns):
         if pa.types.is_nested(col.type):
-            col = pa.array([None if v is None else json.dumps(_jsonable(v)) for v in col.to_pylist()], pa.string())
+            col = pa.array([None if v is None else json.dumps(jsonable(v)) for v in col.to_pylist()], pa.string())
         elif pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_fixed_size_binary(col.type):
             col = pa.array([None if v is None else v.hex() for v in col.to_pylist()], pa.string())
         cols.append(col)
@@ -100,7 +100,7 @@ def _cell(value) -> str:
     if value is None:
         return "NULL"
     if isinstance(value, list):
-        text = json.dumps(_jsonable(value[:8]))
+        text = json.dumps(jsonable(value[:8]))
         return text[:-1] + (f", … ({len(value)})]" if len(value) > 8 else "]")
     if isinstance(value, float):
         return f"{value:.6g}"
@@ -115,7 +115,7 @@ def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Conso
         text = to_json(table) + "\n"
     elif fmt == "csv":
         sink = pa.BufferOutputStream()
-        pacsv.write_csv(_csv_ready(table), sink)
+        pacsv.write_csv(csv_ready(table), sink)
         text = sink.getvalue().to_pybytes().decode()
     else:
         if out_file is None:

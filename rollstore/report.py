@@ -30,7 +30,7 @@ from html import escape
 
 from queries import load_sql
 from queries.session import Session
-from rollstore.output import _jsonable
+from rollstore.output import jsonable
 from rollstore.report_svg import (
     PALETTE,
     Series,
@@ -114,7 +114,7 @@ def bind(sql: str, params: dict) -> str:
 
 def run_query(session: Session, name: str, curation_id: str | None) -> Result:
     sql = bind(load_sql(name), {"curation_id": curation_id})
-    rows = [_jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
+    rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
     return Result(name, sql, rows)
 
 

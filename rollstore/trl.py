@@ -61,7 +61,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("rollstore.trl needs TRL: pip install -e '.[trl]'") from exc
 
-from curate.params import Recipe, load_recipe
+from curate.params import Recipe, load_recipe, step_where
 from curate.run import curate as run_curation
 from rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
 from rollout.build import build_rollouts
@@ -69,7 +69,6 @@ from rollout.prompts import Prompt, prompt_hash
 from rollout.reward import Verdict
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
-from storage.snapshot import sql_string
 
 __all__ = ["RollstoreGRPOTrainer", "TRLPluginError"]
 
@@ -257,7 +256,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         max_steps = max(int(self.state.max_steps or 0), 1)
         progress = Fraction(min(int(self.state.global_step), max_steps), max_steps)
         sets = dict(self.rollstore_sets)
-        sets["where"] = f"run_id = {sql_string(self.rollstore_run_id)} AND step = {step}"
+        sets["where"] = step_where(self.rollstore_run_id, step)
         sets["progress"] = progress
         result = run_curation(self.rollstore_buffer, self.rollstore_recipe, sets)
         self.rollstore_curations.append(result)

@@ -61,7 +61,7 @@ def data_blocks(html: str) -> dict[str, list[dict]]:
 def documented(root: str, name: str, curation_id: str | None = None) -> list[dict]:
     """Run queries/<name>.sql straight with DuckDB over the buffer's latest snapshot (own connection,
     the snapshot's views and the user views of queries/views.sql), as a user would."""
-    from rollstore.output import _jsonable
+    from rollstore.output import jsonable
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         con = duckdb.connect()
@@ -69,7 +69,7 @@ def documented(root: str, name: str, curation_id: str | None = None) -> list[dic
         con.execute(load_sql("views"))
         rows = con.sql(bind(load_sql(name), {"curation_id": curation_id})).to_arrow_table().to_pylist()
         con.close()
-    return [_jsonable(r) for r in rows]
+    return [jsonable(r) for r in rows]
 
 
 def raw(root: str, table: str) -> list[dict]:

@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 from dataclasses import dataclass, field
 

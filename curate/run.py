@@ -40,7 +40,7 @@ from .output import (
     sorted_by_rollout,
     summarise,
 )
-from .params import CurationError, ParamError, Params, Recipe, resolve, token_budget
+from .params import CurationError, ParamError, Recipe, resolve, token_budget
 from .plan import Plan, build
 from .steps import (
     CURATION_INPUTS,
@@ -158,7 +158,9 @@ def _threshold(runner: Runner, plan: Plan, summary: dict, opened: list[str]):
     if not plan.token_stage:
         runner.run(steps["curate_no_entropies"])
         return None
-    runner.run(steps["curate_token_entropies"], {"rollouts": parquet(opened) if opened else "rollouts"})
+    # No shard holds a selected row: an empty relation, so no entropies are read at all.
+    runner.run(steps["curate_token_entropies"],
+               {"rollouts": parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"})
     missing = runner.rows(steps["curate_missing_entropies"])
     if missing:
         raise missing_entropies_error(missing[0][0], plan.params["token"])

@@ -1,8 +1,12 @@
 """The learner under torch.distributed on CPU (gloo, 2 ranks): the same weights as one process,
 exactly-once through a SIGKILL of one rank, a restart with another number of ranks, FSDP2.
 
-Ranks are forked children (no re-import of torch/transformers) joined through a file store; a
-rank that dies takes the others down, as torchrun does.
+Ranks are forked children (no re-import of torch/transformers) that meet at a TCP store the test
+process hosts for the whole job (as torchrun's agent does), so no rank's exit can pull the store
+from under another rank's shutdown. (A file store did that once in CI: rank 0 finished, rank 1
+hung in `destroy_process_group` until the job's deadline.) A rank that dies takes the others down,
+as torchrun does; a rank still alive after `WATCHDOG_S` prints every thread's stack and exits 1,
+so a hang fails with its place, never as an anonymous SIGKILL.
 
 Tolerance: a 2-rank step sums the same per-row gradient terms as one process but in another
 order (each rank's block, then the all-reduce), and micro-batches padded to other widths; float32
@@ -14,6 +18,8 @@ trained twice or a per-rank normaliser, moves weights by ~1e-3).
 
 from __future__ import annotations
 
+import datetime as dt
+import faulthandler
 import os
 import signal
 import time
@@ -32,18 +38,20 @@ from test_checkpoint import RUN, TRAIN, final_state, fork, make_buffer
 _threads = pytest.fixture(autouse=True)(one_thread)
 
 RTOL = ATOL = 1e-5
+COLLECTIVE_TIMEOUT = dt.timedelta(seconds=60)
+WATCHDOG_S = 150  # > the collective timeout: a rank blocked in a collective fails on its own first
+DEADLINE_S = WATCHDOG_S + 30
 
 
-def rank_process(root: str, rank: int, world: int, rendezvous: str, parallel: str, kill_at: int | None) -> None:
+def rank_process(root: str, rank: int, world: int, port: int, parallel: str, kill_at: int | None) -> None:
     """One learner rank: join the group, resume the run, train what is pending."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     deterministic_cpu(0, threads=1)
     dist = SINGLE
     if world > 1:
-        import datetime as dt
-
+        store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-            timeout=dt.timedelta(seconds=60),
+            "gloo", store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT,
         )
         dist = current(parallel)
     buf = Buffer.open(root)
@@ -65,13 +73,14 @@ def rank_process(root: str, rank: int, world: int, rendezvous: str, parallel: st
 def run_job(root: str, world: int, parallel: str = "ddp", kill: tuple[int, int] | None = None) -> list[int]:
     """Run `world` ranks to the end; `kill=(rank, step)`: that rank SIGKILLs itself after that step,
     and the survivors are killed (as torchrun does). Returns the exit statuses."""
-    rendezvous = f"{root}-rendezvous-{time.monotonic_ns()}"  # a FileStore: no rank hosts it
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                                       timeout=COLLECTIVE_TIMEOUT)  # port 0: a free one; lives until the job ends
     pids = [
-        fork(rank_process, root, r, world, rendezvous, parallel, kill[1] if kill and kill[0] == r else None)
+        fork(rank_process, root, r, world, store.port, parallel, kill[1] if kill and kill[0] == r else None)
         for r in range(world)
     ]
     status: dict[int, int] = {}
-    deadline = time.time() + 120
+    deadline = time.time() + DEADLINE_S
     while len(status) < world and time.time() < deadline:
         for pid in pids:
             if pid in status:
@@ -88,6 +97,7 @@ def run_job(root: str, world: int, parallel: str = "ddp", kill: tuple[int, int] 
         if pid not in status:
             os.kill(pid, signal.SIGKILL)
             status[pid] = os.waitpid(pid, 0)[1]
+    del store
     return [status[p] for p in pids]
 
 

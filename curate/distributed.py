@@ -76,7 +76,7 @@ from .steps import (
     parquet,
     with_defaults,
 )
-from .tokens import mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
+from .tokens import check_exact, mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
 
 NO_SELECTIONS = ("(SELECT NULL::VARCHAR AS rollout_id, NULL::VARCHAR AS curation_id, "
                  "NULL::BOOLEAN AS selected WHERE false)")
@@ -539,15 +539,18 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     decisions = [job.submit(_decision, collected, i) if n else None
                  for i, n in enumerate(summary["selected_per_shard"])]
     scored = [None] * n_shards
-    threshold = None
+    threshold, k = None, None
     if plan.token_stage:
         scored = [job.submit(_entropies, ctx, i, d) if d is not None else None for i, d in enumerate(decisions)]
-        threshold = _token_threshold(job, scored, token_budget(summary["tokens_selected"], params.token_fraction()))
+        k = token_budget(summary["tokens_selected"], params.token_fraction())
+        threshold = _token_threshold(job, scored, k)
     values = mask_values(threshold)
     shards = [i for i, d in enumerate(decisions) if d is not None]
     kept = [job.submit(_kept, ctx, decisions[i], scored[i], values) for i in shards]
-    audit_future = job.submit(_write_audit, ctx, curation_id, collected, *kept)
     tokens_kept = sum(int(pc.sum(t.column("tokens_kept")).as_py() or 0) for t in job.gather(kept))
+    if k is not None:
+        check_exact(k, tokens_kept)
+    audit_future = job.submit(_write_audit, ctx, curation_id, collected, *kept)
     record = new_record(plan, curation_id, snap.seq, summary, summary["sample_budget"], threshold, tokens_kept)
     audit_part: WrittenPart = audit_future.result()
     audit = pq.read_table(os.path.join(buf.root, audit_part.tmp_relpath)).cast(SELECTIONS)

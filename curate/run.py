@@ -52,7 +52,7 @@ from .steps import (
     parquet,
     with_defaults,
 )
-from .tokens import merge_histograms, mask_values, missing_entropies_error, pick_bucket, threshold_of
+from .tokens import check_exact, merge_histograms, mask_values, missing_entropies_error, pick_bucket, threshold_of
 
 DEFAULT_TIMEOUT = 600.0  # seconds for the stages that run user SQL (`where`, a custom recipe)
 
@@ -153,11 +153,12 @@ def _select(runner: Runner, plan: Plan, everything: str) -> int | None:
 
 
 def _threshold(runner: Runner, plan: Plan, summary: dict, opened: list[str]):
-    """Token selection's input and exact threshold: the selected rows' entropies, read once."""
+    """Token selection's input and exact threshold (and the budget K it was found for; None without
+    a token stage): the selected rows' entropies, read once."""
     steps = {s.sql: s for s in plan.phase("tokens")}
     if not plan.token_stage:
         runner.run(steps["curate_no_entropies"])
-        return None
+        return None, None
     # No shard holds a selected row: an empty relation, so no entropies are read at all.
     runner.run(steps["curate_token_entropies"],
                {"rollouts": parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"})
@@ -168,10 +169,10 @@ def _threshold(runner: Runner, plan: Plan, summary: dict, opened: list[str]):
     k = token_budget(summary["tokens_selected"], plan.params.token_fraction())
     found = pick_bucket(merge_histograms([runner.rows(steps["curate_token_histogram"])]), k)
     if found is None:
-        return None
+        return None, k
     bucket, offset = found
     head = runner.table(steps["curate_token_bucket"], bucket=bucket, n=offset + 1)
-    return threshold_of([head], offset)
+    return threshold_of([head], offset), k
 
 
 def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, plan: Plan,
@@ -180,11 +181,13 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     curation_id = plan.curation_id(snapshot_seq)
     summary = summarise(runner, plan)
     opened = [f for f in files if f in summary["selected_files"]]
-    threshold = _threshold(runner, plan, summary, opened)
+    threshold, k = _threshold(runner, plan, summary, opened)
     runner.values.update(mask_values(threshold), curation_id=curation_id)
     out_steps = {s.sql: s for s in plan.phase("output")}
     runner.run(out_steps["curate_tokens_kept"])
     tokens_kept = session.one("SELECT coalesce(sum(tokens_kept), 0) FROM kept_counts")[0]
+    if k is not None:
+        check_exact(k, tokens_kept)
     record = new_record(plan, curation_id, snapshot_seq, summary, sample_budget, threshold, tokens_kept)
     audit = runner.table(out_steps["curate_audit"]).cast(SELECTIONS)
     out = CurationResult(curation_id, record, summary["reasons"], snapshot_seq, committed=False, audit=audit)

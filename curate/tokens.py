@@ -11,6 +11,8 @@ after the K-th token's).
 Invariants:
 - The threshold is exact: histogram counts add up exactly across shards (`merge_histograms`), and
   the K-th token lies in the heads of its bucket, whichever shards they come from (`threshold_of`).
+  Both rest on the bucket key being monotone in the score; the engines check the result anyway
+  (`check_exact`: the mask keeps exactly K tokens) before anything is written.
 - The score and mask expressions below are the only SQL text of token pruning outside those files;
   they are fragments of the plan, so they are hashed into the curation id.
 """
@@ -33,21 +35,30 @@ def score_expression(token: str, entropy: str = "h", advantage: str = "advantage
 
 
 def mask_expression(token: str) -> str:
-    """The loss mask of a selected row (`e` = its selected_entropies row, `w`/`r` its rollout): with
-    a token stage, each token's (score, rollout_id, position) against the K-th token's."""
+    """The loss mask of a selected row (`e` = its selected_entropies row, `r` its rollout): with a
+    token stage, each token's (score desc, rollout_id asc, position asc) order against the K-th
+    token's ($thr, $thr_rollout, $thr_pos). The rollout_id part of the order is the same for every
+    token of a row, so it is decided once per row: rows before the K-th token's row keep score ≥
+    $thr, rows after it keep score > $thr, and only the K-th token's own row compares positions."""
     if token == "none":
         return "list_transform(r.response_token_ids, lambda t: true)"
     score = score_expression(token, "h", "e.advantage_final")
-    return ("list_transform(e.entropies, lambda h, i: "
-            f"({score}) > $thr OR (({score}) = $thr AND (e.rollout_id < $thr_rollout "
-            "OR (e.rollout_id = $thr_rollout AND i <= $thr_pos))))")
+    return (f"CASE WHEN e.rollout_id < $thr_rollout THEN list_transform(e.entropies, lambda h: ({score}) >= $thr) "
+            f"WHEN e.rollout_id > $thr_rollout THEN list_transform(e.entropies, lambda h: ({score}) > $thr) "
+            f"ELSE list_transform(e.entropies, lambda h, i: ({score}) > $thr OR (({score}) = $thr AND i <= $thr_pos)) END")
 
 
 def kept_expression(token: str) -> str:
-    """Tokens kept by a selected row: the true entries of its mask (all of them without a token stage)."""
+    """Tokens kept by a selected row: the true entries of its mask (all of them without a token
+    stage), counted with the same per-row case split as `mask_expression`, without building the mask."""
     if token == "none":
         return "w.tokens_total"
-    return f"len(list_filter({mask_expression(token)}, lambda k: k))"
+    score = score_expression(token, "h", "e.advantage_final")
+    return ("CASE WHEN e.rollout_id < $thr_rollout "
+            f"THEN len(list_filter(e.entropies, lambda h: ({score}) >= $thr)) "
+            "WHEN e.rollout_id > $thr_rollout "
+            f"THEN len(list_filter(e.entropies, lambda h: ({score}) > $thr)) "
+            f"ELSE len(list_filter(e.entropies, lambda h, i: ({score}) > $thr OR (({score}) = $thr AND i <= $thr_pos))) END")
 
 
 def merge_histograms(histograms: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
@@ -87,6 +98,17 @@ def mask_values(threshold: tuple[float, str, int] | None) -> dict:
         "thr_rollout": threshold[1] if threshold else "",
         "thr_pos": threshold[2] if threshold else 0,
     }
+
+
+def check_exact(k: int, tokens_kept: int) -> None:
+    """The threshold's proof: the order is strict, so the mask keeps exactly K tokens iff the
+    threshold is the K-th token. A bucket key that broke monotonicity (the only way the two passes
+    could miss) is caught here, before anything is written."""
+    if tokens_kept != k:
+        raise CurationError(
+            f"token threshold is not exact: the mask keeps {tokens_kept} tokens, the budget K is {k}; "
+            "nothing was written (please report this with the recipe and `rollstore recipes --explain`)"
+        )
 
 
 def missing_entropies_error(rollout_id: str, token: str) -> CurationError:

@@ -2,8 +2,9 @@
 -- selection): one row per response token of a selected row, score = |advantage_final| · H (float64
 -- from the stored float32 values) or H alone, per {score}. A view over `selected_entropies`, so it
 -- costs nothing until the threshold passes stream over it. `bucket` is a monotone key of the score
--- (binary exponent and 12 mantissa bits) for the exact two-pass top-K threshold: a histogram finds
--- the bucket holding the K-th token, then only that bucket is sorted.
+-- (64 buckets per octave: floor(64·log2 score); 0 has its own lowest bucket) for the exact two-pass
+-- top-K threshold: a histogram finds the bucket holding the K-th token, then only that bucket is
+-- sorted. A cheap key on purpose: it is computed for every token in the histogram pass.
 CREATE OR REPLACE TEMP VIEW token_scores AS
 WITH tokens AS (
     SELECT
@@ -18,8 +19,5 @@ scored AS (
 )
 SELECT
     rollout_id, pos, score,
-    CASE WHEN score = 0 THEN -9223372036854775807
-         ELSE floor(log2(score))::BIGINT * 4096
-              + floor((score / pow(2.0, floor(log2(score))) - 1.0) * 4096)::BIGINT
-    END AS bucket
+    CASE WHEN score = 0 THEN -9223372036854775807 ELSE floor(log2(score) * 64)::BIGINT END AS bucket
 FROM scored;

@@ -208,6 +208,30 @@ def test_errors_match_and_leave_nothing(pair, client, tmp_path):
     _nothing_visible(b, seq)
 
 
+def test_an_inexact_token_threshold_is_refused_and_leaves_nothing(pair, client, monkeypatch):
+    """Both engines prove the threshold before writing: a threshold that is not the K-th token
+    (here: one after every token, as a non-monotone bucket key would give) keeps a number of tokens
+    other than K, and the run stops with the same one-line error and nothing visible."""
+    import curate.distributed as dist_module
+    import curate.run as run_module
+
+    def wrong(heads, offset):
+        return float("inf"), "", 0
+
+    monkeypatch.setattr(run_module, "threshold_of", wrong)
+    monkeypatch.setattr(dist_module, "threshold_of", wrong)
+    b = pair[1]
+    with Buffer.open(b) as buf:
+        seq = buf.manifest.latest_seq()
+        messages = []
+        for kw in ({}, {"engine": "dask", "scheduler": client}):
+            with pytest.raises(CurationError, match=r"token threshold is not exact: the mask keeps 0 tokens") as info:
+                curate(buf, load_recipe("d3s"), ALL, **kw)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1] and "\n" not in messages[0]
+    _nothing_visible(b, seq)
+
+
 def _custom(tmp_path) -> str:
     path = tmp_path / "mine.sql"
     path.write_text("SELECT rollout_id, advantage FROM candidates")

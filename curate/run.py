@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part
@@ -41,7 +43,7 @@ from .output import (
     summarise,
 )
 from .params import CurationError, ParamError, Recipe, resolve, token_budget
-from .plan import Plan, build
+from .plan import Plan, Step, build
 from .steps import (
     CURATION_INPUTS,
     Runner,
@@ -195,16 +197,16 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
         return out
 
     layout = part_layout([summary["selected_files"][f] for f in opened], rows_per_shard(summary))
-    materialise = out_steps["curate_materialise"]
 
     def parts():
         record["old_logprobs_fallback"] = 0
         output_files, current = [], (None, None)
+        shards = _materialised(runner, out_steps["curate_materialise"], opened)
         for k, slices in enumerate(layout):
             pieces = []
             for i, start, rows in slices:
                 if current[0] != i:  # input shards come in order: each is materialised once
-                    current = (i, sorted_by_rollout(runner.table(materialise, {"rollouts": parquet([opened[i]])})))
+                    current = (i, next(shards))
                 pieces.append(current[1].slice(start, rows))
             table, fallback = curated_table(pieces, curation_id)
             record["old_logprobs_fallback"] += fallback
@@ -222,3 +224,30 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
         out.curated = pa.concat_tables(curated) if curated else CURATED.empty_table()
         return out
     return publish(buf, parts, curation_id, out)
+
+
+def _materialised(runner: Runner, materialise: Step, opened: list[str]):
+    """The materialised selected rows of each opened input shard, in order, each sorted by
+    rollout_id. One query reads as many shards as the session has threads: DuckDB parallelises a
+    scan by row group, and a small shard is one row group, so shard-by-shard reads ran on one
+    thread. Memory stays bounded by that many shards' selected rows."""
+    per_query = max(1, runner.session.threads())
+    for g in range(0, len(opened), per_query):
+        group = opened[g:g + per_query]
+        table = runner.table(materialise, {"rollouts": parquet(group)})
+        if len(group) == 1:
+            yield sorted_by_rollout(table)
+            continue
+        members = [runner.session.con.sql("SELECT rollout_id FROM work WHERE selected AND filename = $f",
+                                          params={"f": f}).to_arrow_table().column("rollout_id") for f in group]
+        ends = np.cumsum([len(m) for m in members])
+        if table.num_rows != ends[-1]:
+            raise CurationError(f"materialisation read {table.num_rows} selected rows from {len(group)} shards, "
+                                f"the selection has {int(ends[-1])}: the snapshot changed under the run")
+        position = pc.index_in(table.column("rollout_id"), value_set=pa.chunked_array(members).combine_chunks())
+        shard = np.searchsorted(ends, position.to_numpy(zero_copy_only=False), side="right")
+        order = pc.sort_indices(pa.table({"shard": shard, "rollout_id": table.column("rollout_id")}),
+                                [("shard", "ascending"), ("rollout_id", "ascending")])
+        table = table.take(order)
+        for start, end in zip(np.concatenate([[0], ends[:-1]]), ends):
+            yield table.slice(int(start), int(end - start))

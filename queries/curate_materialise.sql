@@ -4,7 +4,8 @@
 -- `fallback`), advantage_final, weight and the loss mask {loss_mask}: a token is kept when its
 -- (score desc, rollout_id asc, position asc) order is not after the K-th token's ($thr,
 -- $thr_rollout, $thr_pos), computed from `selected_entropies` (no second read of the entropies);
--- with no token stage every token is kept. Run once per input shard: memory stays bounded by one.
+-- with no token stage every token is kept. Run over a few input shards at a time (as many as the
+-- session has threads; one per Dask task): memory stays bounded by those shards' selected rows.
 SELECT
     r.rollout_id, r.group_id, r.prompt_id, r.policy_version,
     r.prompt_token_ids, r.response_token_ids, r.gen_logprobs,

@@ -183,6 +183,10 @@ class Session:
         rows = self.execute(sql, params).fetchall()
         return rows[0] if rows else None
 
+    def threads(self) -> int:
+        """DuckDB's worker threads in this session."""
+        return int(self.one("SELECT current_setting('threads')")[0])
+
     def check_user_sql(self, sql: str) -> list[str]:
         """The statements of `sql` if every one is a SELECT; otherwise raise SqlRefused."""
         try:

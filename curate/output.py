@@ -9,12 +9,16 @@ Invariants:
   same way, so they write the same bytes.
 - Curated shards, the audit and the record are published in ONE manifest commit; a failure before
   it leaves nothing visible, and an identical curation already committed is never written twice.
+- `ahead` builds the next part on a second thread while the committer writes the current one; the
+  parts, their order and the commit are the same as without it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+import queue
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,6 +159,54 @@ def already_committed(buf: Buffer, curation_id: str) -> bool:
 
 class _AlreadyCommitted(Exception):
     pass
+
+
+def ahead(items):
+    """Yield `items`, producing the next one on a background thread while the caller handles the
+    current one (at most one item waits). Materialising a part (DuckDB) and writing the previous
+    one (pyarrow's Parquet writer is single-threaded) then overlap; both release the GIL.
+
+    The producer's exception is raised in the caller; when the caller stops early (an error while
+    writing, or a close), the producer stops after its current item and `items` is closed."""
+    slot: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def put(message) -> bool:
+        while not stop.is_set():
+            try:
+                slot.put(message, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(("item", item)):
+                    break
+            else:
+                put(("done", None))
+        except BaseException as exc:  # handed to the caller, raised there
+            put(("error", exc))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    worker = threading.Thread(target=produce, name="rollstore-materialise", daemon=True)
+    worker.start()
+    try:
+        while True:
+            kind, value = slot.get()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        worker.join()
 
 
 def publish(buf: Buffer, parts, curation_id: str, out: CurationResult) -> CurationResult:

@@ -32,6 +32,7 @@ from storage.schema import CURATED, CURATIONS, SELECTIONS
 from .custom import apply_custom_recipe
 from .output import (
     CurationResult,
+    ahead,
     audit_path,
     curated_table,
     new_record,
@@ -223,7 +224,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
         curated = [part.table for part in parts() if part.table_name == "curated"]
         out.curated = pa.concat_tables(curated) if curated else CURATED.empty_table()
         return out
-    return publish(buf, parts, curation_id, out)
+    return publish(buf, lambda: ahead(parts()), curation_id, out)
 
 
 def _materialised(runner: Runner, materialise: Step, opened: list[str]):

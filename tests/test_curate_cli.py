@@ -219,3 +219,47 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
         steps = [int(rid.split("-s")[1].split("-")[0]) for rid in table.column("rollout_id").to_pylist()]
         assert steps == sorted(steps, reverse=True), "rows follow the shards' (manifest) order"
     assert digests[1] == digests[2] == digests[3]
+
+
+def test_ahead_keeps_order_and_hands_errors_and_early_stops_back():
+    """`ahead` (the next curated part is built while the current one is written): same items in
+    the same order; the producer's error is raised in the caller after the items before it; a
+    caller that stops early stops the producer and closes its generator."""
+    import threading
+
+    from curate.output import ahead
+
+    assert list(ahead(iter(range(7)))) == list(range(7))
+    assert list(ahead(iter([]))) == []
+
+    def failing():
+        yield 1
+        yield 2
+        raise OSError("no space left (test)")
+
+    got = []
+    with pytest.raises(OSError, match="no space left"):
+        for x in ahead(failing()):
+            got.append(x)
+    assert got == [1, 2]
+
+    closed = threading.Event()
+    produced = []
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                produced.append(i)
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    with pytest.raises(RuntimeError, match="writer failed"):
+        for x in ahead(endless()):
+            if x == 3:
+                raise RuntimeError("writer failed (test)")
+    assert closed.is_set(), "the producer's generator is closed"
+    assert len(produced) <= 6, "the producer stops: at most one item beyond the one in hand"
+    assert not [t for t in threading.enumerate() if t.name == "rollstore-materialise"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -56,6 +57,9 @@ from .steps import (
     with_defaults,
 )
 from .tokens import check_exact, merge_histograms, mask_values, missing_entropies_error, pick_bucket, threshold_of
+
+# Parquet bytes one materialisation query may read (several small shards, or one big one).
+MATERIALISE_GROUP_BYTES = 256 * 1024 * 1024
 
 DEFAULT_TIMEOUT = 600.0  # seconds for the stages that run user SQL (`where`, a custom recipe)
 
@@ -229,12 +233,11 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
 
 def _materialised(runner: Runner, materialise: Step, opened: list[str]):
     """The materialised selected rows of each opened input shard, in order, each sorted by
-    rollout_id. One query reads as many shards as the session has threads: DuckDB parallelises a
-    scan by row group, and a small shard is one row group, so shard-by-shard reads ran on one
-    thread. Memory stays bounded by that many shards' selected rows."""
-    per_query = max(1, runner.session.threads())
-    for g in range(0, len(opened), per_query):
-        group = opened[g:g + per_query]
+    rollout_id. One query reads as many shards as the session has threads, up to
+    MATERIALISE_GROUP_BYTES of Parquet (a bigger shard alone): DuckDB parallelises a scan by row
+    group, and a small shard is one row group, so shard-by-shard reads ran on one thread. Memory
+    stays bounded by one group's selected rows."""
+    for group in _shard_groups(opened, max(1, runner.session.threads())):
         table = runner.table(materialise, {"rollouts": parquet(group)})
         if len(group) == 1:
             yield sorted_by_rollout(table)
@@ -252,3 +255,17 @@ def _materialised(runner: Runner, materialise: Step, opened: list[str]):
         table = table.take(order)
         for start, end in zip(np.concatenate([[0], ends[:-1]]), ends):
             yield table.slice(int(start), int(end - start))
+
+
+def _shard_groups(paths: list[str], per_query: int) -> list[list[str]]:
+    """Consecutive runs of at most `per_query` shards and MATERIALISE_GROUP_BYTES on disk."""
+    groups: list[list[str]] = []
+    size = 0
+    for path in paths:
+        n = os.path.getsize(path)
+        if not groups or len(groups[-1]) >= per_query or size + n > MATERIALISE_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(path)
+        size += n
+    return groups

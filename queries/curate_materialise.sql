@@ -5,7 +5,7 @@
 -- (score desc, rollout_id asc, position asc) order is not after the K-th token's ($thr,
 -- $thr_rollout, $thr_pos), computed from `selected_entropies` (no second read of the entropies);
 -- with no token stage every token is kept. Run over a few input shards at a time (as many as the
--- session has threads; one per Dask task): memory stays bounded by those shards' selected rows.
+-- session has threads, within 256 MiB; one per Dask task): memory stays bounded by their selected rows.
 SELECT
     r.rollout_id, r.group_id, r.prompt_id, r.policy_version,
     r.prompt_token_ids, r.response_token_ids, r.gen_logprobs,

@@ -195,30 +195,35 @@ def test_curation_spills_beyond_memory_limit(tmp_path):
 
 
 def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeypatch):
-    """The embedded engine reads as many input shards per materialisation query as it has threads.
-    Shards appended newest step first make the manifest order differ from rollout_id order: the
-    curated rows must still come input shard by input shard, then by rollout_id, byte for byte as
-    when each shard is read alone (threads=1)."""
+    """The embedded engine reads as many input shards per materialisation query as it has threads,
+    within a byte cap. Shards appended newest step first make the manifest order differ from
+    rollout_id order: the curated rows must still come input shard by input shard, then by
+    rollout_id, byte for byte as when each shard is read alone (threads=1)."""
     import hashlib
 
     import curate.output as output_module
+    import curate.run as run_module
 
     monkeypatch.setattr(output_module, "CURATED_SHARD_BYTES", 10_000)
     digests = {}
-    for threads in (1, 2, 3):
-        root = str(tmp_path / f"t{threads}")
+    for key, threads in (("1", 1), ("2", 2), ("3", 3), ("3 capped", 3)):
+        root = str(tmp_path / key.replace(" ", "-"))
         with Buffer.init(root) as buf:
             for step in (4, 3, 2, 1, 0):
                 buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, mean_tokens=24, seed=5, step=step))
+            files = buf.snapshot().files("rollouts")
+            if key == "3 capped":  # room for two shards per query: groups of 3 become 2, 2, 1
+                monkeypatch.setattr(run_module, "MATERIALISE_GROUP_BYTES", 2 * max(map(os.path.getsize, files)))
+            assert [len(g) for g in run_module._shard_groups(files, threads)] == (
+                [2, 2, 1] if key in ("2", "3 capped") else [3, 2] if key == "3" else [1] * 5)
             r = curate(buf, load_recipe("d3s"), {"where": "true"}, threads=threads)
         curated = [p for p in r.output_files if p.startswith("curated/")]
         assert len(curated) >= 2
-        table = pq.read_table([os.path.join(root, p) for p in curated][0])
-        digests[threads] = [hashlib.sha256(open(os.path.join(root, p), "rb").read()).hexdigest()
-                            for p in r.output_files]
+        digests[key] = [hashlib.sha256(open(os.path.join(root, p), "rb").read()).hexdigest() for p in r.output_files]
+        table = pq.read_table(os.path.join(root, curated[0]))
         steps = [int(rid.split("-s")[1].split("-")[0]) for rid in table.column("rollout_id").to_pylist()]
         assert steps == sorted(steps, reverse=True), "rows follow the shards' (manifest) order"
-    assert digests[1] == digests[2] == digests[3]
+    assert digests["1"] == digests["2"] == digests["3"] == digests["3 capped"]
 
 
 def test_ahead_keeps_order_and_hands_errors_and_early_stops_back():

@@ -9,8 +9,9 @@ Invariants:
   GLOBAL step's results from several partitions are merged (`Step.merge`), and which input a step
   with `relations` reads (one shard, or the shards holding a selected row).
 - The curation id is a hash of the plan: of every step's text as built here (relations at their
-  canonical names), with the snapshot, the recipe name and the effective parameters. Two runs with
-  the same id run the same SQL on the same data, on either engine.
+  canonical names; comments and spacing left out, `executable`), with the snapshot, the recipe
+  name and the effective parameters. Two runs with the same id run the same SQL on the same data,
+  on either engine.
 - Scopes: ROW steps act on each candidate alone; PROMPT steps add up per prompt; GROUP steps need
   whole groups (a Dask partition holds whole prompts, hence whole groups); SHARD steps run per
   input shard; GLOBAL steps need the whole batch, and name their merge.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+
+import duckdb
 
 from queries import load_sql, parameters_of, render
 
@@ -88,11 +91,23 @@ class Plan:
         return self.params["sample"] != "none"
 
     def sha256(self) -> str:
-        return hashlib.sha256("\n;\n".join(s.text for s in self.steps).encode()).hexdigest()
+        """The hash of what the steps execute: their texts without comments, tokens one space apart."""
+        return hashlib.sha256("\n;\n".join(executable(s.text) for s in self.steps).encode()).hexdigest()
 
     def curation_id(self, snapshot_seq: int) -> str:
         text = f"{snapshot_seq}\n{self.recipe}\n{self.params.to_json()}\n{self.sha256()}"
         return f"cur-{hashlib.sha256(text.encode()).hexdigest()[:20]}"
+
+
+def executable(sql: str) -> str:
+    """`sql` as DuckDB's tokenizer reads it, without comments, its tokens one space apart: a
+    reworded comment or a re-indented line of a step file does not change any curation id, while
+    any change to what runs (a keyword, a name, a literal, a fragment) does."""
+    raw = sql.encode()  # the tokenizer's positions are UTF-8 byte offsets
+    tokens = duckdb.tokenize(sql)
+    ends = [start for start, _ in tokens[1:]] + [len(raw)]
+    return " ".join(raw[start:end].decode().strip() for (start, kind), end in zip(tokens, ends)
+                    if kind != duckdb.token_type.comment)
 
 
 def values_of(p: Params) -> dict:

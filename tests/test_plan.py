@@ -3,6 +3,7 @@ with `rollstore recipes --explain`; token data read at most once, and never by a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -145,3 +146,19 @@ def test_explain_prints_the_plan_in_order(cli):
     assert "rollouts.entropies" in out and "(at run time)" in out
     bad = cli("recipes", "--explain", "no-such-recipe")
     assert bad.code != 0 and "unknown recipe" in bad.stderr
+
+
+def test_comments_and_spacing_do_not_change_the_hash_but_code_does():
+    sql = "-- why\nSELECT a,  b /* note */\n  FROM t WHERE s = '-- kept' AND x > $thr -- tail\n"
+    same = "SELECT a, b FROM t\nWHERE s = '-- kept' AND x > $thr"
+    assert plan_module.executable(sql) == plan_module.executable(same)
+    for changed in ("SELECT a, b FROM t WHERE s = '--  kept' AND x > $thr",   # inside a literal
+                    "SELECT a, b FROM t WHERE s = '-- kept' AND x >= $thr",
+                    "SELECT b, a FROM t WHERE s = '-- kept' AND x > $thr"):
+        assert plan_module.executable(changed) != plan_module.executable(sql), changed
+    recipe = load_recipe("d3s")
+    plan = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
+    reworded = [dataclasses.replace(s, text="-- reworded\n" + s.text.replace("\n", "\n   ")) for s in plan.steps]
+    assert dataclasses.replace(plan, steps=reworded).sha256() == plan.sha256()
+    # non-ASCII text before the code (the tokenizer counts bytes, not characters)
+    assert plan_module.executable("-- |A|·H, κ ≤ 1\nSELECT 'é' AS x") == "SELECT 'é' AS x"

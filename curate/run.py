@@ -247,7 +247,7 @@ def _materialised(runner: Runner, materialise: Step, opened: list[str]):
         ends = np.cumsum([len(m) for m in members])
         if table.num_rows != ends[-1]:
             raise CurationError(f"materialisation read {table.num_rows} selected rows from {len(group)} shards, "
-                                f"the selection has {int(ends[-1])}: the snapshot changed under the run")
+                                f"the selection has {int(ends[-1])}; nothing was written (please report this)")
         position = pc.index_in(table.column("rollout_id"), value_set=pa.chunked_array(members).combine_chunks())
         shard = np.searchsorted(ends, position.to_numpy(zero_copy_only=False), side="right")
         order = pc.sort_indices(pa.table({"shard": shard, "rollout_id": table.column("rollout_id")}),

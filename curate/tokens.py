@@ -34,31 +34,32 @@ def score_expression(token: str, entropy: str = "h", advantage: str = "advantage
     return f"abs({advantage}::DOUBLE) * {entropy}::DOUBLE"
 
 
+def _per_row(token: str, over: str) -> str:
+    """`over` (a format with {lam}: a list function of `e.entropies`) applied with the predicate
+    "this token is not after the K-th token". The rollout_id part of the (score desc, rollout_id
+    asc, position asc) order is the same for every token of a row, so it is decided once per row:
+    rows before the K-th token's row keep score ≥ $thr, rows after it keep score > $thr, and only
+    the K-th token's own row compares positions."""
+    score = score_expression(token, "h", "e.advantage_final")
+    return (f"CASE WHEN e.rollout_id < $thr_rollout THEN {over.format(lam=f'lambda h: ({score}) >= $thr')} "
+            f"WHEN e.rollout_id > $thr_rollout THEN {over.format(lam=f'lambda h: ({score}) > $thr')} "
+            f"ELSE {over.format(lam=f'lambda h, i: ({score}) > $thr OR (({score}) = $thr AND i <= $thr_pos)')} END")
+
+
 def mask_expression(token: str) -> str:
     """The loss mask of a selected row (`e` = its selected_entropies row, `r` its rollout): with a
-    token stage, each token's (score desc, rollout_id asc, position asc) order against the K-th
-    token's ($thr, $thr_rollout, $thr_pos). The rollout_id part of the order is the same for every
-    token of a row, so it is decided once per row: rows before the K-th token's row keep score ≥
-    $thr, rows after it keep score > $thr, and only the K-th token's own row compares positions."""
+    token stage, each token's order against the K-th token's ($thr, $thr_rollout, $thr_pos)."""
     if token == "none":
         return "list_transform(r.response_token_ids, lambda t: true)"
-    score = score_expression(token, "h", "e.advantage_final")
-    return (f"CASE WHEN e.rollout_id < $thr_rollout THEN list_transform(e.entropies, lambda h: ({score}) >= $thr) "
-            f"WHEN e.rollout_id > $thr_rollout THEN list_transform(e.entropies, lambda h: ({score}) > $thr) "
-            f"ELSE list_transform(e.entropies, lambda h, i: ({score}) > $thr OR (({score}) = $thr AND i <= $thr_pos)) END")
+    return _per_row(token, "list_transform(e.entropies, {lam})")
 
 
 def kept_expression(token: str) -> str:
     """Tokens kept by a selected row: the true entries of its mask (all of them without a token
-    stage), counted with the same per-row case split as `mask_expression`, without building the mask."""
+    stage), counted with the same predicate as `mask_expression`, without building the mask."""
     if token == "none":
         return "w.tokens_total"
-    score = score_expression(token, "h", "e.advantage_final")
-    return ("CASE WHEN e.rollout_id < $thr_rollout "
-            f"THEN len(list_filter(e.entropies, lambda h: ({score}) >= $thr)) "
-            "WHEN e.rollout_id > $thr_rollout "
-            f"THEN len(list_filter(e.entropies, lambda h: ({score}) > $thr)) "
-            f"ELSE len(list_filter(e.entropies, lambda h, i: ({score}) > $thr OR (({score}) = $thr AND i <= $thr_pos))) END")
+    return _per_row(token, "len(list_filter(e.entropies, {lam}))")
 
 
 def merge_histograms(histograms: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:

@@ -212,14 +212,12 @@ def test_an_inexact_token_threshold_is_refused_and_leaves_nothing(pair, client, 
     """Both engines prove the threshold before writing: a threshold that is not the K-th token
     (here: one after every token, as a non-monotone bucket key would give) keeps a number of tokens
     other than K, and the run stops with the same one-line error and nothing visible."""
-    import curate.distributed as dist_module
-    import curate.run as run_module
+    import curate.merges as merges_module
 
     def wrong(heads, offset):
         return float("inf"), "", 0
 
-    monkeypatch.setattr(run_module, "threshold_of", wrong)
-    monkeypatch.setattr(dist_module, "threshold_of", wrong)
+    monkeypatch.setattr(merges_module, "threshold_of", wrong)  # the `heads` merge both engines use
     b = pair[1]
     with Buffer.open(b) as buf:
         seq = buf.manifest.latest_seq()

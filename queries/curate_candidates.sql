@@ -35,6 +35,7 @@ SELECT
     END AS reason,
     ($current_version - b.policy_version)::BIGINT AS age,
     coalesce(t.n, 0)::INTEGER AS uses,
+    false AS replay_dropped,  -- set by curate_replay_apply.sql: a window row replay did not choose
     NULL::BOOLEAN AS selected,
     NULL::INTEGER AS sample_rank,
     1.0::FLOAT    AS weight

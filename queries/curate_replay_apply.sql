@@ -3,10 +3,11 @@
 -- batch, and every later stage treats them like fresh rows.
 CREATE OR REPLACE TEMP TABLE work AS
 SELECT
-    w.* EXCLUDE (reason, selected),
+    w.* EXCLUDE (reason, selected, replay_dropped),
     CASE WHEN w.reason IS NULL AND w.replayed AND NOT coalesce(c.chosen, false) THEN 'not_selected'
          ELSE w.reason END                                                              AS reason,
     CASE WHEN w.reason IS NULL AND w.replayed AND NOT coalesce(c.chosen, false) THEN false
-         ELSE w.selected END                                                            AS selected
+         ELSE w.selected END                                                            AS selected,
+    w.replay_dropped OR (w.reason IS NULL AND w.replayed AND NOT coalesce(c.chosen, false)) AS replay_dropped
 FROM work w
 LEFT JOIN replay_choice c USING (rollout_id);

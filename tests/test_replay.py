@@ -1,0 +1,150 @@
+"""Replay curations (docs/replay.md) against the brute-force reference (tests/reference.py
+`reference_replay_curate`), through the real call path, and the accounting of uses."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import tempfile
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from curate.params import CurationError, ParamError, load_recipe
+from curate.run import curate
+from reference import reference_replay_curate
+from storage.buffer import Buffer
+from storage.schema import ROLLOUTS
+from test_curate_reference import compare
+
+EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _row(run: str, step: int, version: int, g: int, i: int, correct, reward: float, n_tok: int, prompt: int) -> dict:
+    return {
+        "rollout_id": f"{run}-s{step}g{g}{'ab'[i % 2]}{i}", "group_id": f"{run}-s{step}-g{g}",
+        "prompt_id": f"p{prompt}", "sample_idx": i, "run_id": run, "step": step, "policy_version": version,
+        "prompt": "q", "prompt_token_ids": [1, 2], "response": "a", "response_token_ids": list(range(3, 3 + n_tok)),
+        "gen_logprobs": [-0.5] * n_tok, "old_logprobs": [-0.25] * n_tok,
+        "entropies": [0.1 * ((i + j) % 7) for j in range(n_tok)], "finish_reason": "stop",
+        "reward": reward, "correct": correct, "gold_answer": "1", "verify_error": None, "source": "t",
+        "created_at": EPOCH + dt.timedelta(minutes=step), "meta": None,
+    }
+
+
+@st.composite
+def runs(draw):
+    """Steps 0..S of one run (step s sampled by version s), one step of another run, each step's
+    groups mixed, all-correct or all-wrong, rewards binary or shaped; the batch is the last step."""
+    n_steps = draw(st.integers(2, 4))
+    shaped = draw(st.booleans())
+    rows = []
+    for step in range(n_steps):
+        for g in range(draw(st.integers(1, 4))):
+            size = draw(st.integers(1, 5))
+            mode = draw(st.sampled_from(["mixed", "mixed", "all_correct", "all_wrong"]))
+            prompt = draw(st.integers(0, 3))
+            for i in range(size):
+                correct = {"mixed": draw(st.booleans()), "all_correct": True, "all_wrong": False}[mode]
+                verdict = draw(st.sampled_from([correct] * 9 + [None]))
+                reward = float(correct) + (draw(st.sampled_from([0.0, -0.25, 0.1])) if shaped else 0.0)
+                rows.append(_row("run", step, step, g, i, verdict, reward, draw(st.integers(1, 4)), prompt))
+    rows += [_row("other", 0, n_steps - 2, 0, i, i % 2 == 0, float(i % 2 == 0), 2, 0) for i in range(3)]
+    return rows
+
+
+def _buffer(rows) -> Buffer:
+    buf = Buffer.init(tempfile.mkdtemp(prefix="rs-replay-"))
+    for step in sorted({(r["run_id"], r["step"]) for r in rows}):
+        part = [r for r in rows if (r["run_id"], r["step"]) == step]
+        buf.append_rollouts(pa.Table.from_pylist(part, schema=ROLLOUTS), f"{step}")
+    return buf
+
+
+def _check(rows, recipe: str, sets: dict, prior: dict | None = None, buf: Buffer | None = None):
+    own = buf is None
+    buf = buf or _buffer(rows)
+    try:
+        last = max(r["step"] for r in rows if r["run_id"] == "run")
+        result = curate(buf, load_recipe(recipe), {"where": f"run_id = 'run' AND step = {last}", **sets})
+        params = {**{k: v for k, v in load_recipe(recipe).presets.items()}, **sets}
+        params = {k: (v if isinstance(v, (int, str)) and not isinstance(v, bool) else str(v)) for k, v in params.items()}
+        batch = {r["rollout_id"] for r in rows if r["run_id"] == "run" and r["step"] == last}
+        ref = reference_replay_curate(rows, batch, params, current_version=last, prior_selected_counts=prior)
+        compare(buf, result, ref)
+        audit = {r["rollout_id"]: r for r in result.audit.to_pylist()}
+        for rid, exp in ref["selections"].items():
+            for col in ("replayed", "age", "uses"):
+                assert audit[rid][col] == exp[col], (rid, col)
+        return result
+    finally:
+        if own:
+            buf.close()
+
+
+SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.parametrize("recipe, sets", [
+    ("replay-groups", {}),
+    ("replay-rollouts", {}),
+    ("replay-rollouts", {"replay_count": "3", "replay_decay": "0.25", "replay_window": "3"}),
+    ("replay-window", {}),
+    ("replay-d3s", {"progress": "0.3"}),
+    ("replay-groups", {"amplify": "da3po", "sample": "cross_group", "token": "abs_adv_entropy"}),
+    ("grpo", {"replay": "groups", "std": "population", "replay_window": "1"}),
+])
+@settings(**SETTINGS)
+@given(rows=runs())
+def test_replay_matches_the_reference(recipe, sets, rows):
+    _check(rows, recipe, sets)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=runs())
+def test_uses_count_committed_curations_and_the_cap_refuses_with_reused(rows):
+    """Curating the last step twice: the second curation sees every row the first selected as used
+    once; with replay_max_uses 1 those rows are `reused` (a replayed row at its cap still counts in
+    its group's advantages)."""
+    buf = _buffer(rows)
+    try:
+        first = _check(rows, "replay-rollouts", {}, buf=buf)
+        prior = {r["rollout_id"]: 1 for r in first.audit.to_pylist() if r["selected"]}
+        second = _check(rows, "replay-window", {"replay_max_uses": "1", "replay_window": "2"}, prior, buf=buf)
+        reused = {r["rollout_id"] for r in second.audit.to_pylist() if r["reason"] == "reused"}
+        assert reused == set(prior) & {r["rollout_id"] for r in second.audit.to_pylist()}
+    finally:
+        buf.close()
+
+
+def test_replay_refuses_a_batch_of_several_runs_and_bad_parameters(tmp_path):
+    rows = [_row("a", 0, 0, 0, i, i % 2 == 0, float(i % 2 == 0), 2, 0) for i in range(4)]
+    rows += [_row("b", 1, 1, 0, i, i % 2 == 0, float(i % 2 == 0), 2, 0) for i in range(4)]
+    with _buffer(rows) as buf:
+        seq = buf.manifest.latest_seq()
+        with pytest.raises(CurationError, match=r"parameter replay: the batch holds rows of 2 runs \('a', 'b'\)"):
+            curate(buf, load_recipe("replay-groups"), {"where": "true"})
+        for name in ("replay_window", "replay_max_uses"):
+            with pytest.raises(ParamError, match=f"parameter {name}: must be ≥ 1"):
+                curate(buf, load_recipe("replay-groups"), {"where": "true", name: "0"})
+        assert buf.manifest.latest_seq() == seq  # nothing committed
+
+
+def test_the_plan_and_the_record_name_the_replay_parameters():
+    from curate import plan as plan_module
+    from curate.params import resolve
+
+    recipe = load_recipe("replay-groups")
+    plan = plan_module.build(resolve(recipe, {"where": "step = 3", "current_version": "3"}), recipe)
+    names = [s.sql for s in plan.steps]
+    assert names.index("curate_filter") < names.index("curate_replay") < names.index("curate_replay_apply") \
+        < names.index("curate_select_all")
+    code = plan_module.executable
+    assert "replay_window" in code(plan.steps[0].text) and plan.values["replay_mode"] == "groups"
+    grpo = plan_module.build(resolve(load_recipe("grpo"), {"where": "step = 3", "current_version": "3"}),
+                             load_recipe("grpo"))
+    assert "curate_replay" not in [s.sql for s in grpo.steps] and "replay_window" not in code(grpo.steps[0].text)
+    params = json.loads(plan.params.to_json())
+    assert params["replay"] == "groups" and params["replay_max_uses"] == 2

@@ -119,6 +119,16 @@ def test_every_recipe_is_byte_identical(pair, client, recipe):
     assert_identical(pair, ra, rb, rows_a, rows_b)
 
 
+@pytest.mark.parametrize("recipe", ["replay-groups", "replay-d3s", "replay-rollouts", "replay-window"])
+def test_replay_recipes_are_byte_identical(pair, client, recipe):
+    """The fresh batch is the last step; the window (steps 1-2, versions 1-2) is read per shard and
+    the replay choice merged on the client: same rows, same bytes."""
+    ra, rb, rows_a, rows_b = _both(pair, client, recipe, {"where": "step = 4", "progress": "0.4"}, partitions=3)
+    replayed = [r for r in ra.audit.to_pylist() if r["replayed"]]
+    assert replayed and {r["age"] for r in replayed} <= {1, 2}
+    assert_identical(pair, ra, rb, rows_a, rows_b)
+
+
 @pytest.mark.parametrize("sets, partitions", [
     ({"amplify": "da3po", "filter": "dynamic", "sample": "cross_group", "token": "abs_adv_entropy",
       "schedule": "linear", "progress": "0.3", "difficulty_window": "2"}, 3),

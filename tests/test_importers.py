@@ -75,57 +75,166 @@ def one_error_line(res) -> str:
 
 
 # ---- TRL ------------------------------------------------------------------------------------
-def trl_file(folder, step: int, prompts: list[str], completions: list[str], correct: list[float]):
-    """As GRPOTrainer.log writes completions/completions_{step:05d}.parquet (pandas)."""
+# The fixtures are written by TRL itself: a real `GRPOTrainer(log_completions=True)` (TRL 1.16) on the
+# untrained tiny Llama, CPU, one step; `GRPOTrainer.log` writes completions/completions_00001.parquet.
+CHAT = ("{% for m in messages %}({{ m['content'] }}){% endfor %}{% if add_generation_prompt %}={% endif %}")
+
+
+def trl_run(out, conversational: bool, steps: int = 1, logging_steps: int = 1, steps_per_generation=None):
+    """Run TRL's GRPOTrainer with log_completions=True; return the sorted completion files."""
+    pytest.importorskip("trl")
+    import glob
+
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from learner.tiny import build_tokenizer, tiny_model_config
+
+    def length_reward(completions, **kw):
+        return [float(len(c if isinstance(c, str) else c[0]["content"]) % 2) for c in completions]
+
+    def constant(completions, **kw):
+        return [None if i == 0 else 0.5 for i in range(len(completions))]  # None: TRL logs NaN
+
+    tok = build_tokenizer()
+    tok.chat_template = CHAT
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_model_config(tok))
+    texts = ["1+1=", "2*3="]
+    rows = ([{"prompt": [{"role": "user", "content": t}]} for t in texts] if conversational
+            else [{"prompt": t} for t in texts])
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=8, max_completion_length=4,
+                         max_steps=steps, learning_rate=1e-3, logging_steps=logging_steps, report_to=[],
+                         save_strategy="no", use_cpu=True, seed=0, log_completions=True, dataloader_num_workers=0,
+                         disable_tqdm=True, **({"steps_per_generation": steps_per_generation} if steps_per_generation else {}))
+        GRPOTrainer(model=model, reward_funcs=[length_reward, constant], args=cfg,
+                    train_dataset=Dataset.from_list(rows), processing_class=tok).train()
+    finally:
+        torch.set_num_threads(old)
+    return sorted(glob.glob(str(out / "completions" / "completions_*.parquet")))
+
+
+@pytest.fixture(scope="module")
+def chat_tok_dir(tmp_path_factory):
+    from learner.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("chat-tok")
+    tok = build_tokenizer()
+    tok.chat_template = CHAT
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
+def test_trl_completions_from_a_real_grpo_trainer(tmp_path, cli, buf, tok_dir, model_dir):
+    (f,) = trl_run(tmp_path / "out", conversational=False)
+    table = pd.read_parquet(f)
+    assert list(table.columns) == ["step", "prompt", "completion", "length_reward", "constant", "advantage"]
+    res = cli("import", buf, f, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    assert res.code == 0, res.stderr
+    rows = rows_of(buf)
+    assert len(rows) == len(table) == 8  # every logged completion, repeated ones included
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    assert sorted(len(g) for g in groups.values()) == [4, 4]
+    assert all(len({r["prompt"] for r in g}) == 1 for g in groups.values())
+    assert {r["step"] for r in rows} == {1}
+    assert sorted(r["response"] for r in rows) == sorted(table["completion"])
+    # None from a reward function is NaN in TRL's file; it adds nothing to the reward and is null in meta
+    first = [r for r in rows if json.loads(r["meta"])["rewards"]["constant"] is None]
+    assert len(first) == 1 and first[0]["reward"] == json.loads(first[0]["meta"])["rewards"]["length_reward"]
+    notes = shard_notes(buf)
+    assert [(n["format"], n["file"], n["rows"]) for n in notes] == [("trl-completions", "completions_00001.parquet", 8)]
+    again = cli("import", buf, f, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    assert again.code == 0 and "0 new rows" in again.stdout
+
+
+def test_trl_conversational_from_a_real_grpo_trainer(tmp_path, cli, buf, chat_tok_dir, model_dir):
+    """Conversational dataset: TRL logs prompts and completions as lists of messages; the prompt is
+    rendered with the tokenizer's chat template as TRL rendered it before sampling."""
+    (f,) = trl_run(tmp_path / "out", conversational=True)
+    logged = pd.read_parquet(f)
+    assert isinstance(logged["prompt"][0][0], dict)  # a list of messages, as TRL logs it
+    res = cli("import", buf, f, "--from", "trl-completions", "--tokenizer", chat_tok_dir, "--score-model", model_dir)
+    assert res.code == 0, res.stderr
+    rows = rows_of(buf)
+    assert len(rows) == 8 and {r["prompt"] for r in rows} == {"(1+1=)=", "(2*3=)="}
+    one = [r for r in rows if r["prompt"] == "(1+1=)="]
+    assert len(one) == 4 and all(r["prompt_token_ids"] == [19, 5, 14, 5, 18, 20, 18] for r in one)
+    by_msg = sorted(r["response"] for r in rows)
+    assert by_msg == sorted(m[0]["content"] for m in logged["completion"])
+    assert "chat template" in rows[0]["meta"]
+    # a tokenizer without a chat template cannot render the conversation: one line, row and field
+    line = one_error_line(cli("import", buf, f, "--from", "trl-completions", "--tokenizer", str(tok_dir_plain(tmp_path)),
+                              "--score-model", model_dir))
+    assert "trl-completions" in line and f in line and "row 0" in line and "'prompt'" in line and "chat template" in line
+
+
+def tok_dir_plain(tmp_path):
+    from learner.tiny import build_tokenizer
+
+    path = tmp_path / "plain-tok"
+    build_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def trl_file(folder, step: int, prompts: list, completions: list, correct: list[float], name=None):
+    """A table with the columns GRPOTrainer.log writes (step, prompt, completion, one column per reward
+    function, advantage), written with pandas `to_parquet` as TRL does."""
     (folder / "completions").mkdir(exist_ok=True)
-    adv = [c - sum(correct) / len(correct) for c in correct]
+    adv = [c - sum(correct) / len(correct) for c in correct] if correct else []
     df = pd.DataFrame({"step": [step] * len(prompts), "prompt": prompts, "completion": completions,
                        "correctness_reward": correct, "format_reward": [0.5] * len(prompts), "advantage": adv})
-    path = folder / "completions" / f"completions_{step:05d}.parquet"
+    path = folder / "completions" / (name or f"completions_{step:05d}.parquet")
     df.to_parquet(path)
     return str(path)
 
 
-def test_trl_completions(tmp_path, cli, buf, tok_dir, model_dir):
-    g1 = (["1+1="] * 3, ["2", "3", "2"], [1.0, 0.0, 1.0])
-    g2 = (["2*3="] * 3, ["6", "5", "6"], [1.0, 0.0, 1.0])
-    f1 = trl_file(tmp_path, 10, g1[0], g1[1], g1[2])
-    # the deques are never cleared: the next file repeats the first group, then adds one
-    f2 = trl_file(tmp_path, 20, g1[0] + g2[0], g1[1] + g2[1], g1[2] + g2[2])
+def test_trl_repeated_completions_are_kept(tmp_path, cli, buf, tok_dir, model_dir):
+    """Identical completions of one prompt are distinct rows (content + occurrence within the group);
+    the same generation batch logged again in the next file adds nothing."""
+    g1 = (["1+1="] * 4, ["2", "3", "2", "2"], [1.0, 0.0, 1.0, 1.0])
+    g2 = (["2*3="] * 4, ["6", "5", "6", "6"], [1.0, 0.0, 1.0, 1.0])
+    f1 = trl_file(tmp_path, 10, g1[0] + g2[0], g1[1] + g2[1], g1[2] + g2[2])
+    # steps_per_generation > logging_steps: the deques still hold the same batch at the next log
+    f2 = trl_file(tmp_path, 11, g1[0] + g2[0], g1[1] + g2[1], g1[2] + g2[2])
     res = cli("import", buf, f1, f2, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf)
-    # "2" twice in one group is the same logged row (TRL's log cannot tell them apart): dropped
-    assert len(rows) == 4
-    assert [(r["step"], r["prompt"], r["response"]) for r in rows] == [
-        (10, "1+1=", "2"), (10, "1+1=", "3"), (20, "2*3=", "6"), (20, "2*3=", "5")]
+    assert len(rows) == 8 and len({r["rollout_id"] for r in rows}) == 8
+    assert [(r["prompt"], r["response"], r["sample_idx"]) for r in rows if r["prompt"] == "1+1="] == [
+        ("1+1=", "2", 0), ("1+1=", "3", 1), ("1+1=", "2", 2), ("1+1=", "2", 3)]
     assert rows[0]["reward"] == pytest.approx(1.5) and rows[1]["reward"] == pytest.approx(0.5)
-    assert rows[0]["group_id"] == rows[1]["group_id"] != rows[2]["group_id"]
-    assert rows[0]["response_token_ids"] == [6] and rows[0]["prompt_token_ids"] == [5, 14, 5, 18]
-    assert all(len(r["gen_logprobs"]) == 1 and r["gen_logprobs"][0] <= 0 for r in rows)
+    assert "0 new rows, 8 already present" in res.stdout
     meta = json.loads(rows[0]["meta"])
     assert meta["rewards"] == {"correctness_reward": 1.0, "format_reward": 0.5}
     assert any("retokenised" in x for x in meta["import"]["lossy"])
-    assert any("duplicated rows dropped" in x for x in meta["import"]["lossy"])
-    # the shard's Parquet footer carries the same list, one shard per file
     notes = shard_notes(buf)
-    assert [(n["format"], n["file"], n["rows"]) for n in notes] == [
-        ("trl-completions", "completions_00010.parquet", 2), ("trl-completions", "completions_00020.parquet", 2)]
-    by_file = {r["step"]: json.loads(r["meta"])["import"]["lossy"] for r in rows}
-    assert [n["lossy"] for n in notes] == [by_file[10], by_file[20]]
+    assert [(n["format"], n["file"], n["rows"]) for n in notes] == [("trl-completions", "completions_00010.parquet", 8)]
     assert all(any("group rebuilt from order" in x for x in n["lossy"]) for n in notes)
-    # idempotent
-    again = cli("import", buf, f1, f2, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
-    assert again.code == 0 and "0 new rows" in again.stdout
-    assert len(rows_of(buf)) == 4
 
 
-def test_trl_refusals_name_format_file_and_field(tmp_path, cli, buf, tok_dir):
+def test_trl_refusals_name_format_file_row_and_field(tmp_path, cli, buf, tok_dir, model_dir):
     f1 = trl_file(tmp_path, 1, ["1+1="] * 2, ["2", "3"], [1.0, 0.0])
     line = one_error_line(cli("import", buf, f1, "--from", "trl-completions"))
     assert "trl-completions" in line and f1 in line and "prompt_token_ids" in line
     line = one_error_line(cli("import", buf, f1, "--from", "trl-completions", "--tokenizer", tok_dir))
     assert "trl-completions" in line and f1 in line and "gen_logprobs" in line
+    args = ("--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    nul = trl_file(tmp_path, 2, ["1+1=", None], ["2", "3"], [1.0, 0.0])
+    line = one_error_line(cli("import", buf, nul, *args))
+    assert line == f"error: trl-completions: {nul}: row 1: field 'prompt': expected a string or a list of messages, got null None"
+    num = trl_file(tmp_path, 3, ["1+1="] * 2, [2, 3], [1.0, 0.0])
+    line = one_error_line(cli("import", buf, num, *args))
+    assert "trl-completions" in line and num in line and "row 0" in line and "'completion'" in line
+    zero = trl_file(tmp_path, 4, [], [], [])
+    line = one_error_line(cli("import", buf, zero, *args))
+    assert line == f"error: trl-completions: {zero}: the file is empty (no rows to import)"
     assert rows_of(buf) == []
 
 

@@ -119,9 +119,14 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         self.rollstore_run_id = run_id or f"trl-{uuid.uuid4().hex[:12]}"
         self.rollstore_recipe = load_recipe(curate) if isinstance(curate, str) else curate
         self.rollstore_sets = dict(curate_sets or {})
-        for reserved in ("where", "progress"):
+        for reserved in ("where", "progress", "std"):
             if reserved in self.rollstore_sets:
-                raise TRLPluginError(f"curate_sets: {reserved} is set by the TRL plug-in for each batch")
+                raise TRLPluginError(f"curate_sets: {reserved} is set by the TRL plug-in "
+                                     f"({'from GRPOConfig.scale_rewards' if reserved == 'std' else 'for each batch'})")
+        if self.rollstore_recipe is not None and getattr(self, "multi_objective_aggregation", "sum_then_normalize") \
+                != "sum_then_normalize":
+            raise TRLPluginError("curate= needs multi_objective_aggregation='sum_then_normalize' (rollstore curates "
+                                 "the summed reward)")
         self.rollstore_entropies = record_entropies or self.rollstore_recipe is not None
         self.rollstore_correct_index = self._correct_index(correct_reward)
         self.rollstore_threshold = float(correct_threshold)
@@ -212,6 +217,8 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         weights = self.reward_weights.float().cpu()
         summed = torch.nan_to_num(per_func * weights.unsqueeze(0), nan=0.0).sum(dim=1)
         unscorable = torch.isnan(per_func).all(dim=1)
+        trl_rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)  # as TRL sums them (float32)
+        trl_rewards[unscorable] = torch.nan
         advantages = output["advantages"].float().cpu()
 
         prompts, gens, verdicts, olds, ents, metas = [], [], [], [], [], []
@@ -247,10 +254,41 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         table = table.set_column(table.schema.get_field_index("meta"), table.schema.field("meta"), pa.array(metas, pa.string()))
         self.rollstore_buffer.append_rollouts(table, source=f"trl:{self.rollstore_run_id}:batch{step}")
         self._rollstore_ids = table.column("rollout_id").to_pylist()
+        self._rollstore_trl_rewards = trl_rewards
+        flat = [v for group in verdicts for v in group]
+        self._rollstore_eligible = [not bool(unscorable[i]) and flat[i].correct is not None for i in range(B)]
         self._rollstore_rewards = None
         return lengths
 
     # -- curation ---------------------------------------------------------------------------------
+
+    def _trl_scale(self) -> list[float]:
+        """Per row, the factor that turns rollstore's advantage scale into TRL's: rollstore divides
+        (r - mean) by (group std + 1e-6), TRL by (std + 1e-4), with std per `scale_rewards`
+        ("group": the group's, "batch": the whole generation batch's, TRL's `nanstd`; "none": no
+        division, and the recipe runs with std = none, factor 1). rollstore's std is over the
+        group's rows curation can use (scorable, with a verdict), in float64, sample std."""
+        from trl.trainer.utils import nanstd
+
+        B = len(self._rollstore_ids)
+        if self.scale_rewards == "none":
+            return [1.0] * B
+        G = self.num_generations
+        rewards = self._rollstore_trl_rewards
+        batch_std = float(nanstd(rewards)) if self.scale_rewards == "batch" else None
+        out = []
+        for g in range(B // G):
+            rows = range(g * G, (g + 1) * G)
+            trl_std = batch_std if batch_std is not None else float(nanstd(rewards[g * G:(g + 1) * G]))
+            used = [float(rewards[i]) for i in rows if self._rollstore_eligible[i]]
+            if len(used) > 1:
+                mean = math.fsum(used) / len(used)
+                ours = math.sqrt(math.fsum((r - mean) ** 2 for r in used) / (len(used) - 1))
+            else:
+                ours = 0.0
+            factor = (ours + 1e-6) / (trl_std + 1e-4) if trl_std == trl_std else 1.0
+            out.extend([factor] * G)
+        return out
 
     def _apply_curation(self, output, step: int, lengths: list[int]) -> None:
         max_steps = max(int(self.state.max_steps or 0), 1)
@@ -258,6 +296,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         sets = dict(self.rollstore_sets)
         sets["where"] = step_where(self.rollstore_run_id, step)
         sets["progress"] = progress
+        sets["std"] = "none" if self.scale_rewards == "none" else "sample"
         result = run_curation(self.rollstore_buffer, self.rollstore_recipe, sets)
         self.rollstore_curations.append(result)
         with self.rollstore_buffer.snapshot() as snap:
@@ -265,6 +304,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                 filter=ds.field("curation_id") == result.curation_id,
                 columns=["rollout_id", "advantage", "weight", "loss_mask"]).to_pylist()
         index = {rid: i for i, rid in enumerate(self._rollstore_ids)}
+        scale = self._trl_scale()
         advantages = torch.zeros_like(output["advantages"])
         keep = torch.zeros_like(output["completion_mask"])
         for row in curated:
@@ -273,7 +313,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                 raise TRLPluginError(f"curation {result.curation_id} returned {row['rollout_id']}, not of this batch")
             if len(row["loss_mask"]) != lengths[i]:
                 raise TRLPluginError(f"{row['rollout_id']}: curated loss_mask has {len(row['loss_mask'])} tokens, completion {lengths[i]}")
-            advantages[i] = float(row["advantage"]) * float(row["weight"])
+            advantages[i] = float(row["advantage"]) * scale[i] * float(row["weight"])
             keep[i, : lengths[i]] = torch.tensor(row["loss_mask"], dtype=keep.dtype)
         output["advantages"] = advantages
         tool_mask = output.get("tool_mask")

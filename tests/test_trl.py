@@ -104,6 +104,40 @@ def test_recorder_rows_groups_versions(untrained_tiny, tmp_path):  # noqa: F811
 
 
 
+def shaping(completions, completion_ids, prompts, **kw):
+    """A small shaping reward (0.01 per token): on the constant prompt the group's std is ~0.01."""
+    return [0.01 * len(c) for c in completion_ids]
+
+
+def trained_params(cls, model_dir, out, funcs, steps=2, **extra):
+    tr = make(cls, model_dir, out, funcs, steps=steps, **extra)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.train()
+    return tr, before, [p.detach().clone() for p in tr.model.parameters()]
+
+
+def param_gap(a: list, b: list, before: list) -> tuple[float, float]:
+    """(max |a - b|, that / max |a - before|): the difference relative to the largest update."""
+    diff = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    step = max(float((x - y).abs().max()) for x, y in zip(a, before))
+    return diff, diff / step
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_trl_grpo_recipe_reproduces_vanilla_parameters(untrained_tiny, tmp_path, scale_rewards):  # noqa: F811
+    """curate="grpo" inside TRL trains exactly as plain GRPOTrainer: TRL's std + 1e-4 and its
+    scale_rewards mode, not rollstore's std + 1e-6; a small-std shaping reward makes the constant matter."""
+    cfg = {"scale_rewards": scale_rewards}
+    _, before, vanilla = trained_params(GRPOTrainer, untrained_tiny, tmp_path / "v", [parity, shaping], cfg=cfg)
+    tr, _, curated = trained_params(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "c", [parity, shaping],
+                                    buffer=str(tmp_path / "buf"), curate="grpo", cfg=cfg)
+    stds = [json.loads(r["meta"])["rewards"]["shaping"] for r in rollouts(str(tmp_path / "buf"))]
+    assert len(stds) == 4 * G and len(tr.rollstore_curations) == 2
+    diff, rel = param_gap(vanilla, curated, before)
+    print(f"scale_rewards={scale_rewards}: max |dparam| {diff:.3e}, relative to the largest update {rel:.3e}")
+    assert rel <= 1e-4, (diff, rel)
+
+
 def first_loss(cls, model_dir, out, funcs, **extra):
     tr = make(cls, model_dir, out, funcs, steps=1, **extra)
     tr.train()

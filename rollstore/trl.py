@@ -15,8 +15,12 @@ Invariants:
   built by `rollout.build.build_rollouts`, so ids and groups follow its rules.
 - Groups: TRL's sampler repeats each prompt `num_generations` times consecutively, so rows
   g*G .. g*G+G-1 of a batch are group g (G = `num_generations`); a batch whose prompts break
-  that rule is refused with one line. `step` = the index of the generation batch in this trainer
-  (0, 1, ...); `policy_version` = TRL's `state.global_step` when the batch was generated.
+  that rule is refused with one line. `step` = the index of the generation batch in the run, from
+  TRL's counters (`global_step` x gradient accumulation / micro-steps per generation), so a run
+  resumed from a checkpoint (`resume_from_checkpoint`) continues its numbering; never a step the
+  run_id already has in the buffer (a batch generated after the checkpoint by the run that
+  stopped keeps its step, the resumed ones follow). `policy_version` = TRL's `state.global_step`
+  when the batch was generated.
 - `response_token_ids` run up to and including the first EOS (`finish_reason` "stop"), else the
   whole completion ("length"); `prompt_token_ids` are TRL's prompt ids without left padding.
 - `old_logprobs`: TRL's `old_per_token_logps` when TRL computed them, else one extra no-grad forward
@@ -53,6 +57,7 @@ from fractions import Fraction
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.dataset as ds
 import torch
 
@@ -134,7 +139,8 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             raise TRLPluginError("curation needs `correct` (rows without it are `invalid`): pass correct_reward=NAME "
                                  "or mark a reward function with rollstore_correct = True")
         self.rollstore_gold_column = gold_column
-        self.rollstore_batches = 0
+        self.rollstore_batches = 0  # generation batches recorded by this trainer object
+        self._rollstore_next: int | None = None  # the lowest step free in the buffer for this run_id
         self.rollstore_curations: list = []  # CurationResult of each curated batch, in order
         self._rollstore_rewards = None
 
@@ -161,7 +167,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             return output
         if self.accelerator.num_processes != 1:
             raise TRLPluginError("the rollstore TRL plug-in records single-process runs only")
-        step = self.rollstore_batches
+        step = self._next_step()
         lengths = self._record(inputs, output, step)
         self.rollstore_batches += 1
         if self.rollstore_recipe is not None:
@@ -169,6 +175,24 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         return output
 
     # -- recording --------------------------------------------------------------------------------
+
+    def _next_step(self) -> int:
+        """The step of the batch being recorded: the generation batch index TRL's counters give
+        (optimizer steps done x gradient accumulation + the micro-step, over the micro-steps per
+        generation), so a run resumed from a checkpoint continues its numbering; never below a step
+        this run_id already has in the buffer (batches generated after that checkpoint by the run
+        that stopped keep their rows and steps; the resumed batches come after them)."""
+        if self._rollstore_next is None:
+            with self.rollstore_buffer.snapshot() as snap:
+                steps = snap.arrow("rollouts").to_table(
+                    filter=ds.field("run_id") == self.rollstore_run_id, columns=["step"]).column("step")
+            self._rollstore_next = 0 if len(steps) == 0 else int(pa.compute.max(steps).as_py()) + 1
+        ga = int(self.args.gradient_accumulation_steps)
+        micro = int(self.state.global_step) * ga + (int(getattr(self, "_step", 0)) % ga)
+        every = int(self.args.steps_per_generation) * int(self.num_iterations)
+        step = max(micro // every, self._rollstore_next)
+        self._rollstore_next = step + 1
+        return step
 
     def _forward_scores(self, output) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)

@@ -48,9 +48,10 @@ def dataset():
 
 
 def config(out, steps=2, **kw):
+    kw.setdefault("save_strategy", "no")
     return GRPOConfig(
         output_dir=str(out), num_generations=G, per_device_train_batch_size=2 * G, max_completion_length=6,
-        max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+        max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[],
         use_cpu=True, seed=0, temperature=1.0, dataloader_num_workers=0, disable_tqdm=True, **kw)
 
 
@@ -272,3 +273,28 @@ def test_readme_snippet_runs(untrained_tiny, tmp_path, monkeypatch):  # noqa: F8
         sel = snap.arrow("selections").to_table().to_pylist()
         recipes = snap.arrow("curations").to_table(columns=["recipe"]).column("recipe").to_pylist()
     assert {s["rollout_id"] for s in sel} == {r["rollout_id"] for r in rows} and recipes == ["d3s"]
+
+
+def test_trl_resume_from_checkpoint_continues_the_run(untrained_tiny, tmp_path):  # noqa: F811
+    """resume_from_checkpoint with the same run_id: the steps continue from TRL's global_step (no
+    "rollout_id already in the buffer"), policy_version = step; resuming from an EARLIER checkpoint,
+    the batches the stopped run generated after it keep their steps, and the resumed ones follow."""
+    buf, out = str(tmp_path / "buf"), tmp_path / "out"
+    save = {"save_strategy": "steps", "save_steps": 1}
+    make(RollstoreGRPOTrainer, untrained_tiny, out, [parity], steps=2, buffer=buf, run_id="r",
+         curate="dapo", cfg=save).train()
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, out, [parity], steps=3, buffer=buf, run_id="r",
+              curate="dapo", cfg=save)
+    tr.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    rows = rollouts(buf)
+    assert sorted({(r["step"], r["policy_version"]) for r in rows}) == [(0, 0), (1, 1), (2, 2)]
+    assert len(rows) == 3 * 2 * G and tr.state.global_step == 3
+    # the run stopped after step 2 but a new process resumes from checkpoint-1: step 1's batch exists
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, out, [parity], steps=2, buffer=buf, run_id="r",
+              curate="dapo", cfg=save)
+    tr.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    rows = rollouts(buf)
+    assert sorted({(r["step"], r["policy_version"]) for r in rows}) == [(0, 0), (1, 1), (2, 2), (3, 1)]
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        audits = snap.arrow("curations").to_table(columns=["curation_id"]).num_rows
+    assert audits == 4  # one curation per recorded batch

@@ -36,7 +36,10 @@ Invariants:
 - `correct`: from ONE reward function, the one named by `correct_reward`, or else the first whose
   attribute `rollstore_correct` is true: correct = (its reward >= `correct_threshold`, default 1.0);
   null when no such function exists or it returned None. Curation needs it (a row without
-  `correct` is `invalid` in the audit), so `curate` without such a function is refused.
+  `correct` is `invalid` in the audit), so `curate` without such a function is refused. A row
+  whose `correct` function returned None while another function scored it is therefore dropped
+  under any recipe, `grpo` included, where plain TRL trains on it: a deliberate difference
+  (rollstore does not invent a verdict), logged once per trainer as a warning.
 - Curation (`curate` set): after recording, `curate.run.curate` runs over exactly this batch
   (`where run_id = ... AND step = ...`, `progress` = global_step / max_steps) and commits its
   curated rows and audit. TRL's batch then gets: `advantages` = curated advantage x weight (0 for a
@@ -50,6 +53,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import uuid
@@ -140,7 +144,8 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                                  "or mark a reward function with rollstore_correct = True")
         self.rollstore_gold_column = gold_column
         self.rollstore_batches = 0  # generation batches recorded by this trainer object
-        self._rollstore_next: int | None = None  # the lowest step free in the buffer for this run_id
+        self._rollstore_next: int | None = None
+        self._rollstore_warned = False  # the lowest step free in the buffer for this run_id
         self.rollstore_curations: list = []  # CurationResult of each curated batch, in order
         self._rollstore_rewards = None
 
@@ -327,6 +332,14 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             curated = snap.arrow("curated").to_table(
                 filter=ds.field("curation_id") == result.curation_id,
                 columns=["rollout_id", "advantage", "weight", "loss_mask"]).to_pylist()
+        no_verdict = sum(1 for i, ok in enumerate(self._rollstore_eligible)
+                         if not ok and not math.isnan(float(self._rollstore_trl_rewards[i])))
+        if no_verdict and not self._rollstore_warned:
+            self._rollstore_warned = True
+            logging.getLogger("rollstore.trl").warning(
+                "%d completion(s) of batch %d have no verdict (the correct_reward function returned None): curation "
+                "drops them as `invalid`, where plain TRL trains on them with the other rewards (docs/trl.md, "
+                "None rewards)", no_verdict, step)
         index = {rid: i for i, rid in enumerate(self._rollstore_ids)}
         scale = self._trl_scale()
         advantages = torch.zeros_like(output["advantages"])

@@ -298,3 +298,41 @@ def test_trl_resume_from_checkpoint_continues_the_run(untrained_tiny, tmp_path):
     with Buffer.open(buf) as b, b.snapshot() as snap:
         audits = snap.arrow("curations").to_table(columns=["curation_id"]).num_rows
     assert audits == 4  # one curation per recorded batch
+
+
+def sometimes(completions, completion_ids, prompts, **kw):
+    """A correctness reward that does not apply to the constant prompt (None there, as TRL allows)."""
+    return [None if p == CONSTANT else float(len(c) % 2 == 0) for p, c in zip(prompts, completion_ids)]
+
+
+sometimes.rollstore_correct = True
+
+
+def test_trl_none_correct_reward_is_dropped_and_warned(untrained_tiny, tmp_path, caplog):  # noqa: F811
+    """Documented difference from TRL (docs/trl.md): a row whose correct function returned None has no
+    verdict; curation drops it as `invalid` even under grpo (TRL would train on it with the other
+    rewards), and the plug-in says so once."""
+    buf = str(tmp_path / "buf")
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [sometimes, shaping], steps=1,
+              buffer=buf, run_id="n", curate="grpo")
+    seen = {}
+    original = tr._compute_loss
+
+    def spy(model, inputs):
+        seen["inputs"] = inputs
+        return original(model, inputs)
+
+    tr._compute_loss = spy
+    with caplog.at_level("WARNING", logger="rollstore.trl"):
+        tr.train()
+    rows = {r["rollout_id"]: r for r in rollouts(buf)}
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        sel = snap.arrow("selections").to_table().to_pylist()
+    none_rows = [r for r in rows.values() if r["prompt"] == CONSTANT]
+    assert len(none_rows) == G and all(r["correct"] is None and r["reward"] > 0 for r in none_rows)
+    reasons = {s["rollout_id"]: s["reason"] for s in sel}
+    assert {reasons[r["rollout_id"]] for r in none_rows} == {"invalid"}
+    assert {reasons[rid] for rid, r in rows.items() if r["prompt"] != CONSTANT} == {"selected"}
+    mask = seen["inputs"]["completion_mask"] * seen["inputs"]["tool_mask"]
+    assert int((mask.sum(-1) == 0).sum()) == G
+    assert sum("have no verdict" in rec.getMessage() for rec in caplog.records) == 1

@@ -124,8 +124,9 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        self.rollstore_buffer = _open_buffer(buffer)
-        self.rollstore_run_id = run_id or f"trl-{uuid.uuid4().hex[:12]}"
+        # only the main process opens the buffer; every process holds the same run_id
+        self.rollstore_buffer = _open_buffer(buffer) if self.accelerator.is_main_process else None
+        self.rollstore_run_id = self._same_everywhere(run_id or f"trl-{uuid.uuid4().hex[:12]}")
         self.rollstore_recipe = load_recipe(curate) if isinstance(curate, str) else curate
         self.rollstore_sets = dict(curate_sets or {})
         for reserved in ("where", "progress", "std"):
@@ -144,10 +145,19 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                                  "or mark a reward function with rollstore_correct = True")
         self.rollstore_gold_column = gold_column
         self.rollstore_batches = 0  # generation batches recorded by this trainer object
-        self._rollstore_next: int | None = None
-        self._rollstore_warned = False  # the lowest step free in the buffer for this run_id
+        self._rollstore_next: int | None = None  # the lowest step free in the buffer for this run_id
+        self._rollstore_warned = False
         self.rollstore_curations: list = []  # CurationResult of each curated batch, in order
         self._rollstore_rewards = None
+        self.rollstore_last_ids: list[str] = []  # rollout ids of this process's rows of the last batch
+
+    def _same_everywhere(self, value):
+        """The main process's `value`, on every process."""
+        if self.accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
 
     def _correct_index(self, name: str | None) -> int | None:
         if name is not None:
@@ -163,20 +173,36 @@ class RollstoreGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._rollstore_rewards = rewards.detach().float().cpu()
+        self._rollstore_rewards = rewards.detach().float().cpu()  # gathered: every process's rows
         return rewards
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
-        if self.accelerator.num_processes != 1:
-            raise TRLPluginError("the rollstore TRL plug-in records single-process runs only")
-        step = self._next_step()
-        lengths = self._record(inputs, output, step)
+        local = self._local_rows(inputs, output)
+        n_local = len(local)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rows = gather_object(local)  # every process's rows, in process order: TRL's batch order
+        else:
+            rows = local
+        decision = None
+        if self.accelerator.is_main_process:
+            step = self._next_step()
+            ids = self._record(rows, step)
+            decision = {"step": step, "ids": ids}
+            if self.rollstore_recipe is not None:
+                decision.update(self._curate(rows, ids, step))
+        decision = self._same_everywhere(decision)
+        first = self.accelerator.process_index * n_local
+        self.rollstore_last_ids = decision["ids"][first:first + n_local]
         self.rollstore_batches += 1
         if self.rollstore_recipe is not None:
-            self._apply_curation(output, step, lengths)
+            if not self.accelerator.is_main_process:
+                self.rollstore_curations.append(decision["curation_id"])
+            self._apply(output, decision, first, [r["length"] for r in local])
         return output
 
     # -- recording --------------------------------------------------------------------------------
@@ -218,28 +244,47 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             finish.append(FINISH_LENGTH if cut is None else FINISH_STOP)
         return lengths, finish
 
-    def _record(self, inputs, output, step: int) -> list[int]:
-        G = self.num_generations
-        B = output["completion_ids"].size(0)
-        if B % G:
-            raise TRLPluginError(f"batch of {B} completions is not whole groups of num_generations={G}")
-        texts = [_prompt_text(x["prompt"]) for x in inputs]
-        for g in range(B // G):
-            if len(set(texts[g * G:(g + 1) * G])) != 1:
-                raise TRLPluginError(f"rows {g * G}..{g * G + G - 1} of the batch are not one prompt's group")
+    def _local_rows(self, inputs, output) -> list[dict]:
+        """This process's completions as plain values (what the main process records)."""
         lengths, finish = self._lengths(output["completion_ids"])
         own_logps, entropies = None, None
         if "old_per_token_logps" not in output or self.rollstore_entropies:
-            own_logps, entropies = self._forward_scores(output)
+            own_logps, entropies = self._forward_scores(output)  # every process scores its own rows
         old = output.get("old_per_token_logps")
         old = (own_logps if old is None else old).float().cpu().numpy()
         sampled = output.get("sampling_per_token_logps")
-        gen_source = "sampler" if sampled is not None else "old_logprobs"
         gen = old if sampled is None else sampled.float().cpu().numpy()
         ent = None if entropies is None else entropies.float().cpu().numpy()
         p_ids = output["prompt_ids"].cpu()
         p_mask = output["prompt_mask"].cpu().bool()
         c_ids = output["completion_ids"].cpu()
+        advantages = output["advantages"].float().cpu()
+        decode = getattr(self.processing_class, "decode", None)
+        rows = []
+        for i, x in enumerate(inputs):
+            n = lengths[i]
+            resp = c_ids[i, :n].tolist()
+            gold = x.get(self.rollstore_gold_column)
+            rows.append({
+                "prompt": _prompt_text(x["prompt"]), "gold": None if gold is None else str(gold),
+                "prompt_ids": p_ids[i][p_mask[i]].tolist(), "response_ids": resp,
+                "text": decode(resp, skip_special_tokens=True) if decode is not None else "",
+                "gen": gen[i, :n].astype(np.float32), "old": old[i, :n].astype(np.float32),
+                "ent": None if ent is None else ent[i, :n].astype(np.float32), "finish": finish[i],
+                "length": n, "trl_advantage": float(advantages[i]),
+                "gen_source": "sampler" if sampled is not None else "old_logprobs",
+            })
+        return rows
+
+    def _record(self, rows: list[dict], step: int) -> list[str]:
+        """Append the whole generation batch (every process's rows) as one shard; main process only."""
+        G = self.num_generations
+        B = len(rows)
+        if B % G:
+            raise TRLPluginError(f"batch of {B} completions is not whole groups of num_generations={G}")
+        for g in range(B // G):
+            if len({r["prompt"] for r in rows[g * G:(g + 1) * G]}) != 1:
+                raise TRLPluginError(f"rows {g * G}..{g * G + G - 1} of the batch are not one prompt's group")
         per_func = self._rollstore_rewards
         if per_func is None or per_func.shape[0] != B:
             raise TRLPluginError("TRL's per-function rewards were not seen for this batch")
@@ -248,50 +293,45 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         unscorable = torch.isnan(per_func).all(dim=1)
         trl_rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)  # as TRL sums them (float32)
         trl_rewards[unscorable] = torch.nan
-        advantages = output["advantages"].float().cpu()
-
         prompts, gens, verdicts, olds, ents, metas = [], [], [], [], [], []
+        with_ent = all(r["ent"] is not None for r in rows)
         for g in range(B // G):
-            x = inputs[g * G]
-            gold = x.get(self.rollstore_gold_column)
-            prompts.append(Prompt(prompt_hash(texts[g * G]), texts[g * G], None if gold is None else str(gold), SOURCE))
+            first = rows[g * G]
+            prompts.append(Prompt(prompt_hash(first["prompt"]), first["prompt"], first["gold"], SOURCE))
             gens.append([]), verdicts.append([]), olds.append([]), ents.append([])
             for i in range(g * G, (g + 1) * G):
-                n = lengths[i]
-                resp = c_ids[i, :n].tolist()
-                gens[-1].append(Generation(
-                    prompt_token_ids=p_ids[i][p_mask[i]].tolist(), response_token_ids=resp,
-                    text=self.processing_class.decode(resp, skip_special_tokens=True) if hasattr(self.processing_class, "decode") else "",
-                    gen_logprobs=gen[i, :n].astype(np.float32), finish_reason=finish[i]))
-                olds[-1].append(old[i, :n].astype(np.float32))
-                ents[-1].append(None if ent is None else ent[i, :n].astype(np.float32))
+                r = rows[i]
+                gens[-1].append(Generation(prompt_token_ids=r["prompt_ids"], response_token_ids=r["response_ids"],
+                                           text=r["text"], gen_logprobs=r["gen"], finish_reason=r["finish"]))
+                olds[-1].append(r["old"])
+                ents[-1].append(r["ent"])
                 correct = None
                 if self.rollstore_correct_index is not None:
-                    r = float(per_func[i, self.rollstore_correct_index])
-                    correct = None if math.isnan(r) else r >= self.rollstore_threshold
+                    v = float(per_func[i, self.rollstore_correct_index])
+                    correct = None if math.isnan(v) else v >= self.rollstore_threshold
                 verdicts[-1].append(Verdict(correct, 0.0 if unscorable[i] else float(summed[i]),
                                             "unscorable" if unscorable[i] else None))
                 metas.append(json.dumps({
                     "rewards": {name: _finite(float(per_func[i, k])) for k, name in enumerate(self.reward_func_names)},
-                    "trl_advantage": float(advantages[i]),
-                    "gen_logprobs": gen_source,
+                    "trl_advantage": r["trl_advantage"],
+                    "gen_logprobs": r["gen_source"],
                     "trl_global_step": int(self.state.global_step),
+                    "trl_process": i * self.accelerator.num_processes // B,
                 }, sort_keys=True))
         table = build_rollouts(prompts, gens, verdicts, run_id=self.rollstore_run_id, step=step,
                                policy_version=int(self.state.global_step), old_logprobs=olds,
-                               entropies=ents if ent is not None else None)
+                               entropies=ents if with_ent else None)
         table = table.set_column(table.schema.get_field_index("meta"), table.schema.field("meta"), pa.array(metas, pa.string()))
         self.rollstore_buffer.append_rollouts(table, source=f"trl:{self.rollstore_run_id}:batch{step}")
-        self._rollstore_ids = table.column("rollout_id").to_pylist()
         self._rollstore_trl_rewards = trl_rewards
         flat = [v for group in verdicts for v in group]
         self._rollstore_eligible = [not bool(unscorable[i]) and flat[i].correct is not None for i in range(B)]
         self._rollstore_rewards = None
-        return lengths
+        return table.column("rollout_id").to_pylist()
 
     # -- curation ---------------------------------------------------------------------------------
 
-    def _trl_scale(self) -> list[float]:
+    def _trl_scale(self, B: int) -> list[float]:
         """Per row, the factor that turns rollstore's advantage scale into TRL's: rollstore divides
         (r - mean) by (group std + 1e-6), TRL by (std + 1e-4), with std per `scale_rewards`
         ("group": the group's, "batch": the whole generation batch's, TRL's `nanstd`; "none": no
@@ -299,7 +339,6 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         group's rows curation can use (scorable, with a verdict), in float64, sample std."""
         from trl.trainer.utils import nanstd
 
-        B = len(self._rollstore_ids)
         if self.scale_rewards == "none":
             return [1.0] * B
         G = self.num_generations
@@ -319,7 +358,10 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             out.extend([factor] * G)
         return out
 
-    def _apply_curation(self, output, step: int, lengths: list[int]) -> None:
+    def _curate(self, rows: list[dict], ids: list[str], step: int) -> dict:
+        """Curate the recorded batch (main process): one curation, one audit, over every process's
+        rows. Returns, per row of the batch, the advantage TRL trains with (curated advantage x
+        TRL's scale x weight; 0 when dropped) and the loss mask (empty when dropped)."""
         max_steps = max(int(self.state.max_steps or 0), 1)
         progress = Fraction(min(int(self.state.global_step), max_steps), max_steps)
         sets = dict(self.rollstore_sets)
@@ -340,18 +382,31 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                 "%d completion(s) of batch %d have no verdict (the correct_reward function returned None): curation "
                 "drops them as `invalid`, where plain TRL trains on them with the other rewards (docs/trl.md, "
                 "None rewards)", no_verdict, step)
-        index = {rid: i for i, rid in enumerate(self._rollstore_ids)}
-        scale = self._trl_scale()
-        advantages = torch.zeros_like(output["advantages"])
-        keep = torch.zeros_like(output["completion_mask"])
+        index = {rid: i for i, rid in enumerate(ids)}
+        scale = self._trl_scale(len(ids))
+        advantages = [0.0] * len(ids)
+        masks: list[list[int]] = [[] for _ in ids]
         for row in curated:
             i = index.get(row["rollout_id"])
             if i is None:
                 raise TRLPluginError(f"curation {result.curation_id} returned {row['rollout_id']}, not of this batch")
-            if len(row["loss_mask"]) != lengths[i]:
-                raise TRLPluginError(f"{row['rollout_id']}: curated loss_mask has {len(row['loss_mask'])} tokens, completion {lengths[i]}")
+            if len(row["loss_mask"]) != rows[i]["length"]:
+                raise TRLPluginError(f"{row['rollout_id']}: curated loss_mask has {len(row['loss_mask'])} tokens, "
+                                     f"completion {rows[i]['length']}")
             advantages[i] = float(row["advantage"]) * scale[i] * float(row["weight"])
-            keep[i, : lengths[i]] = torch.tensor(row["loss_mask"], dtype=keep.dtype)
+            masks[i] = [int(m) for m in row["loss_mask"]]
+        return {"curation_id": result.curation_id, "advantages": advantages, "masks": masks}
+
+    def _apply(self, output, decision: dict, first: int, lengths: list[int]) -> None:
+        """Rewrite this process's slice of the batch with the curated decisions (the same on every
+        process: they come from the main process's one curation)."""
+        advantages = torch.zeros_like(output["advantages"])
+        keep = torch.zeros_like(output["completion_mask"])
+        for j, n in enumerate(lengths):
+            mask = decision["masks"][first + j]
+            advantages[j] = decision["advantages"][first + j]
+            if mask:
+                keep[j, :n] = torch.tensor(mask, dtype=keep.dtype)
         output["advantages"] = advantages
         tool_mask = output.get("tool_mask")
         output["tool_mask"] = keep if tool_mask is None else tool_mask * keep

@@ -336,3 +336,64 @@ def test_trl_none_correct_reward_is_dropped_and_warned(untrained_tiny, tmp_path,
     mask = seen["inputs"]["completion_mask"] * seen["inputs"]["tool_mask"]
     assert int((mask.sum(-1) == 0).sum()) == G
     assert sum("have no verdict" in rec.getMessage() for rec in caplog.records) == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trl_accelerate_two_processes_record_and_curate_once(untrained_tiny, tmp_path):  # noqa: F811
+    """`accelerate launch --num_processes 2` on CPU (gloo; tests/trl_ranks_script.py): every completion of
+    every process recorded exactly once, one shard and one curation (one audit) per generation batch
+    over both processes' rows (groups straddle the processes), the same decisions on both processes,
+    and the advantages TRL trains with are the group advantages over the whole batch."""
+    import subprocess
+    import sys
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_ranks_script.py")
+    buf, out = str(tmp_path / "buf"), tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+                          script, untrained_tiny, buf, str(out), "dapo"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["processes"], r["backend"]) for r in ranks] == [(0, 2, "gloo"), (1, 2, "gloo")]
+    assert ranks[0]["run_id"] == ranks[1]["run_id"] == "ranks"
+    rows = {r["rollout_id"]: r for r in rollouts(buf)}
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        sel = snap.arrow("selections").to_table().to_pylist()
+        curations = snap.arrow("curations").to_table(columns=["curation_id"]).column("curation_id").to_pylist()
+        curated = {c["rollout_id"]: c for c in snap.arrow("curated").to_table().to_pylist()}
+        shards = len(b.manifest.shards("rollouts"))
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == 2 and shards == 2
+    seen = []
+    for step in range(2):
+        batch = [ranks[0]["batches"][step], ranks[1]["batches"][step]]
+        ids = batch[0]["ids"] + batch[1]["ids"]
+        assert len(ids) == 12 and {rows[i]["step"] for i in ids} == {step}
+        seen += ids
+        # both processes count the same items: the curated tokens of the whole batch
+        kept = sum(sum(b["kept_tokens"]) for b in batch)
+        assert batch[0]["num_items"] == batch[1]["num_items"] == kept
+        for b in batch:
+            for rid, adv, k, comp in zip(b["ids"], b["advantages"], b["kept_tokens"], b["completion_ids"]):
+                assert rows[rid]["response_token_ids"] == comp  # the process's own completion, recorded
+                c = curated.get(rid)
+                assert k == (0 if c is None else sum(c["loss_mask"]))
+                trl_adv = json.loads(rows[rid]["meta"])["trl_advantage"]
+                assert adv == 0.0 if c is None else abs(adv - trl_adv) <= 1e-5 * max(1.0, abs(trl_adv))
+    assert sorted(seen) == sorted(rows) and len(seen) == len(set(seen)) == 24  # every completion exactly once
+    straddle = {}
+    for r in rows.values():
+        straddle.setdefault(r["group_id"], set()).add(json.loads(r["meta"])["trl_process"])
+    assert any(len(p) == 2 for p in straddle.values())  # a group split over the two processes is one group
+    assert ranks[0]["curations"] == ranks[1]["curations"] == curations and len(curations) == 2
+    assert len(sel) == 24 and {s["curation_id"] for s in sel} == set(curations)

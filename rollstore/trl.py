@@ -11,10 +11,17 @@ it returns). Only training batches are recorded; evaluation batches pass through
 
 Invariants:
 - One `rollouts` row per completion of a training generation batch, every completion (the ones TRL
-  trains on and the rest), appended as ONE shard per batch with `Buffer.append_rollouts`; rows are
-  built by `rollout.build.build_rollouts`, so ids and groups follow its rules.
+  trains on and the rest) of every process, appended as ONE shard per batch with
+  `Buffer.append_rollouts`; rows are built by `rollout.build.build_rollouts`, so ids and groups
+  follow its rules.
+- Several processes (`accelerate launch`): only the main process opens the buffer. Each process
+  scores its own completions, every process's rows are gathered to it in process order (TRL's
+  order of the generation batch, whose rewards TRL gathers the same way), and the main process
+  records and curates the whole batch once (one shard, one curation, one audit); its decisions
+  are broadcast, so every process trains its slice with the same decisions. The run_id is the main
+  process's.
 - Groups: TRL's sampler repeats each prompt `num_generations` times consecutively, so rows
-  g*G .. g*G+G-1 of a batch are group g (G = `num_generations`); a batch whose prompts break
+  g*G .. g*G+G-1 of a batch are group g (G = `num_generations`), across processes; a batch whose prompts break
   that rule is refused with one line. `step` = the index of the generation batch in the run, from
   TRL's counters (`global_step` x gradient accumulation / micro-steps per generation), so a run
   resumed from a checkpoint (`resume_from_checkpoint`) continues its numbering; never a step the
@@ -42,7 +49,10 @@ Invariants:
   (rollstore does not invent a verdict), logged once per trainer as a warning.
 - Curation (`curate` set): after recording, `curate.run.curate` runs over exactly this batch
   (`where run_id = ... AND step = ...`, `progress` = global_step / max_steps) and commits its
-  curated rows and audit. TRL's batch then gets: `advantages` = curated advantage x weight (0 for a
+  curated rows and audit. The recipe's `std` follows TRL's `scale_rewards` ("none" -> none, else
+  sample std), and the curated advantage is rescaled from rollstore's (std + 1e-6) to TRL's
+  (std + 1e-4, std of the group or, under "batch", of the batch), so `curate="grpo"` trains exactly
+  as plain TRL. TRL's batch then gets: `advantages` = curated advantage x TRL scale x weight (0 for a
   dropped row), and a loss mask = TRL's mask x the curated `loss_mask` (all zero for a dropped row),
   carried in TRL's `tool_mask` (a loss-only mask: attention is unchanged). `num_items_in_batch` is
   recounted over the curated mask. Normalisation is then TRL's own (docs/trl.md): under

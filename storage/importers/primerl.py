@@ -117,8 +117,6 @@ def convert(path: str, codec: TextCodec | None, run_id: str, rewards: dict | Non
     for f in files:
         digest = file_digest(f)
         for lineno, obj in read_jsonl_objects(f):
-            if obj.get("preflight_only"):
-                continue
             at = f"line {lineno}"
             rid = stable_id(FORMAT, digest, lineno)
             for name in ("token_ids", "loss_mask", "inference_logprobs"):

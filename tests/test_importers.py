@@ -81,7 +81,8 @@ def one_error_line(res) -> str:
 CHAT = ("{% for m in messages %}({{ m['content'] }}){% endfor %}{% if add_generation_prompt %}={% endif %}")
 
 
-def trl_run(out, conversational: bool, steps: int = 1, logging_steps: int = 1, steps_per_generation=None):
+def trl_run(out, conversational: bool, steps: int = 1, logging_steps: int = 1, steps_per_generation=None,
+            texts=("1+1=", "2*3=")):
     """Run TRL's GRPOTrainer with log_completions=True; return the sorted completion files."""
     pytest.importorskip("trl")
     import glob
@@ -103,7 +104,6 @@ def trl_run(out, conversational: bool, steps: int = 1, logging_steps: int = 1, s
     tok.chat_template = CHAT
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_model_config(tok))
-    texts = ["1+1=", "2*3="]
     rows = ([{"prompt": [{"role": "user", "content": t}]} for t in texts] if conversational
             else [{"prompt": t} for t in texts])
     old = torch.get_num_threads()
@@ -174,6 +174,21 @@ def test_trl_conversational_from_a_real_grpo_trainer(tmp_path, cli, buf, chat_to
     line = one_error_line(cli("import", buf, f, "--from", "trl-completions", "--tokenizer", str(tok_dir_plain(tmp_path)),
                               "--score-model", model_dir))
     assert "trl-completions" in line and f in line and "row 0" in line and "'prompt'" in line and "chat template" in line
+
+
+def test_trl_batch_logged_twice_by_a_real_grpo_trainer(tmp_path, cli, buf, tok_dir, model_dir):
+    """steps_per_generation=2, logging_steps=1: TRL writes a file at steps 1 and 2 from the same deques,
+    both holding the one generation batch of 16; importing both adds it once."""
+    files = trl_run(tmp_path / "out", conversational=False, steps=2, steps_per_generation=2,
+                    texts=("1+1=", "2*3=", "4-2=", "9/3="))
+    assert [os.path.basename(f) for f in files] == ["completions_00001.parquet", "completions_00002.parquet"]
+    a, b = pd.read_parquet(files[0]), pd.read_parquet(files[1])
+    assert len(a) == len(b) == 16 and list(a["completion"]) == list(b["completion"])
+    res = cli("import", buf, *files, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    assert res.code == 0, res.stderr
+    assert "16 new rows" in res.stdout and "0 new rows, 16 already present" in res.stdout
+    rows = rows_of(buf)
+    assert len(rows) == 16 and sorted(len([r for r in rows if r["group_id"] == g]) for g in {r["group_id"] for r in rows}) == [4] * 4
 
 
 def tok_dir_plain(tmp_path):

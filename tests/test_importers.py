@@ -449,7 +449,7 @@ def test_prime_rl_refusals(tmp_path, cli, buf, tok_dir):
     assert f"prime-rl: {f}: line 1: field 'loss_mask'" in line and "multi-turn" in line
     f = prime_file(tmp_path, 5, [])
     line = one_error_line(cli("import", buf, f, *args))
-    assert line == f"error: prime-rl: {os.path.dirname(f)}: the file is empty (no rows to import)"
+    assert line == f"error: prime-rl: {f}: the file is empty (no rows to import)"
     assert rows_of(buf) == []
 
 

@@ -165,7 +165,10 @@ def convert(path: str, codec: TextCodec | None, run_id: str, rewards: dict | Non
             cols["src"].append({"file": os.path.basename(f), "line": lineno, "rank": obj.get("rank"),
                                 "export_sequence_idx": obj.get("export_sequence_idx")})
     if not cols["rid"]:
-        raise empty(FORMAT, path)
+        if len(files) == 1:
+            raise empty(FORMAT, files[0])
+        raise ImportRefused(f"{FORMAT}: {path}: every rank file of the step is empty "
+                            f"({', '.join(os.path.basename(f) for f in files)}: no rows to import)")
     gidx = groups_by_key([(s, tuple(p)) for s, p in zip(cols["step"], cols["prompt_ids"])])
     if len(files) > 1 or os.path.isdir(path):
         rows.note(f"group rebuilt from identical prompt tokens within a step, over its {len(files)} rank file(s)")

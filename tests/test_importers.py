@@ -552,4 +552,6 @@ def test_nemo_rl_refusals(tmp_path, cli, buf, tok_dir):
     assert line.endswith("train_data_step4.jsonl: the file is empty (no rows to import)")
     line = one_error_line(cli("import", buf, f, "--from", "other-rl"))
     assert "unknown format" in line
+    line = one_error_line(cli("import", buf, f, "--from", "nemo-rl", "--tokenizer", tok_dir, "--rewards", f))
+    assert line == "error: --rewards is for --from prime-rl (the nemo-rl dump holds its rewards)"
     assert rows_of(buf) == []

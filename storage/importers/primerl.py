@@ -40,7 +40,6 @@ Invariants:
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 

@@ -30,7 +30,7 @@ import json
 
 from ..importer import read_jsonl_objects
 from .common import (Rows, TextCodec, bad, empty, file_digest, file_time, group_ids, groups_by_key, kind,
-                     missing, sample_idx, stable_id)
+                     number, sample_idx, stable_id)
 from .text import fill_text
 
 FORMAT = "verl-jsonl"
@@ -55,8 +55,7 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
             if not isinstance(obj[name], want) or isinstance(obj[name], bool):
                 raise bad(FORMAT, path, f"line {lineno}", name, f"expected {'text' if want is str else 'an integer'}, "
                           f"got {kind(obj[name])}")
-        if isinstance(obj["score"], bool) or not isinstance(obj["score"], (int, float)):
-            raise bad(FORMAT, path, f"line {lineno}", "score (reward)", f"expected a number, got {kind(obj['score'])}")
+        number(FORMAT, path, f"line {lineno}", "score (reward)", obj["score"])
     if objs and all(obj.get("uid") is not None for obj in objs):
         gidx = groups_by_key([(obj["step"], str(obj["uid"])) for obj in objs])
     else:

@@ -146,6 +146,8 @@ def test_trl_completions_from_a_real_grpo_trainer(tmp_path, cli, buf, tok_dir, m
     assert all(len({r["prompt"] for r in g}) == 1 for g in groups.values())
     assert {r["step"] for r in rows} == {1}
     assert sorted(r["response"] for r in rows) == sorted(table["completion"])
+    # the prompt ids TRL fed the model: processing_class(text=...) adds the tokenizer's BOS (id 1)
+    assert {tuple(r["prompt_token_ids"]) for r in rows} == {(1, 5, 14, 5, 18), (1, 6, 16, 7, 18)}
     # None from a reward function is NaN in TRL's file; it adds nothing to the reward and is null in meta
     first = [r for r in rows if json.loads(r["meta"])["rewards"]["constant"] is None]
     assert len(first) == 1 and first[0]["reward"] == json.loads(first[0]["meta"])["rewards"]["length_reward"]

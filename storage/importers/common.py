@@ -128,6 +128,10 @@ class TextCodec:
     # messages -> the prompt text the model saw (the tokenizer's chat template, generation prompt
     # added); None when the tokenizer has no chat template
     chat: Callable[[list[dict]], str] | None = None
+    # how a trainer that tokenises a text prompt itself (TRL: `processing_class(text=...)`) encodes it:
+    # special tokens added (e.g. BOS); and a conversation's ids from the chat template. None: `encode`
+    encode_prompt: Callable[[str], list[int]] | None = None
+    chat_ids: Callable[[list[dict]], list[int]] | None = None
 
 
 @dataclass

@@ -14,9 +14,12 @@ A prompt is a string, or (conversational datasets) a list of messages `{"role", 
 completion likewise a string or a list of assistant messages.
 
 Invariants:
-- A conversational prompt is rendered with the `--tokenizer`'s chat template, generation prompt
-  added (as TRL renders it before sampling); the response is the text of the completion's
-  messages. A conversation with a tokenizer that has no chat template is refused.
+- Prompt ids are what TRL fed the model: a text prompt is tokenised with the tokenizer's special
+  tokens (TRL calls `processing_class(text=prompts)`), a conversational prompt with the
+  `--tokenizer`'s chat template, generation prompt added (`apply_chat_template(tokenize=True)`,
+  as TRL does); `prompt` holds the rendered text. The response is the text of the completion
+  (of its messages), encoded without special tokens (TRL logs it decoded with
+  `skip_special_tokens=True`). A conversation with a tokenizer that has no chat template is refused.
 - A row's identity is its content (the prompt and completion as logged, the reward columns, the
   advantage) plus its occurrence among identical rows of its group: two identical completions of
   one prompt are two rows (occurrence 0 and 1), and the same generation batch logged again in a
@@ -66,9 +69,14 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
     if not reward_cols:
         raise missing(FORMAT, path, "reward", "no reward function column in the file")
     rows = Rows(FORMAT, path)
-    prompts, responses, keys = [], [], []
+    prompts, responses, keys, p_ids = [], [], [], []
     for i, r in data:
         prompts.append(_prompt(r["prompt"], codec, path, i))
+        if codec is not None:
+            if isinstance(r["prompt"], list):
+                p_ids.append(codec.chat_ids([{"role": m.get("role"), "content": m["content"]} for m in r["prompt"]]))
+            else:
+                p_ids.append((codec.encode_prompt or codec.encode)(prompts[-1]))
         responses.append(_completion(r["completion"], path, i))
         keys.append(json.dumps(r["prompt"], sort_keys=True, ensure_ascii=False))
     gidx = groups_from_order(keys)
@@ -94,7 +102,8 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
     rows.set("run_id", [run_id] * len(data))
     rows.set("step", [file_step] * len(data))
     rows.set("policy_version", [file_step] * len(data))
-    fill_text(rows, codec, prompts, responses)
+    fill_text(rows, codec, prompts, responses, p_ids if codec is not None else None)
+    rows.note("prompt tokenised as TRL tokenises it (special tokens added, or the chat template)")
     rewards = []
     for _, r in data:
         vals = [r.get(c) for c in reward_cols]

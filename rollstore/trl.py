@@ -157,7 +157,8 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         self.rollstore_batches = 0  # generation batches recorded by this trainer object
         self._rollstore_next: int | None = None  # the lowest step free in the buffer for this run_id
         self._rollstore_warned = False
-        self.rollstore_curations: list = []  # CurationResult of each curated batch, in order
+        # each curated batch, in order: its CurationResult on the main process, its curation_id elsewhere
+        self.rollstore_curations: list = []
         self._rollstore_rewards = None
         self.rollstore_last_ids: list[str] = []  # rollout ids of this process's rows of the last batch
 
@@ -198,14 +199,22 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             rows = gather_object(local)  # every process's rows, in process order: TRL's batch order
         else:
             rows = local
-        decision = None
+        decision, failure = None, None
         if self.accelerator.is_main_process:
-            step = self._next_step()
-            ids = self._record(rows, step)
-            decision = {"step": step, "ids": ids}
-            if self.rollstore_recipe is not None:
-                decision.update(self._curate(rows, ids, step))
+            try:
+                step = self._next_step()
+                ids = self._record(rows, step)
+                decision = {"step": step, "ids": ids}
+                if self.rollstore_recipe is not None:
+                    decision.update(self._curate(rows, ids, step))
+            except Exception as exc:  # the other processes wait in the broadcast: tell them, then raise
+                failure = exc
+                decision = {"error": f"{type(exc).__name__}: {exc}"}
         decision = self._same_everywhere(decision)
+        if failure is not None:
+            raise failure
+        if "error" in decision:
+            raise TRLPluginError(f"the main process could not record or curate this batch: {decision['error']}")
         first = self.accelerator.process_index * n_local
         self.rollstore_last_ids = decision["ids"][first:first + n_local]
         self.rollstore_batches += 1

@@ -137,6 +137,14 @@ def test_trl_grpo_recipe_reproduces_vanilla_parameters(untrained_tiny, tmp_path,
     diff, rel = param_gap(vanilla, curated, before)
     print(f"scale_rewards={scale_rewards}: max |dparam| {diff:.3e}, relative to the largest update {rel:.3e}")
     assert rel <= 1e-4, (diff, rel)
+    if scale_rewards == "group":  # the test can tell: rollstore's own constant (std + 1e-6) does not match
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(RollstoreGRPOTrainer, "_trl_scale", lambda self, n: [1.0] * n)
+            _, _, own = trained_params(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "o", [parity, shaping],
+                                       buffer=str(tmp_path / "buf-own"), curate="grpo", cfg=cfg)
+        diff, rel = param_gap(vanilla, own, before)
+        print(f"with std + 1e-6: max |dparam| {diff:.3e}, relative to the largest update {rel:.3e}")
+        assert rel > 0.1
 
 
 def first_loss(cls, model_dir, out, funcs, **extra):

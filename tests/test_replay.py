@@ -148,3 +148,31 @@ def test_the_plan_and_the_record_name_the_replay_parameters():
     assert "curate_replay" not in [s.sql for s in grpo.steps] and "replay_window" not in code(grpo.steps[0].text)
     params = json.loads(plan.params.to_json())
     assert params["replay"] == "groups" and params["replay_max_uses"] == 2
+
+
+def test_audit_and_report_show_the_replay_share_and_ages(tmp_path, cli):
+    """`rollstore audit --format json` has a `replay` view (origin × age) and `rollstore report` a
+    replay section with the share and the ages of the selected rows per curation."""
+    from rollstore.synthetic import rollouts_table
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(3):
+            buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=step, policy_version=step, seed=step))
+        result = curate(buf, load_recipe("replay-rollouts"), {})
+    selected = [r for r in result.audit.to_pylist() if r["selected"]]
+    replayed = [r for r in selected if r["replayed"]]
+    assert replayed, "the window had rows with |A| > 0"
+    res = cli("audit", root, result.curation_id, "--format", "json")
+    assert res.code == 0, res.stderr
+    view = {(r["origin"], r["age"]): r for r in json.loads(res.stdout)["replay"]}
+    assert view[("fresh", 0)]["selected"] == len(selected) - len(replayed)
+    assert sum(r["selected"] for k, r in view.items() if k[0] == "replayed") == len(replayed)
+    assert {k[1] for k in view if k[0] == "replayed"} <= {1, 2}
+    assert sum(r["share_of_selected"] for r in view.values()) == pytest.approx(1.0, abs=0.01)
+    out = tmp_path / "report.html"
+    res = cli("report", root, "--out", str(out))
+    assert res.code == 0, res.stderr
+    html = out.read_text()
+    share = round(len(replayed) / len(selected), 3)
+    assert 'id="replay"' in html and f"{share:g}" in html and "replay-rollouts" in html

@@ -176,3 +176,62 @@ def test_audit_and_report_show_the_replay_share_and_ages(tmp_path, cli):
     html = out.read_text()
     share = round(len(replayed) / len(selected), 3)
     assert 'id="replay"' in html and f"{share:g}" in html and "replay-rollouts" in html
+
+
+def test_a_replay_curation_killed_at_every_write_point_counts_no_use_twice(tmp_path, cli):
+    """kill -9 of `rollstore curate --recipe replay-rollouts` after each storage write or manifest
+    call: nothing is committed, so no use is counted; the rerun commits once, and a later replay
+    curation sees each rollout used exactly as often as committed curations selected it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from rollstore.synthetic import rollouts_table
+    from test_integrity import CURATE_ZYGOTE
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(3):
+            buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=step, policy_version=step, seed=5))
+    args = ["--recipe", "replay-rollouts", "--set", "where=step = 2"]
+    script = CURATE_ZYGOTE.format(root=ROOT, buffer=root).replace(
+        '"--recipe", "d3s", "--set", "where=true"', ", ".join(repr(a) for a in args))
+    assert script != CURATE_ZYGOTE.format(root=ROOT, buffer=root)
+    zygote = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert zygote.stdout.readline().strip() == "ready"
+    try:
+        for n in range(1, 200):
+            with Buffer.open(root) as buf:
+                seq = buf.manifest.latest_seq()
+            zygote.stdin.write(f"{n} {seq}\n")
+            zygote.stdin.flush()
+            status = int(zygote.stdout.readline())
+            if os.WIFEXITED(status):
+                assert os.WEXITSTATUS(status) == 0
+                break
+            assert os.WTERMSIG(status) == signal.SIGKILL
+            with Buffer.open(root) as buf:
+                assert buf.manifest.latest_seq() == seq, f"kill point {n} committed something"
+            res = cli("sql", root, "SELECT count(*) AS n FROM curations", "--format", "json")
+            assert json.loads(res.stdout) == [{"n": 0}], f"kill point {n} left a curation"
+        else:
+            pytest.fail("the curation never ran to its end")
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
+    assert n > 5
+    res = cli("sql", root, "SELECT count(*) AS n, count(DISTINCT rollout_id) AS d FROM selections WHERE selected "
+                           "AND curation_id IN (SELECT curation_id FROM curations)", "--format", "json")
+    (counts,) = json.loads(res.stdout)
+    assert counts["n"] == counts["d"] > 0  # one committed curation: every selected row used once
+    with Buffer.open(root) as buf:
+        again = curate(buf, load_recipe("replay-window"), {"where": "step = 2", "replay_window": "2"})
+    first = {r["rollout_id"] for r in json.loads(cli("sql", root, "SELECT rollout_id FROM selections WHERE selected "
+                                                     f"AND curation_id <> '{again.curation_id}'",
+                                                     "--format", "json").stdout)}
+    seen = {r["rollout_id"]: r["uses"] for r in again.audit.to_pylist()}
+    assert all(seen[rid] == 1 for rid in first if rid in seen) and all(
+        u == 0 for rid, u in seen.items() if rid not in first)

@@ -2,20 +2,23 @@
 
 Invariants:
 - The client builds the plan (`curate.plan`) and ships it with every task: workers run the
-  client's SQL text, step by step, in the plan's order. This module adds only the merges of the
-  GLOBAL steps and the placement of the others:
-  - ROW steps of the candidates phase and PROMPT steps (the difficulty history) run per input
-    shard; their rows go to partition md5(prompt_id) mod P, so a partition holds whole prompts,
-    hence whole groups (a group's rows share one prompt, checked at append) and the whole history
-    of its prompts (per-prompt counts add up exactly);
-  - GROUP and ROW steps then run inside each partition until a GLOBAL step, whose merge is exact:
-    μ from integer counts (`curate.steps.mu_of`); the cross-group max-variance subset by the same
-    select step over every pool row, run on the client, its `picked` rows sent back by partition;
-  - the record's steps and the audit run over every candidate's narrow row in one task;
-  - token steps run per input shard holding a selected row: the entropies are read once and kept
-    (as the worker's Arrow table) for the threshold's second pass, the kept counts and the
-    materialisation; the threshold merges summed histograms, then the bucket's heads
-    (`curate.tokens`);
+  client's SQL text, step by step, in the plan's order; no SQL of this module runs on the batch.
+  What this module adds is the placement of the steps and the gathering of a GLOBAL step's
+  partial results for its registered merge (`curate.merges`, the same merge the embedded engine
+  uses):
+  - the candidates phase's ROW steps and the PROMPT steps that read Parquet (the difficulty
+    history) run per input shard; their rows go to partition hash(prompt_id) mod P, so a partition
+    holds whole prompts, hence whole groups (a group's rows share one prompt, checked at append)
+    and every part of its prompts' history (per-prompt counts add up exactly);
+  - the other steps of the candidates and selection phases run inside each partition until a
+    GLOBAL step: its partial results go through its merge on the client (μ, the batch size, one
+    run), or, for a `whole` step (the cross-group selection, the replay choice), the step runs on
+    the client over every partition's `work` and the tables it writes go back to every partition;
+  - the record's steps run over every candidate's narrow row in one task; so does the audit;
+  - token and output steps run per input shard holding a selected row, with the same round trips
+    at their GLOBAL steps (first missing entropies, histogram, bucket heads, kept total); a shard's
+    tables (its selected rows, their entropies, kept counts) travel as Arrow between its tasks,
+    and a task re-declares the views of earlier steps (`_views_before`);
   - curated shards are cut exactly as the embedded engine cuts them (`output.part_layout`), one
     task per output shard, with the client's row-group sizing, so the worker's host does not
     change the bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<run>/.

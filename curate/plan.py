@@ -5,9 +5,10 @@ Each step is one SQL file of `queries/` with its fragments (`{name}`), the value
 
 Invariants:
 - This module is the only place where recipe modes branch. The engines (`curate.run`, embedded;
-  `curate.distributed`, Dask) run the steps in order; what differs between them is only how a
-  GLOBAL step's results from several partitions are merged (`Step.merge`), and which input a step
-  with `relations` reads (one shard, or the shards holding a selected row).
+  `curate.distributed`, Dask) run the steps in order and run no other SQL on the batch; what
+  differs between them is only where a step runs, how a GLOBAL step's partial results are gathered
+  for its registered merge (`Step.merge`, `curate.merges`), and which input a step with
+  `relations` reads (one shard, or the shards holding a selected row). A new step is one `add` here.
 - The curation id is a hash of the plan: of every step's text as built here (relations at their
   canonical names; comments and spacing left out, `executable`), with the snapshot, the recipe
   name and the effective parameters. Two runs with the same id run the same SQL on the same data,

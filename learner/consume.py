@@ -115,7 +115,8 @@ def train_pending(
     each checkpoint's metrics (e.g. the loop's iteration). `train_kwargs` go to
     `train_on_curation` (loss, epochs, micro_batch_size, grad_accum, ...). Each new version is
     one more than the highest published version of the buffer. `timings`, when given, gets the
-    seconds spent in `optimiser` steps (reading the shards included) and checkpoint `publish`.
+    seconds spent in `optimiser` steps (reading the shards included), the decoupled objective's
+    `proximal` forward (not in `optimiser`) and checkpoint `publish`.
     `dist`: this rank; `model` / `optimizer` are then the wrapped ones (`distributed.wrap`).
     """
     todo = None
@@ -136,11 +137,16 @@ def train_pending(
             latest = latest_checkpoint(buf)
             new_version = max(version, latest.version if latest else 0) + 1
         new_version = dist.broadcast(new_version)
+        inner: dict[str, float] = {}
         rows = train_on_curation(
             model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit],
-            run_id=run_id, version=new_version, weights_version=version, start_step=step, dist=dist, **train_kwargs,
+            run_id=run_id, version=new_version, weights_version=version, start_step=step, dist=dist,
+            timings=inner, **train_kwargs,
         )
         clock.lap("optimiser")
+        if timings is not None:  # the off-policy correction's forward is its own phase
+            timings["optimiser"] -= inner.get("proximal", 0.0)
+            timings["proximal"] = timings.get("proximal", 0.0) + inner.get("proximal", 0.0)
         step = rows[-1]["step"] if rows else step
         metrics = {
             "steps": len(rows),

@@ -16,7 +16,8 @@ Invariants:
   (`batches.iter_rank_steps`), the step's `Normalizer` and metrics are all-reduced, and every rank
   returns the same rows: the rows and the gradient are those of the single process (up to the
   order of float sums). `timings` gets the seconds spent reading the shards (`read`) and
-  collating batches (`collate`), the store's input cost.
+  collating batches (`collate`), the store's input cost, and the decoupled objective's proximal
+  forward (`proximal`).
 """
 
 from __future__ import annotations
@@ -181,8 +182,10 @@ def train_on_curation(
                 norm = dist.normalizer(norm)
                 lr = float(optimizer.param_groups[0]["lr"])
                 # π_prox: the weights at the start of this optimiser step, before its first backward
+                clock.lap("other")
                 prox = ([proximal_logprobs(model, b, current) for b in micro] if loss_config.decoupled
                         else [None] * len(micro))
+                clock.lap("proximal")
                 optimizer.zero_grad(set_to_none=True)
                 stats, total = LossStats(), 0.0
                 if norm.tokens:

@@ -90,7 +90,8 @@ class IterationReport:
 
 
 # The phases of one iteration, in order, as `IterationReport.phases` and the loop profile name them.
-PHASES = ("generation", "reward", "scoring", "append", "curation", "optimiser", "publish", "evaluation", "other")
+PHASES = ("generation", "reward", "scoring", "append", "curation", "optimiser", "proximal", "publish", "evaluation",
+          "other")
 
 
 def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):

@@ -139,7 +139,8 @@ def rollouts_to_reach(curve: list[dict], target: float, metric: str = "pass@1") 
 
 
 def ratio_to_grpo(runs: list[dict], grpo: dict[int, dict], metric: str = "pass@1") -> tuple[str, list[float]]:
-    """'rollouts to reach grpo's final' relative to grpo's, per seed, summarised (see the invariants)."""
+    """'rollouts to reach grpo's final' relative to grpo's, per seed, summarised (see the invariants);
+    any other reference recipe's runs (by seed) in place of grpo's give the same against it."""
     ratios, missing = [], 0
     for r in runs:
         base = grpo.get(r["seed"])
@@ -175,6 +176,8 @@ def summarise(runs: list[dict], metric: str = "pass@1") -> list[list[str]]:
         k = max(int(key.split("@")[1]) for key in rs[0]["curve"][-1] if key.startswith("pass@"))
         diffs = [r["curve"][-1][metric] - grpo[r["seed"]]["curve"][-1][metric] for r in rs if r["seed"] in grpo]
         ratio, _ = ratio_to_grpo(rs, grpo, metric) if name != "grpo" else ("1 (reference)", [])
+        dapo = {r["seed"]: r for r in by.get("dapo", [])}
+        vs_dapo = ("1 (reference)" if name == "dapo" else ratio_to_grpo(rs, dapo, metric)[0]) if dapo else "–"
         rows.append([
             name, str(len(rs)),
             fmt_interval([r["curve"][0][metric] for r in rs]),
@@ -182,6 +185,7 @@ def summarise(runs: list[dict], metric: str = "pass@1") -> list[list[str]]:
             fmt_interval([r["curve"][-1][f"pass@{k}"] for r in rs]),
             fmt_interval(diffs) if name != "grpo" else "–",
             ratio,
+            vs_dapo,
             f"{statistics.mean(r['rollouts'] for r in rs):,.0f}",
             f"{statistics.mean(r['learner_tokens'] for r in rs):,.0f}",
             f"{statistics.mean(r['wall_seconds'] for r in rs):.0f}",
@@ -191,7 +195,7 @@ def summarise(runs: list[dict], metric: str = "pass@1") -> list[list[str]]:
 
 HEADER = ["recipe", "seeds", "start pass@1", "final pass@1 [95 % CI]", "final pass@k [95 % CI]",
           "final pass@1 − grpo (paired)", "rollouts to grpo's final pass@1, vs grpo [95 % CI]",
-          "rollouts generated", "learner tokens", "wall s/run"]
+          "rollouts to dapo's final pass@1, vs dapo [95 % CI]", "rollouts generated", "learner tokens", "wall s/run"]
 
 
 def plot(runs: list[dict], split: str, path: str) -> None:

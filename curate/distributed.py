@@ -160,6 +160,18 @@ def _views_before(plan: Plan, start: int, phases: tuple[str, ...]) -> list[Step]
     return [s for s in plan.steps[:start] if s.phase in phases and s.scope != GLOBAL and " TEMP VIEW " in s.text]
 
 
+@contextlib.contextmanager
+def _resumed(ctx: _Ctx, tables: dict[str, pa.Table], start: int, values: dict, phases: tuple[str, ...]):
+    """A task's session over a part's tables, with the views of its earlier steps re-declared."""
+    with _session(ctx) as s:
+        for name, table in tables.items():
+            s.load(name, table)
+        runner = Runner(s, values)
+        for view in _views_before(ctx.plan, start, phases):
+            runner.run(view)
+        yield s, runner
+
+
 @dataclass
 class _State:
     """A part between two GLOBAL steps: its tables (narrow `work` rows, its prompts' history, a
@@ -238,12 +250,7 @@ def _advance(ctx: _Ctx, state: _State, start: int, values: dict, shipped: dict[s
     """A partition from step `start`: the steps of the candidates and selection phases that were
     not run per shard, until a GLOBAL one (returning its partial result) or the end."""
     phases = ("candidates", *SELECTION_PHASES)
-    with _session(ctx) as s:
-        for name, table in {**state.tables, **shipped}.items():
-            s.load(name, table)
-        runner = Runner(s, values)
-        for view in _views_before(ctx.plan, start, phases):
-            runner.run(view)
+    with _resumed(ctx, {**state.tables, **shipped}, start, values, phases) as (s, runner):
         for idx in range(start, len(ctx.plan.steps)):
             step = ctx.plan.steps[idx]
             if step.phase not in phases or (step.scope == ROW and step.phase == "candidates") or \
@@ -290,12 +297,7 @@ def _shard_advance(ctx: _Ctx, i: int, state: _State, start: int, values: dict) -
     its tables so far), until a GLOBAL step (returning its partial result) or the output's end."""
     _start(ctx, "tokens")
     phases = ("tokens", "output")
-    with _session(ctx) as s:
-        for name, table in state.tables.items():
-            s.load(name, table)
-        runner = Runner(s, values)
-        for view in _views_before(ctx.plan, start, phases):
-            runner.run(view)
+    with _resumed(ctx, state.tables, start, values, phases) as (s, runner):
         for idx in range(start, len(ctx.plan.steps)):
             step = ctx.plan.steps[idx]
             if step.phase not in phases:

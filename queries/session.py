@@ -152,8 +152,14 @@ class Session:
     def execute(self, sql: str, params: dict | list | None = None) -> duckdb.DuckDBPyConnection:
         """Run rollstore's own SQL (trusted: may create temp tables; it may embed a checked user
         predicate, whose run-time errors become one line here)."""
-        try:
+        with self._errors():
             return self.con.execute(sql, params) if params is not None else self.con.execute(sql)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """DuckDB's errors of rollstore's own SQL as one line: a sandbox refusal, or an SQL error."""
+        try:
+            yield
         except duckdb.PermissionException as exc:
             raise SqlRefused(explain_permission(str(exc), self.root)) from None
         except duckdb.InterruptException:
@@ -180,14 +186,8 @@ class Session:
 
     def table(self, sql: str, params: dict | None = None) -> "pa.Table":
         """The result of rollstore's own query as an Arrow table (errors as in `execute`)."""
-        try:
+        with self._errors():
             return self.con.sql(sql, params=params or None).to_arrow_table()
-        except duckdb.PermissionException as exc:
-            raise SqlRefused(explain_permission(str(exc), self.root)) from None
-        except duckdb.InterruptException:
-            raise
-        except duckdb.Error as exc:
-            raise RollstoreError(f"SQL error: {_first_line(exc)}") from None
 
     def load(self, name: str, table: "pa.Table") -> None:
         """Transport in: `table` becomes the temp table `name` (no SQL of a step involved)."""

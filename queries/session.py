@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -128,8 +129,12 @@ class Session:
 
     @contextmanager
     def deadline(self, timeout: float | None) -> Iterator[None]:
-        """Interrupt whatever runs on this connection after `timeout` seconds."""
-        if not timeout:
+        """Interrupt whatever runs on this connection after `timeout` seconds (None, 0: never).
+        A timeout must be a finite number ≥ 0; one beyond what a timer can wait
+        (`threading.TIMEOUT_MAX`) never fires, like no timeout."""
+        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
+            raise SqlTimeout(f"timeout {timeout!r}: expected a finite number of seconds ≥ 0")
+        if not timeout or timeout >= threading.TIMEOUT_MAX:
             yield
             return
         fired = threading.Event()

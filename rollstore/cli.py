@@ -377,8 +377,10 @@ def train(
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
-    from rollstore.train_cli import launch_torchrun, run_train
+    from rollstore.train_cli import check_curations, launch_torchrun, run_train
 
+    if curation and "LOCAL_RANK" not in os.environ:
+        check_curations(buffer, curation)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
     run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle,

@@ -1,0 +1,126 @@
+"""Integrity, round two (issue 24): unknown ids, recipes, outputs, read-only and full disks, gc
+beside writers, verify like the readers, damaged manifests, schema rules.
+
+Every case goes through the real command line (typer's CliRunner in-process, or a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+
+from conftest import ROLLSTORE_BIN, write_jsonl
+from rollstore.synthetic import rollouts_table
+from storage.buffer import Buffer
+
+
+def one_error_line(res) -> str:
+    """The single stderr line of a refused command (non-zero exit, no traceback)."""
+    assert res.code != 0, (res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    assert lines[0].startswith("error:"), lines[0]
+    assert "unexpected" not in lines[0], lines[0]
+    return lines[0]
+
+
+def seq_of(root: str) -> int:
+    with Buffer.open(root) as buf:
+        return buf.manifest.latest_seq()
+
+
+@pytest.fixture
+def curated(tmp_path, cli):
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for v in range(2):
+            buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=v, policy_version=v, seed=3))
+    res = cli("curate", root, "--recipe", "grpo", "--set", "where=true")
+    assert res.code == 0, res.stderr
+    return root
+
+
+# ---- 5: an unknown curation id is one line everywhere -----------------------------------------
+@pytest.mark.parametrize("args", [
+    ["train", "{b}", "--curation", "nosuch"],
+    ["train", "{b}", "--curation", "{cid}", "--curation", "nosuch"],
+    ["audit", "{b}", "nosuch"],
+    ["audit", "{b}", "nosuch", "--rollout", "r0"],
+    ["audit", "{b}", "--compare", "nosuch"],
+    ["audit", "{b}", "nosuch", "--compare", "{cid}"],
+    ["report", "{b}", "--out", "{tmp}/r.html", "--curation", "nosuch"],
+])
+def test_unknown_curation_id_is_one_line(cli, curated, tmp_path, args):
+    with Buffer.open(curated) as buf:
+        cid = buf.manifest.shards("curations")[0].key
+    seq = seq_of(curated)
+    line = one_error_line(cli(*[a.format(b=curated, cid=cid, tmp=tmp_path) for a in args]))
+    assert "nosuch" in line
+    assert seq_of(curated) == seq
+    assert not os.path.exists(tmp_path / "r.html")
+
+
+# ---- 3 and 15: a recipe file holds only known keys; its sql_file stays next to it --------------
+@pytest.mark.parametrize("text,needle", [
+    ('sqll = "SELECT 1"\n', "sqll"),
+    ('description = "x"\n[parms]\nsample = "pods"\n', "parms"),
+    ('[recipe]\nsql = "SELECT rollout_id, 1.0 AS advantage FROM candidates"\n', "recipe"),
+    ('[params]\nsampel = "pods"\n', "sampel"),
+    ('[params]\n[params.inner]\nx = 1\n', "inner"),
+    ('name = 3\n', "name"),
+    ('sql = "SELECT rollout_id, 1.0 AS advantage FROM candidates"\nsql_file = "x.sql"\n', "sql_file"),
+])
+def test_recipe_with_unknown_keys_is_refused(cli, curated, tmp_path, text, needle):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(text)
+    (tmp_path / "x.sql").write_text("SELECT rollout_id, 1.0 AS advantage FROM candidates")
+    seq = seq_of(curated)
+    line = one_error_line(cli("curate", curated, "--recipe", str(recipe)))
+    assert needle in line and str(recipe) in line
+    assert seq_of(curated) == seq
+    line = one_error_line(cli("recipes", "--explain", str(recipe)))
+    assert needle in line
+
+
+@pytest.mark.parametrize("sql_file", ["/etc/passwd", "../outside.sql", "/etc/hostname.sql", "sub/../../outside.sql",
+                                      "link.sql", "notes.txt"])
+def test_recipe_sql_file_is_resolved_next_to_the_recipe(cli, curated, tmp_path, sql_file):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    secret = "TOPSECRETTOKEN"
+    (tmp_path / "outside.sql").write_text(f"{secret} garbage")
+    (folder / "notes.txt").write_text(f"{secret} garbage")
+    os.symlink(tmp_path / "outside.sql", folder / "link.sql")
+    recipe = folder / "r.toml"
+    recipe.write_text(f'sql_file = "{sql_file}"\n')
+    res = cli("curate", curated, "--recipe", str(recipe))
+    line = one_error_line(res)
+    assert "sql_file" in line and secret not in res.stderr + res.stdout
+    assert "root:" not in line
+
+
+def test_recipe_sql_file_next_to_the_recipe_works_from_any_cwd(cli, curated, tmp_path, monkeypatch):
+    folder = tmp_path / "recipes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "mine.sql").write_text("SELECT rollout_id, 1.0 AS advantage FROM candidates")
+    (folder / "r.toml").write_text('sql_file = "sub/mine.sql"\n')
+    monkeypatch.chdir(tmp_path)
+    res = cli("curate", curated, "--recipe", "recipes/r.toml")
+    assert res.code == 0, res.stderr
+
+
+@pytest.mark.parametrize("select,column", [
+    ("SELECT rollout_id, 1.0 AS advantage, 2.0 AS advantage FROM candidates", "advantage"),
+    ("SELECT rollout_id, rollout_id, 1.0 AS advantage FROM candidates", "rollout_id"),
+    ("SELECT rollout_id, 1.0 AS advantage, 1.0 AS weight, 2.0 AS weight FROM candidates", "weight"),
+])
+def test_custom_recipe_with_a_repeated_column_is_one_line(cli, curated, tmp_path, select, column):
+    sql = tmp_path / "twice.sql"
+    sql.write_text(select)
+    line = one_error_line(cli("curate", curated, "--recipe", str(sql)))
+    assert repr(column) in line and "times" in line

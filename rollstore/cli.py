@@ -189,9 +189,9 @@ def sql(
     if format == "parquet" and not out_file:
         fail("--format parquet needs --out FILE")
     if out_file:
-        from storage.buffer import refuse_managed
+        from rollstore.outfile import check_output_file
 
-        refuse_managed(out_file)
+        check_output_file(out_file)
     with open_buffer(buffer) as buf, buf.snapshot(seq, pin=True) as snap:
         table = run_bounded(snap, query, timeout, memory_limit)
     write_result(table, format, out_file, out)
@@ -313,10 +313,10 @@ def report(
     snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to report (default: latest)."),
 ):
     """One self-contained HTML report (charts, token views, the SQL behind each) of a buffer."""
+    from rollstore.outfile import check_output_file
     from rollstore.report import build_report
-    from storage.buffer import refuse_managed
 
-    refuse_managed(out_file)
+    check_output_file(out_file)
     with open_buffer(buffer) as buf:
         info = build_report(buf, out_file, curation_id=curation, snapshot=snapshot)
     out.print(f"wrote {info.path} ({info.bytes / 1024:.0f} KiB, snapshot {info.snapshot_seq}, "

@@ -124,3 +124,91 @@ def test_custom_recipe_with_a_repeated_column_is_one_line(cli, curated, tmp_path
     sql.write_text(select)
     line = one_error_line(cli("curate", curated, "--recipe", str(sql)))
     assert repr(column) in line and "times" in line
+
+
+# ---- 6 and 7: outputs replace only regular files; a killed export's partial is cleaned ---------
+def _specials(tmp_path):
+    """Paths holding something other than a regular file: a character device (as root), a FIFO, a
+    directory, a symbolic link to a file, a symbolic link to an empty directory."""
+    made = {}
+    if os.geteuid() == 0:
+        dev = tmp_path / "null-device"
+        os.mknod(dev, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+        made["device"] = dev
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    made["fifo"] = fifo
+    (tmp_path / "adir").mkdir()
+    made["dir"] = tmp_path / "adir"
+    (tmp_path / "real.txt").write_text("keep me")
+    os.symlink(tmp_path / "real.txt", tmp_path / "link")
+    made["link"] = tmp_path / "link"
+    (tmp_path / "emptydir").mkdir()
+    os.symlink(tmp_path / "emptydir", tmp_path / "dirlink")
+    made["dirlink"] = tmp_path / "dirlink"
+    return made
+
+
+def _kind(path) -> int:
+    return os.lstat(path).st_mode
+
+
+@pytest.mark.parametrize("command", [
+    ["report", "{b}", "--out", "{p}"],
+    ["sql", "{b}", "SELECT 1 AS x", "--out", "{p}"],
+    ["sql", "{b}", "SELECT 1 AS x", "--format", "csv", "--out", "{p}"],
+    ["sql", "{b}", "SELECT 1 AS x", "--format", "json", "--out", "{p}"],
+    ["sql", "{b}", "SELECT 1 AS x", "--format", "parquet", "--out", "{p}"],
+    ["export", "{b}", "--to", "{p}"],
+])
+def test_outputs_never_replace_anything_but_a_regular_file(cli, curated, tmp_path, command):
+    out = tmp_path / "outs"
+    out.mkdir()
+    for name, path in _specials(out).items():
+        if command[0] == "export" and name == "dir":
+            continue  # an empty directory is what export takes
+        before = _kind(path)
+        line = one_error_line(cli(*[a.format(b=curated, p=path) for a in command]))
+        assert str(path) in line, (name, line)
+        assert _kind(path) == before, name  # still the device, FIFO, folder or link it was
+    assert (out / "real.txt").read_text() == "keep me"
+    assert not [n for n in os.listdir(out) if ".partial-" in n]
+    if command[0] != "export":  # a regular file named by the user is replaced, atomically
+        (out / "old.txt").write_text("old")
+        res = cli(*[a.format(b=curated, p=out / "old.txt") for a in command])
+        assert res.code == 0, res.stderr
+        assert (out / "old.txt").read_bytes() != b"old"
+        assert not [n for n in os.listdir(out) if ".partial-" in n]
+
+
+KILLED_EXPORT = r"""
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import rollstore.export as export
+real = export._write_table
+def killed(*a, **k):
+    real(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+export._write_table = killed
+from rollstore.cli import app
+sys.argv = ["rollstore", "export", {buf!r}, "--to", {to!r}]
+app()
+"""
+
+
+def test_a_killed_export_leaves_a_partial_that_the_next_export_removes(curated, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    to = str(tmp_path / "exp")
+    res = subprocess.run([sys.executable, "-c", KILLED_EXPORT.format(root=root, buf=curated, to=to)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == -9, res.stderr
+    left = [n for n in os.listdir(tmp_path) if n.startswith(".exp.partial-")]
+    assert len(left) == 1 and not os.path.exists(to)
+    from storage.owners import owned_name  # a live writer's partial (ours) is kept
+    live = tmp_path / (".exp." + owned_name("partial"))
+    live.mkdir()
+    res = subprocess.run([ROLLSTORE_BIN, "export", curated, "--to", to], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr
+    assert os.path.isdir(os.path.join(to, "rollouts"))
+    assert sorted(n for n in os.listdir(tmp_path) if ".partial-" in n) == [live.name]

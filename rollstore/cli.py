@@ -221,6 +221,9 @@ def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an 
         r = gc(buf, grace)
     out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards and "
               f"{r.spill_dirs_removed} spill folders ({r.bytes_freed} bytes)")
+    if r.data_dirs_skipped:
+        err.print("note: writers were committing throughout; orphans under the data folders are left "
+                  "for the next gc", highlight=False)
 
 
 @app.command()

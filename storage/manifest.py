@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -141,13 +142,22 @@ class Manifest:
         return int(row[0])
 
     def add_shards(self, con: sqlite3.Connection, seq: int, shards: list[NewShard]) -> list[int]:
+        """Insert the rows of `shards` inside the transaction `con`. A path that another writer
+        committed first (two identical runs racing) raises FileExistsError naming it, the error a
+        link onto a committed file raises, so callers handle both races the same way."""
         ids = []
         for s in shards:
-            cur = con.execute(
-                "INSERT INTO shards (table_name, path, rows, tokens, bytes, sha256, key, added_seq)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq),
-            )
+            try:
+                cur = con.execute(
+                    "INSERT INTO shards (table_name, path, rows, tokens, bytes, sha256, key, added_seq)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq),
+                )
+            except sqlite3.IntegrityError:
+                if self.is_unnamed(s.path):
+                    raise
+                raise FileExistsError(errno.EEXIST, "already committed by another writer",
+                                      os.path.join(self.root, s.path)) from None
             ids.append(int(cur.lastrowid))
         return ids
 

@@ -212,3 +212,136 @@ def test_a_killed_export_leaves_a_partial_that_the_next_export_removes(curated, 
     assert res.returncode == 0, res.stderr
     assert os.path.isdir(os.path.join(to, "rollouts"))
     assert sorted(n for n in os.listdir(tmp_path) if ".partial-" in n) == [live.name]
+
+
+# ---- 1 and 14: gc beside writers; racing identical curations ---------------------------------
+PAUSED_CLI = r"""
+import os, sys, time
+sys.path.insert(0, {root!r})
+GO = {go!r}
+
+def pause(tag):
+    print(tag, flush=True)
+    while not os.path.exists(GO):
+        time.sleep(0.02)
+
+{patch}
+from rollstore.cli import app
+sys.argv = ["rollstore", *{argv!r}]
+app()
+"""
+
+PAUSE_BEFORE_COMMIT = """
+import storage.manifest as m
+real = m.Manifest.new_commit
+def new_commit(self, con, kind, detail=None):
+    if kind == "append":
+        pause("linked")  # the shard is linked into rollouts/, its row not yet committed
+    return real(self, con, kind, detail)
+m.Manifest.new_commit = new_commit
+"""
+
+PAUSE_IN_TMP = """
+import storage.shardio as s
+real = s.write_parquet
+def write_parquet(table, path, threads=None):
+    real(table, path, threads)
+    if "/tmp/" in path:
+        pause("written")  # the temp file is complete; not yet hashed or linked
+s.write_parquet = write_parquet
+"""
+
+PAUSE_AFTER_LINKS = """
+import storage.buffer as b
+real = b.publish_file
+def publish_file(table, root, relpath, is_orphan=None):
+    out = real(table, root, relpath, is_orphan)
+    if relpath.startswith("meta/curations"):
+        pause("linked")  # every file of the curation is in place; the commit is next
+    return out
+b.publish_file = publish_file
+"""
+
+
+def _paused(tmp_path, patch, *argv):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    go = str(tmp_path / f"go-{len(os.listdir(tmp_path))}")
+    script = PAUSED_CLI.format(root=root, go=go, patch=patch, argv=list(argv))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc, go
+
+
+def _rollstore(*argv, timeout=300):
+    return subprocess.run([ROLLSTORE_BIN, *map(str, argv)], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _rows_file(tmp_path, name, seed):
+    return write_jsonl(rollouts_table(n_groups=2, group_size=4, step=seed, policy_version=0, seed=seed,
+                                      run_id=f"r{seed}"), tmp_path / name)
+
+
+@pytest.mark.parametrize("patch,tag", [(PAUSE_BEFORE_COMMIT, "linked"), (PAUSE_IN_TMP, "written")])
+def test_gc_never_removes_a_live_writers_files(buffer_dir, tmp_path, patch, tag):
+    rows = _rows_file(tmp_path, "rows.jsonl", 1)
+    writer, go = _paused(tmp_path, patch, "import", buffer_dir, rows)
+    assert writer.stdout.readline().strip() == tag, writer.stderr.read()
+    gc = subprocess.Popen([ROLLSTORE_BIN, "gc", buffer_dir, "--grace", "0"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    import time
+    time.sleep(2.0)  # gc has listed everything by now (or waits for the writer)
+    open(go, "w").close()
+    out, err = writer.communicate(timeout=300)
+    assert writer.returncode == 0, err
+    gc_out, gc_err = gc.communicate(timeout=300)
+    assert gc.returncode == 0, gc_err
+    res = _rollstore("verify", buffer_dir)
+    assert res.returncode == 0, res.stderr
+    assert "1 shards verified" in res.stdout
+
+
+def test_imports_beside_gc_lose_nothing(buffer_dir, tmp_path):
+    files = [_rows_file(tmp_path, f"rows{i}.jsonl", 10 + i) for i in range(6)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = []
+    for f in files:
+        procs.append(subprocess.Popen([ROLLSTORE_BIN, "import", buffer_dir, f], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+        for _ in range(2):
+            procs.append(subprocess.Popen([ROLLSTORE_BIN, "gc", buffer_dir, "--grace", "0"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    res = _rollstore("verify", buffer_dir)
+    assert res.returncode == 0 and "6 shards verified" in res.stdout, res.stdout + res.stderr
+
+
+def test_gc_removes_a_dead_writers_temp_files_and_keeps_a_live_ones(cli, buffer_dir):
+    from storage.owners import owned_name
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    mine = owned_name("tmp", ".parquet")
+    theirs = mine.replace(f"-{os.getpid()}-", f"-{int(dead.stdout)}-")
+    folder = owned_name("ckpt")
+    for name in (mine, theirs):
+        open(os.path.join(buffer_dir, "tmp", name), "wb").write(b"x" * 10)
+    os.makedirs(os.path.join(buffer_dir, "tmp", folder, "sub"))
+    res = cli("gc", buffer_dir, "--grace", "0")
+    assert res.code == 0, res.stderr
+    assert sorted(os.listdir(os.path.join(buffer_dir, "tmp"))) == sorted([mine, folder])
+
+
+def test_racing_identical_curations_report_already_committed(curated, tmp_path):
+    args = ["curate", curated, "--recipe", "grpo", "--set", "where=step = 1"]
+    loser, go = _paused(tmp_path, PAUSE_AFTER_LINKS, *args)
+    assert loser.stdout.readline().strip() == "linked", loser.stderr.read()
+    winner = _rollstore(*args)  # replaces the loser's (identical, uncommitted) files, then commits
+    assert winner.returncode == 0, winner.stderr
+    open(go, "w").close()
+    out, err = loser.communicate(timeout=300)
+    assert loser.returncode == 0, err
+    assert "already committed" in out and "unexpected" not in err, (out, err)
+    assert out.strip().splitlines()[-1] == winner.stdout.strip().splitlines()[-1]  # the same curation id
+    assert _rollstore("verify", curated).returncode == 0

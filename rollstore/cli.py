@@ -76,6 +76,12 @@ def guarded(fn):
             fail(f"{exc.filename}: {exc.strerror}")
         except sqlite3.OperationalError as exc:
             fail(f"manifest: {one_line(str(exc))}")
+        except sqlite3.DatabaseError as exc:  # found damaged while reading (a corrupt page)
+            from storage.manifest import DAMAGED_ADVICE
+
+            where = kwargs.get("buffer")
+            where = os.path.join(where, "manifest.sqlite") if isinstance(where, str) else "manifest"
+            fail(f"{where}: damaged ({one_line(str(exc))}); {DAMAGED_ADVICE}")
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, typer.Exit):
             raise
         except Exception as exc:
@@ -221,6 +227,9 @@ def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an 
         r = gc(buf, grace)
     out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards and "
               f"{r.spill_dirs_removed} spill folders ({r.bytes_freed} bytes)")
+    if r.retired_skipped:
+        err.print(f"note: retired shards are left for the next gc: the manifest cannot be written "
+                  f"({r.retired_skipped})", highlight=False, markup=False)
     if r.data_dirs_skipped:
         err.print("note: writers were committing throughout; orphans under the data folders are left "
                   "for the next gc", highlight=False)

@@ -131,7 +131,10 @@ class Buffer:
     def open(cls, root: str) -> "Buffer":
         root = os.path.abspath(root)
         buf = cls(root, Manifest(root))
-        os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+        except OSError:
+            pass  # a read-only buffer: reads need no tmp/, and writes refuse with their own line
         return buf
 
     def close(self) -> None:
@@ -158,8 +161,10 @@ class Buffer:
     ) -> tuple[int, list[Shard]]:
         """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
 
-        Returns (seq, shards). On any failure every file written so far is removed.
+        Returns (seq, shards). On any failure every file written so far is removed. A manifest
+        opened read-only (full disk, read-only mount) refuses before any file is written.
         """
+        self.manifest.require_writable()
         with writing(self.root):  # gc collects no unnamed file while we are between link and commit
             written: list[NewShard] = []
             inodes: list[int] = []

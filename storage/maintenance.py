@@ -52,6 +52,14 @@ class GcReport:
     bytes_freed: int = 0
     spill_dirs_removed: int = 0
     data_dirs_skipped: bool = False  # writers held the writers' lock past GC_LOCK_WAIT_S
+    retired_skipped: str | None = None  # why retired shards were left (the manifest could not be written)
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def spill_prefix() -> str:
@@ -149,9 +157,14 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
     if not (grace_s >= 0 and math.isfinite(grace_s)):
         raise RollstoreError(f"gc: grace {grace_s!r} must be a finite number of seconds ≥ 0")
     man = buf.manifest
+    if man.read_only is not None and (_read_only_mount(buf.root) or not os.access(buf.root, os.W_OK)):
+        man.require_writable()  # nothing can be removed from a read-only buffer: one line
     now = time.time()
     report = collect_tmp(os.path.join(buf.root, "tmp"), grace_s, now)
     _collect_data(buf, grace_s, now, report)
+    if man.read_only is not None:  # a full disk: orphans are gone (space freed), the manifest waits
+        report.retired_skipped = man.read_only
+        return report
     oldest_pin = man.oldest_pinned_seq()
     rows = man.con.execute("SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()
     for shard_id, path, removed_seq in rows:

@@ -345,3 +345,176 @@ def test_racing_identical_curations_report_already_committed(curated, tmp_path):
     assert "already committed" in out and "unexpected" not in err, (out, err)
     assert out.strip().splitlines()[-1] == winner.stdout.strip().splitlines()[-1]  # the same curation id
     assert _rollstore("verify", curated).returncode == 0
+
+
+# ---- 12: a damaged or foreign manifest is one clear line for every command ---------------------
+def _damage(path: str, how: str) -> None:
+    import sqlite3
+
+    size = os.path.getsize(path)
+    if how == "garbage":
+        open(path, "wb").write(os.urandom(size))
+    elif how == "text":
+        open(path, "w").write("this is not a database\n" * 100)
+    elif how == "truncated":
+        os.truncate(path, 1000)
+    elif how == "empty":
+        os.truncate(path, 0)
+    elif how == "pages":  # header page intact, every other page garbage
+        with open(path, "r+b") as fh:
+            fh.seek(4096)
+            fh.write(os.urandom(size - 4096))
+    elif how == "foreign":  # a valid SQLite database of something else
+        os.unlink(path)
+        con = sqlite3.connect(path)
+        con.execute("CREATE TABLE notes (x TEXT)")
+        con.commit()
+        con.close()
+
+
+DAMAGED_COMMANDS = [
+    ["info", "{b}"], ["sql", "{b}", "SELECT 1"], ["audit", "{b}"], ["verify", "{b}"], ["gc", "{b}"],
+    ["compact", "{b}"], ["curate", "{b}", "--recipe", "grpo"], ["export", "{b}", "--to", "{tmp}/exp"],
+    ["report", "{b}", "--out", "{tmp}/r.html"], ["import", "{b}", "{rows}"], ["train", "{b}"],
+    ["verify", "{b}", "--quarantine"], ["init", "{b}"],
+]
+
+
+@pytest.mark.parametrize("how", ["garbage", "text", "truncated", "empty", "pages", "foreign"])
+def test_a_damaged_manifest_is_one_line_for_every_command(cli, curated, tmp_path, how):
+    man = os.path.join(curated, "manifest.sqlite")
+    for side in ("-wal", "-shm"):
+        assert not os.path.exists(man + side)
+    _damage(man, how)
+    damaged = open(man, "rb").read()
+    rows = _rows_file(tmp_path, "rows.jsonl", 7)
+    for args in DAMAGED_COMMANDS:
+        res = cli(*[a.format(b=curated, tmp=tmp_path, rows=rows) for a in args])
+        line = one_error_line(res)
+        assert "manifest.sqlite" in line and ("damaged" in line or "not a rollstore manifest" in line), (args, line)
+        assert "backup" in line, line
+    assert open(man, "rb").read() == damaged  # nothing wrote over it
+    assert not os.path.exists(tmp_path / "exp") and not os.path.exists(tmp_path / "r.html")
+
+
+# ---- 8 and 9: reads work on a really full disk and on a read-only buffer ------------------------
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 24 MiB tmpfs mounted by the test (needs root and mount; skipped otherwise)."""
+    if not _can_mount():
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _buffer_on(folder, cli) -> str:
+    root = str(folder / "buf")
+    with Buffer.init(root) as buf:
+        for v in range(2):
+            buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=v, policy_version=v, seed=3))
+    assert cli("curate", root, "--recipe", "grpo", "--set", "where=true").code == 0
+    for side in ("-wal", "-shm"):  # every connection closed: SQLite must create these to read WAL
+        assert not os.path.exists(os.path.join(root, "manifest.sqlite" + side))
+    return root
+
+
+READS = [["info", "{b}"], ["sql", "{b}", "SELECT count(*) FROM rollouts"], ["audit", "{b}"], ["verify", "{b}"],
+         ["audit", "{b}", "--format", "json"], ["report", "{b}", "--out", "{out}/r-{n}.html"],
+         ["export", "{b}", "--to", "{out}/exp-{n}"], ["sql", "{b}", "SELECT * FROM groups", "--format", "csv"]]
+
+
+def _reads_work(cli, root, out):
+    for n, args in enumerate(READS):
+        res = cli(*[a.format(b=root, out=out, n=n) for a in args])
+        assert res.code == 0, (args, res.stderr)
+        assert not res.stderr.strip() or args[0] in ("report", "export"), res.stderr
+
+
+def test_reads_work_on_a_really_full_disk(cli, small_fs, tmp_path):
+    root = _buffer_on(small_fs, cli)
+    from storage.owners import owned_name
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = os.path.join(root, "tmp", owned_name("tmp", ".parquet").replace(f"-{os.getpid()}-", f"-{dead.stdout.strip()}-"))
+    with open(orphan, "wb") as fh:
+        fh.write(b"o" * 100_000)
+    os.utime(orphan, (0, 0))
+    fd = os.open(small_fs / "fill", os.O_WRONLY | os.O_CREAT)  # fill the filesystem to the last byte
+    for block in (65536, 4096, 1):
+        try:
+            while True:
+                os.write(fd, b"\0" * block)
+        except OSError:
+            pass
+    os.close(fd)
+    assert os.statvfs(small_fs).f_bavail == 0
+    _reads_work(cli, root, tmp_path)
+    line = one_error_line(cli("import", root, _rows_file(tmp_path, "rows.jsonl", 9)))
+    assert "no space left on device" in line.lower() or "disk is full" in line, line
+    res = cli("gc", root, "--grace", "0")  # collecting orphans frees space, even now
+    assert res.code == 0, res.stderr
+    assert not os.path.exists(orphan)
+    os.unlink(small_fs / "fill")
+    res = cli("verify", root)
+    assert res.code == 0 and "5 shards verified" in res.stdout  # nothing lost: 2 rollouts + curated, audit, record
+
+
+def _make_read_only(root: str, mnt) -> None:
+    if os.geteuid() == 0:
+        res = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot remount read-only: {res.stderr.strip()}")
+    else:
+        subprocess.run(["chmod", "-R", "a-w", root], check=True)
+
+
+@pytest.fixture
+def read_only_buffer(tmp_path, cli):
+    """A buffer on a read-only mount (as root), or with every file read-only (otherwise)."""
+    if os.geteuid() == 0:
+        if not _can_mount():
+            pytest.skip("root without mount: permissions do not bind root")
+        mnt = tmp_path / "ro"
+        mnt.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    else:
+        mnt = tmp_path / "ro"
+        mnt.mkdir()
+    root = _buffer_on(mnt, cli)
+    _make_read_only(root, mnt)
+    try:
+        yield root
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        else:
+            subprocess.run(["chmod", "-R", "u+w", root])
+
+
+def test_a_read_only_buffer_reads_audits_reports_and_exports(cli, read_only_buffer, tmp_path):
+    root = read_only_buffer
+    before = sorted(os.listdir(root))
+    _reads_work(cli, root, tmp_path)
+    assert os.path.isdir(tmp_path / f"exp-{6}" / "rollouts")
+    for args in (["import", root, _rows_file(tmp_path, "rows.jsonl", 9)], ["curate", root, "--recipe", "dapo"],
+                 ["gc", root, "--grace", "0"], ["compact", root, "--small-mb", "100"],
+                 ["verify", root, "--quarantine"]):
+        res = cli(*args)
+        if args[-1] == "--quarantine" and res.code == 0:  # nothing to quarantine: nothing written
+            continue
+        line = one_error_line(res)
+        assert "read-only" in line or "permission" in line.lower(), (args, line)
+    assert sorted(os.listdir(root)) == before

@@ -518,3 +518,29 @@ def test_a_read_only_buffer_reads_audits_reports_and_exports(cli, read_only_buff
         line = one_error_line(res)
         assert "read-only" in line or "permission" in line.lower(), (args, line)
     assert sorted(os.listdir(root)) == before
+
+
+# ---- 10: verify applies the readers' rule -----------------------------------------------------
+@pytest.mark.parametrize("how", ["file-link-outside", "file-link-inside", "folder-link"])
+def test_verify_refuses_what_readers_refuse(cli, curated, tmp_path, how):
+    import shutil
+
+    with Buffer.open(curated) as buf:
+        shard = buf.manifest.shards("rollouts")[0]
+    path = os.path.join(curated, shard.path)
+    if how == "folder-link":  # the whole rollouts/ folder moved out and linked back
+        outside = tmp_path / "elsewhere"
+        shutil.move(os.path.join(curated, "rollouts"), outside)
+        os.symlink(outside, os.path.join(curated, "rollouts"))
+    else:
+        copy = tmp_path / "copy.parquet" if how == "file-link-outside" else os.path.join(curated, "tmp", "copy")
+        shutil.copyfile(path, copy)  # identical bytes: size and sha256 match
+        os.unlink(path)
+        os.symlink(copy, path)
+    res = cli("sql", curated, "SELECT count(*) FROM rollouts")
+    read_line = one_error_line(res)
+    res = cli("verify", curated)
+    assert res.code == 1 and path in res.stderr and "symbolic link" in res.stderr, res.stderr
+    assert "symbolic link" in read_line
+    for args in (["curate", curated, "--recipe", "dapo"], ["audit", curated], ["export", curated, "--to", tmp_path / "x"]):
+        one_error_line(cli(*args))

@@ -493,9 +493,10 @@ def read_only_buffer(tmp_path, cli):
     else:
         mnt = tmp_path / "ro"
         mnt.mkdir()
-    root = _buffer_on(mnt, cli)
-    _make_read_only(root, mnt)
+    root = str(mnt / "buf")
     try:
+        _buffer_on(mnt, cli)
+        _make_read_only(root, mnt)
         yield root
     finally:
         if os.geteuid() == 0:
@@ -544,3 +545,24 @@ def test_verify_refuses_what_readers_refuse(cli, curated, tmp_path, how):
     assert "symbolic link" in read_line
     for args in (["curate", curated, "--recipe", "dapo"], ["audit", curated], ["export", curated, "--to", tmp_path / "x"]):
         one_error_line(cli(*args))
+
+
+# ---- 4: a row id covers everything that makes the row, also what is not in the file's bytes -----
+def test_byte_identical_nemo_rl_dumps_of_two_steps_are_both_imported(cli, buffer_dir, tmp_path):
+    from test_importers import EOS, nemo_file
+    from learner.tiny import build_tokenizer
+
+    tok = tmp_path / "tok"
+    build_tokenizer().save_pretrained(str(tok))
+    first = nemo_file(tmp_path, 3, [([1, 5], [6, EOS], 1.0), ([1, 5], [7, EOS], 0.0)])
+    other = tmp_path / "other"
+    other.mkdir()
+    second = str(other / "train_data_step4.jsonl")
+    open(second, "wb").write(open(first, "rb").read())  # the same bytes, another step
+    res = cli("import", buffer_dir, first, second, "--from", "nemo-rl", "--tokenizer", tok)
+    assert res.code == 0, res.stderr
+    assert res.stdout.count("2 new rows, 0 already present") == 2, res.stdout
+    res = cli("sql", buffer_dir, "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step", "--format", "csv")
+    assert res.stdout.split() == ['"step","n"', "3,2", "4,2"], res.stdout
+    again = cli("import", buffer_dir, second, "--from", "nemo-rl", "--tokenizer", tok)
+    assert "0 new rows, 2 already present" in again.stdout  # re-importing a file still adds nothing

@@ -10,8 +10,9 @@ response), `input_lengths` (its unpadded length), `token_loss_mask`, `generation
 Invariants:
 - The response is the loss-masked span within `input_lengths` (`tokens.response_span`);
   `gen_logprobs` is `generation_logprobs`, `old_logprobs` `prev_logprobs`, cut to it.
-- `rollout_id` is a hash of the file's bytes and the line number; importing a file again adds
-  nothing. The step is the N of the file name.
+- `rollout_id` is a hash of the file's bytes, the step (the N of the file name: it is not in the
+  bytes, so two byte-identical dumps of different steps are different rows) and the line number;
+  importing a file again adds nothing.
 - Groups are rebuilt from order (consecutive rows with the same prompt tokens: NeMo-RL repeats
   each prompt `num_generations_per_prompt` times in a row), `policy_version` is the step,
   `finish_reason` is inferred from the tokenizer's eos, text is decoded with `--tokenizer`;
@@ -48,7 +49,7 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
     rows = Rows(FORMAT, path)
     rids, p_ids, r_ids, gen, old, rewards, meta = [], [], [], [], [], [], []
     for lineno, obj in lines:
-        rid = stable_id(FORMAT, digest, lineno)
+        rid = stable_id(FORMAT, digest, step, lineno)
         length = obj.get("input_lengths", len(obj["token_ids"]))
         mask = obj["token_loss_mask"][:length]
         start, end = response_span(mask, path, rid, FORMAT, "token_loss_mask")

@@ -566,3 +566,24 @@ def test_byte_identical_nemo_rl_dumps_of_two_steps_are_both_imported(cli, buffer
     assert res.stdout.split() == ['"step","n"', "3,2", "4,2"], res.stdout
     again = cli("import", buffer_dir, second, "--from", "nemo-rl", "--tokenizer", tok)
     assert "0 new rows, 2 already present" in again.stdout  # re-importing a file still adds nothing
+
+
+# ---- 12: token ids the model cannot embed are one line naming the rollout and the id ------------
+def test_token_ids_beyond_the_vocabulary_are_one_line_and_nothing_is_trained(cli, tmp_path):
+    import pyarrow.compute as pc
+
+    root = str(tmp_path / "buf")
+    table = rollouts_table(n_groups=4, group_size=4, step=0, policy_version=0, seed=1)
+    ids = table.column("response_token_ids").to_pylist()
+    ids = [[min(t, 20) for t in row] for row in ids]  # the tiny model has 24 ids
+    ids[5][1] = 24  # one id at the vocabulary size
+    table = table.set_column(table.column_names.index("response_token_ids"), "response_token_ids",
+                             pa.array(ids, table.schema.field("response_token_ids").type))
+    with Buffer.init(root) as buf:
+        buf.append_rollouts(table)
+    bad = table.column("rollout_id")[5].as_py()
+    assert cli("curate", root, "--recipe", "grpo").code == 0
+    seq = seq_of(root)
+    line = one_error_line(cli("train", root, "--model", "builtin:tiny"))
+    assert bad in line and "token id 24" in line and "response_token_ids" in line and "vocabulary size 24" in line
+    assert seq_of(root) == seq

@@ -216,19 +216,29 @@ class Buffer:
         table = validate_rollouts(table, source, self.manifest.existing_ids)
         if compact:
             table = compact_entropies(table)
-        rids = table.column("rollout_id").to_pylist()
-        gids = table.column("group_id").to_pylist()
+        ids_only = table.select(["rollout_id", "group_id"])
+
+        def pairs():
+            for batch in ids_only.to_batches(max_chunksize=10_000):
+                yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
+
+        def groups():
+            distinct = pc.unique(ids_only.column("group_id"))  # in order of first appearance
+            for start in range(0, len(distinct), 10_000):
+                yield from distinct.slice(start, 10_000).to_pylist()
 
         def register(con: sqlite3.Connection, seq: int, ids: list[int]) -> None:
             try:
-                self.manifest.register_rollouts(con, ids[0], rids, gids)
+                self.manifest.register_rollouts(con, ids[0], pairs(), groups())
             except sqlite3.IntegrityError:
                 # A concurrent append won the race for an id: report it like validation would.
-                taken, groups = self.manifest.existing_ids(rids, sorted(set(gids)))
+                rids = ids_only.column("rollout_id").to_pylist()
+                gids = ids_only.column("group_id").to_pylist()
+                taken, groups_taken = self.manifest.existing_ids(rids, sorted(set(gids)))
                 rid = next((r for r in rids if r in taken), None)
                 if rid is not None:
                     raise ValidationError(source, rid, "rollout_id", "rollout_id already in the buffer") from None
-                rid = next(r for r, g in zip(rids, gids) if g in groups)
+                rid = next(r for r, g in zip(rids, gids) if g in groups_taken)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
         _, shards = self.commit([Part("rollouts", table, metadata=metadata)], "append", {"source": source}, register)

@@ -22,7 +22,7 @@ import urllib.parse
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import ManifestError
 
@@ -354,17 +354,20 @@ class Manifest:
             found_g.update(r[0] for r in self.con.execute(q, chunk))
         return found_r, found_g
 
-    def register_rollouts(self, con: sqlite3.Connection, shard_id: int, rids: list[str], gids: list[str]) -> None:
-        """Claim the ids; on a conflict undo the partial claim (so a lookup sees only others' ids) and raise."""
+    def register_rollouts(self, con: sqlite3.Connection, shard_id: int, pairs: Iterable[tuple[str, str]],
+                          groups: Iterable[str]) -> None:
+        """Claim the ids: `pairs` of (rollout_id, group_id) and the distinct `groups`, both consumed
+        lazily (a big append never holds all its ids as Python objects). On a conflict undo the
+        partial claim (so a lookup sees only others' ids) and raise."""
         con.execute("SAVEPOINT register")
         try:
             con.executemany(
                 "INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
-                zip(rids, gids, [shard_id] * len(rids)),
+                ((r, g, shard_id) for r, g in pairs),
             )
             con.executemany(
                 "INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)",
-                [(g, shard_id) for g in dict.fromkeys(gids)],
+                ((g, shard_id) for g in groups),
             )
         except sqlite3.IntegrityError:
             con.execute("ROLLBACK TO register")

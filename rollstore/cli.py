@@ -95,7 +95,7 @@ def guarded(fn):
 
 def one_line(text: str) -> str:
     """The first line of `text`, clipped; escape anything that a terminal would interpret."""
-    text = " ".join(str(text).split()) or "no details"
+    text = " ".join(part.strip() for part in str(text).splitlines() if part.strip()) or "no details"
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= 500 else text[:497] + "..."
 

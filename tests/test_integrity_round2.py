@@ -587,3 +587,89 @@ def test_token_ids_beyond_the_vocabulary_are_one_line_and_nothing_is_trained(cli
     line = one_error_line(cli("train", root, "--model", "builtin:tiny"))
     assert bad in line and "token id 24" in line and "response_token_ids" in line and "vocabulary size 24" in line
     assert seq_of(root) == seq
+
+
+# ---- schema rules stated by this issue: counts from 0, ids visible and not blank -----------------
+def _rows():
+    table = rollouts_table(n_groups=2, group_size=3, step=2, policy_version=1, seed=5)
+    return table, table.to_pylist()
+
+
+@pytest.mark.parametrize("column,value,needle", [
+    ("step", -1, "negative"), ("policy_version", -1, "negative"), ("sample_idx", -1, "negative"),
+    ("rollout_id", "   ", "blank id"), ("group_id", "\u3000\t", "blank id"), ("prompt_id", " \u00a0 ", "blank id"),
+    ("run_id", "run\u202e1", "U+202E"), ("rollout_id", "r\u200b1", "U+200B"), ("group_id", "g\u2066x\u2069", "U+2066"),
+    ("prompt_id", "p\u0000", "U+0000"), ("run_id", "a\nb", "U+000A"), ("rollout_id", "\ufeffr", "U+FEFF"),
+    ("group_id", "g\u200d", "U+200D"), ("run_id", "r\u2028", "U+2028"),
+])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_schema_rules_for_counts_and_ids(cli, buffer_dir, tmp_path, column, value, needle, fmt):
+    table, rows = _rows()
+    victim = 4
+    if column in ("group_id", "run_id", "step", "policy_version", "prompt_id"):
+        for r in rows:  # a group agrees on these: change the whole group
+            if r["group_id"] == rows[victim]["group_id"] and column != "group_id":
+                r[column] = value
+        if column == "group_id":
+            old = rows[victim]["group_id"]
+            for r in rows:
+                if r["group_id"] == old:
+                    r[column] = value
+    else:
+        rows[victim][column] = value
+    first = next(i for i, r in enumerate(rows) if r[column] == value)
+    if fmt == "jsonl":
+        path = write_jsonl(rows, tmp_path / "bad.jsonl")
+    else:
+        path = str(tmp_path / "bad.parquet")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    line = one_error_line(cli("import", buffer_dir, path))
+    assert f"column {column!r}" in line and needle in line, line
+    assert repr(rows[first]["rollout_id"]) in line, line
+    assert cli("sql", buffer_dir, "SELECT count(*) AS n FROM rollouts", "-f", "json").stdout.strip() == '[{"n": 0}]'
+    for ch in ("\u202e", "\u200b", "\u2066", "\ufeff", "\u200d", "\u2028"):
+        assert ch not in line  # the error line itself shows them escaped
+
+
+def test_generate_refuses_a_negative_policy_version(cli, buffer_dir):
+    line = one_error_line(cli("generate", buffer_dir, "--policy-version", "-1"))
+    assert "--policy-version" in line
+
+
+def test_a_big_jsonl_import_streams(cli, buffer_dir, tmp_path, monkeypatch):
+    """Many chunks (forced small): the same rows, checks and errors as one chunk would give."""
+    import storage.importer as importer
+
+    monkeypatch.setattr(importer, "JSONL_CHUNK_ROWS", 7)
+    table = rollouts_table(n_groups=40, group_size=1, step=0, policy_version=0, seed=9)
+    rows = table.to_pylist()
+    rows[33]["extra_field"] = 1  # a column first seen in a late chunk is still refused by name
+    line = one_error_line(cli("import", buffer_dir, write_jsonl(rows, tmp_path / "x.jsonl")))
+    assert "extra_field" in line and "unknown column" in line
+    del rows[33]["extra_field"]
+    rows[30]["group_id"] = rows[2]["group_id"]  # a repeat across chunks
+    rows[30]["sample_idx"] = rows[2]["sample_idx"]
+    line = one_error_line(cli("import", buffer_dir, write_jsonl(rows, tmp_path / "y.jsonl")))
+    assert "sample_idx" in line and repr(rows[30]["rollout_id"]) in line
+    rows = table.to_pylist()
+    res = cli("import", buffer_dir, write_jsonl(rows, tmp_path / "z.jsonl"))
+    assert res.code == 0, res.stderr
+    with Buffer.open(buffer_dir) as buf:
+        got = buf.snapshot().arrow("rollouts").to_table()
+    assert got.column("rollout_id").to_pylist() == table.column("rollout_id").to_pylist()
+    assert got.column("response_token_ids").to_pylist() == table.column("response_token_ids").to_pylist()
+
+
+@pytest.mark.parametrize("command", [["init", "{p}"], ["demo", "{p}"], ["loop", "{p}", "--iterations", "1"],
+                                     ["import", "{p}", "{rows}"]])
+def test_buffer_paths_never_replace_a_device_or_fifo(cli, tmp_path, command):
+    rows = _rows_file(tmp_path, "rows.jsonl", 3)
+    for name, path in _specials(tmp_path).items():
+        if name in ("dir", "dirlink"):
+            continue
+        before = _kind(path)
+        one_error_line(cli(*[a.format(p=path, rows=rows) for a in command]))
+        assert _kind(path) == before, name
+    assert (tmp_path / "real.txt").read_text() == "keep me"

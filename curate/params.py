@@ -218,6 +218,8 @@ def _read_text(path: str) -> str:
 
 def load_recipe(ref: str) -> Recipe:
     """A built-in name, a TOML recipe file, or a custom `.sql` file."""
+    if ref.endswith((".sql", ".toml")) and os.path.exists(ref) and not os.path.isfile(ref):
+        raise ParamError(f"{ref}: a recipe must be a regular file")  # never read a FIFO or a device
     if ref.endswith(".sql"):
         if not os.path.exists(ref):
             raise ParamError(f"{ref}: custom recipe SQL file not found")

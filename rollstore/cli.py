@@ -17,8 +17,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from rollstore.options import (OneLineErrors, choice, count, fraction, interval, positive, real, seconds,
-                               seed as seed_, seq)
+from rollstore.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
+                               seconds, seed as seed_, seq)
 from storage.errors import RollstoreError
 
 # transformers' own progress bars and notices would interleave with ours on stderr.
@@ -182,7 +182,7 @@ def sql(
     format: str = typer.Option("table", "--format", "-f", help="table|csv|json|parquet"),
     out_file: Optional[str] = typer.Option(None, "--out", "-o", help="Write the result to this file."),
     timeout: float = seconds(60.0, "--timeout", zero="no limit", help="Seconds before the query is stopped (0: no limit)."),
-    memory_limit: str = typer.Option("2GB", "--memory-limit"),
+    memory_limit: str = memory("2GB", "--memory-limit"),
     seq: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
 ):
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
@@ -285,7 +285,7 @@ def curate_(
     progress: Optional[str] = typer.Option(None, "--progress", help="Schedule position t in [0, 1] (= --set progress=T)."),
     snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print, commit nothing."),
-    memory_limit: str = typer.Option("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
+    memory_limit: str = memory("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
     engine: str = typer.Option("embedded", "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
     partitions: Optional[int] = count(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),

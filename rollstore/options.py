@@ -129,6 +129,23 @@ def choice(default: Any, *names: str, choices, **kw) -> Any:
     return typer.Option(default, *names, callback=check, **kw)
 
 
+def memory(default: Any, *names: str, **kw) -> Any:
+    """A memory size written like DuckDB's (`200MB`, `2GiB`), between 16 MiB and 1 PiB."""
+
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: Any):
+        if value is None or ctx.resilient_parsing:
+            return value
+        from queries.session import MemoryLimitError, parse_memory_limit
+
+        try:
+            parse_memory_limit(value)
+        except MemoryLimitError as exc:
+            raise typer.BadParameter(str(exc), ctx=ctx, param=param) from None
+        return value
+
+    return typer.Option(default, *names, callback=check, **kw)
+
+
 def one_line_usage(exc) -> str:
     """A usage error as one line: the command, the option, the reason, where to read more."""
     ctx = exc.ctx

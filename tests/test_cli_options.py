@@ -147,3 +147,11 @@ def test_session_deadline_beyond_a_timer_never_fires(curated):
         with pytest.raises(SqlTimeout):
             with session.deadline(float("nan")):
                 pass
+
+
+@pytest.mark.parametrize("command", [["sql", "B", "SELECT 1"], ["curate", "B", "--recipe", "grpo"]])
+@pytest.mark.parametrize("value", ["abc", "1KB", "0.0000001B", "99999999999999999999TB", "nanGB", "-1GB"])
+def test_memory_limits_out_of_range_are_usage_errors(cli, tmp_path, monkeypatch, command, value):
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(cli(*command, "--memory-limit", value))
+    assert "--memory-limit" in line and "unexpected" not in line

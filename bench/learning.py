@@ -55,6 +55,10 @@ CONFIGS: list[tuple[str, str, dict[str, str]]] = [
     ("d3s", "d3s", {}),
     ("d3s-i", "d3s-i", {}),
     ("entropy-top", "entropy-top", {}),
+    ("replay-window", "replay-window", {}),
+    ("replay-groups", "replay-groups", {}),
+    ("replay-rollouts", "replay-rollouts", {}),
+    ("replay-d3s", "replay-d3s", {}),
 ]
 SPLITS = {"train": ("builtin:arith", "heldout"), "harder": ("builtin:arith:harder", "heldout-harder")}
 

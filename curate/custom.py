@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from queries import load_sql
 from queries.session import Session
 from storage.errors import RollstoreError
 
@@ -35,10 +35,10 @@ def _as_f32(col) -> list:
     return col.cast(pa.float64()).cast(pa.float32(), safe=False).cast(pa.float64()).to_pylist()
 
 
-def apply_custom_recipe(session: Session, statement: str) -> int:
-    """Run the user's SELECT (one statement, checked by the sandbox), validate its result, and
-    record its choice in `work`. Returns rows selected."""
-    session.execute(load_sql("curate_custom_candidates"))
+def choose_custom(session: Session, statement: str) -> None:
+    """Run the user's SELECT over `candidates` (one statement, checked by the sandbox), validate its
+    result, and leave its choice as the temp table `custom_choice` (curate_custom_apply.sql
+    records it in `work`)."""
     result: pa.Table = session.run_user_sql(statement, timeout=None)
     cols = result.column_names
     twice = sorted({c for c in cols if cols.count(c) > 1})
@@ -51,7 +51,8 @@ def apply_custom_recipe(session: Session, statement: str) -> int:
     for name in ("advantage", "weight"):
         if name in cols and not _numeric(result.column(name).type):
             raise CustomRecipeError(f"custom recipe: column {name!r} is {result.column(name).type}, not a number")
-    pool = {r[0] for r in session.execute("SELECT rollout_id FROM work WHERE reason IS NULL").fetchall()}
+    work = session.unload("work")
+    pool = set(work.filter(pc.is_null(work.column("reason"))).column("rollout_id").to_pylist())
     ids = result.column("rollout_id").to_pylist()
     advs = _as_f32(result.column("advantage"))
     weights = _as_f32(result.column("weight")) if "weight" in cols else [1.0] * len(ids)
@@ -71,7 +72,4 @@ def apply_custom_recipe(session: Session, statement: str) -> int:
         "adv": pa.array(advs, pa.float64()).cast(pa.float32()),
         "wt": pa.array(weights, pa.float64()).cast(pa.float32()),
     })
-    session.con.register("custom_choice", chosen)
-    session.execute(load_sql("curate_custom_apply"))
-    session.con.unregister("custom_choice")
-    return len(ids)
+    session.load("custom_choice", chosen)

@@ -65,30 +65,21 @@ from .output import (
     rows_per_shard,
     sorted_by_rollout,
     summarise,
+    token_values,
 )
-from .params import CurationError, ParamError, Params, Recipe, resolve, token_budget
-from .plan import GLOBAL, PROMPT, Plan, Step, build
+from .merges import MERGES
+from .params import CurationError, ParamError, Params, Recipe, resolve
+from .plan import GLOBAL, PROMPT, ROW, SELECTION_PHASES, Plan, Step, build
 from .steps import (
     CURATION_INPUTS,
     Runner,
     latest_checkpoint,
     latest_policy,
     latest_step,
-    mu_of,
     parquet,
+    run_values,
     with_defaults,
 )
-from .tokens import check_exact, mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
-
-NO_SELECTIONS = ("(SELECT NULL::VARCHAR AS rollout_id, NULL::VARCHAR AS curation_id, "
-                 "NULL::BOOLEAN AS selected WHERE false)")
-HISTORY_MERGE = ("SELECT prompt_id, sum(n)::BIGINT AS n, sum(k)::BIGINT AS k "
-                 "FROM history_parts GROUP BY prompt_id")
-DECISIONS = ("SELECT shard, rollout_id, selected, advantage_final, weight, tokens_total FROM work "
-             "WHERE selected ORDER BY shard, rollout_id")
-POOL = "SELECT rollout_id, reason, advantage_final, part FROM work WHERE reason IS NULL"
-SELECTION_PHASES = ("groups", "difficulty", "amplify", "select", "apply")
-
 
 def require_dask():
     """The `distributed` module, or one clear error line when it is not installed."""
@@ -152,16 +143,6 @@ def _session(ctx: _Ctx, shard: str | None = None, whole: bool = False) -> Sessio
     return Session(ctx.files, ctx.memory_limit, ctx.threads) if whole else _TaskSession(ctx, shard)
 
 
-def _load(session: Session, name: str, table: pa.Table) -> None:
-    session.con.register("_incoming", table)
-    session.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS SELECT * FROM _incoming")
-    session.con.unregister("_incoming")
-
-
-def _read(session: Session, sql: str, params: dict | None = None) -> pa.Table:
-    return session.con.sql(sql, params=params).to_arrow_table()
-
-
 def _split(table: pa.Table | None, column: str, n: int) -> list[pa.Table | None]:
     if table is None:
         return [None] * n
@@ -172,15 +153,20 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
 
 
+def _views_before(plan: Plan, start: int, phases: tuple[str, ...]) -> list[Step]:
+    """The view steps of `phases` before `start`: a view is a definition, not data, so a task that
+    resumes a part re-declares the views its earlier steps made (the tables travel as Arrow)."""
+    return [s for s in plan.steps[:start] if s.phase in phases and s.scope != GLOBAL and " TEMP VIEW " in s.text]
+
+
 @dataclass
 class _State:
-    """A partition between stages: its narrow `work` rows, its prompts' history, small numbers."""
+    """A part between two GLOBAL steps: its tables (narrow `work` rows, its prompts' history, a
+    shard's selected entropies and kept counts), the GLOBAL step it waits at, its partial result."""
 
-    work: pa.Table
-    history: pa.Table | None = None
-    values: dict = field(default_factory=dict)
-    stop: int | None = None  # index of the GLOBAL step the partition waits at (None: done)
-    partial: object = None  # its share of that step's input
+    tables: dict[str, pa.Table]
+    stop: int | None = None  # index of the GLOBAL step the part waits at (None: done)
+    partial: object = None  # its share of that step's result (None for a `whole` step)
 
 
 @dataclass
@@ -207,140 +193,121 @@ def _scan_defaults(ctx: _Ctx, i: int):
 
 
 def _map_shard(ctx: _Ctx, i: int) -> list[tuple[pa.Table, pa.Table | None]]:
-    """The candidates phase (ROW steps) and the PROMPT steps over one input shard, split by
-    partition. The `where` predicate sees the whole snapshot, as in the embedded engine."""
+    """The steps that read Parquet before the selection, over one input shard: the candidates
+    phase's ROW steps and the PROMPT steps that read history rows; their rows split by partition.
+    The `where` predicate sees the whole snapshot, as in the embedded engine."""
     _start(ctx, "map")
-    source = parquet([ctx.shard(i)], located=True)
-    part = f"(md5_number(prompt_id) % {ctx.partitions})::INTEGER"
     with _session(ctx, whole=True) as s:
         runner = Runner(s, dict(ctx.values))
-        for step in ctx.plan.phase("candidates"):
-            bound = {"rollouts": source}
-            if "selections" in step.relations and ctx.values["max_reuse"] is None:
-                bound["selections"] = NO_SELECTIONS
-            runner.run(step, {k: v for k, v in bound.items() if k in step.relations})
-        work = _read(s, f"SELECT *, {int(i)}::INTEGER AS shard, {part} AS part FROM work")
         history = None
         for step in ctx.plan.steps:
-            if step.scope == PROMPT:
+            if step.phase == "candidates" and step.scope == ROW:
+                runner.run(step, {"rollouts": parquet([ctx.shard(i)], located=True)} if step.relations else None)
+            elif step.scope == PROMPT and step.relations:
                 runner.run(step, {"rows": parquet([ctx.shard(i)])})
-                history = _read(s, f"SELECT *, {part} AS part FROM prompt_history")
+                history = _tag(s.unload(step.writes[0]), None, ctx.partitions)
+        work = _tag(s.unload("work"), i, ctx.partitions)
     return list(zip(_split(work, "part", ctx.partitions), _split(history, "part", ctx.partitions)))
 
 
+def _tag(table: pa.Table, shard: int | None, partitions: int) -> pa.Table:
+    """`table` with its partition (a fixed 64-bit hash of prompt_id mod P) and input shard."""
+    import numpy as np
+    import pandas as pd
+
+    ids = np.array(table.column("prompt_id").to_pylist(), dtype=object)
+    parts = (pd.util.hash_array(ids, categorize=False) % np.uint64(partitions)).astype(np.int32)
+    table = table.append_column("part", pa.array(parts, pa.int32()))
+    if shard is not None:
+        table = table.append_column("shard", pa.array([shard] * table.num_rows, pa.int32()))
+    return table
+
+
 def _partition_start(ctx: _Ctx, *pieces) -> _State:
-    """A partition's rows (and its prompts' merged history), then its selection steps."""
+    """A partition's rows (and its prompts' history parts), then the steps up to a GLOBAL one."""
     _start(ctx, "groups")
+    tables = {"work": _concat([w for w, _ in pieces])}
+    history = [h for _, h in pieces if h is not None]
+    if history:
+        tables["history_parts"] = _concat(history)
+    return _advance(ctx, _State(tables), 0, dict(ctx.values), {})
+
+
+def _advance(ctx: _Ctx, state: _State, start: int, values: dict, shipped: dict[str, pa.Table]) -> _State:
+    """A partition from step `start`: the steps of the candidates and selection phases that were
+    not run per shard, until a GLOBAL one (returning its partial result) or the end."""
+    phases = ("candidates", *SELECTION_PHASES)
     with _session(ctx) as s:
-        _load(s, "work", _concat([w for w, _ in pieces]))
-        history = [h for _, h in pieces if h is not None]
-        if history:
-            _load(s, "history_parts", _concat(history))
-            _load(s, "prompt_history", _read(s, HISTORY_MERGE))
-        return _advance(ctx, s, _first_selection_step(ctx.plan), dict(ctx.values))
+        for name, table in {**state.tables, **shipped}.items():
+            s.load(name, table)
+        runner = Runner(s, values)
+        for view in _views_before(ctx.plan, start, phases):
+            runner.run(view)
+        for idx in range(start, len(ctx.plan.steps)):
+            step = ctx.plan.steps[idx]
+            if step.phase not in phases or (step.scope == ROW and step.phase == "candidates") or \
+                    (step.scope == PROMPT and step.relations):
+                continue
+            if step.scope == GLOBAL:
+                merge = MERGES[step.merge]
+                partial = runner.partial(step, merge.arrow) if merge.combine is not None else None
+                return _State(_tables(s), idx, partial)
+            runner.run(step)
+        return _State(_tables(s))
 
 
-def _partition_resume(ctx: _Ctx, state: _State, merged: dict, picked: pa.Table | None) -> _State:
-    """A partition after the client merged the GLOBAL step it waited at."""
-    _start(ctx, "select")
-    with _session(ctx) as s:
-        _load(s, "work", state.work)
-        if state.history is not None:
-            _load(s, "prompt_history", state.history)
-        if picked is not None:
-            _load(s, "picked", picked)
-        return _advance(ctx, s, state.stop + 1, {**state.values, **merged})
-
-
-def _first_selection_step(plan: Plan) -> int:
-    return next(i for i, s in enumerate(plan.steps) if s.phase in SELECTION_PHASES)
-
-
-def _advance(ctx: _Ctx, s: Session, start: int, values: dict) -> _State:
-    """Run the selection steps from `start` until a GLOBAL one (returning its partial input) or the end."""
-    runner = Runner(s, values)
-    history = _read(s, "SELECT * FROM prompt_history") if _has(s, "prompt_history") else None
-    for idx in range(start, len(ctx.plan.steps)):
-        step = ctx.plan.steps[idx]
-        if step.phase not in SELECTION_PHASES or step.scope == PROMPT:
-            continue
-        if step.scope == GLOBAL:
-            partial = runner.rows(step) if step.merge == "mu" else _read(s, POOL)
-            return _State(_read(s, "SELECT * FROM work"), history, values, idx, partial)
-        runner.run(step)
-    return _State(_read(s, "SELECT * FROM work"), None, values)
-
-
-def _has(s: Session, name: str) -> bool:
-    return bool(s.one("SELECT count(*) FROM duckdb_tables() WHERE table_name = $n", {"n": name})[0])
+def _tables(s: Session) -> dict[str, pa.Table]:
+    """Every temp table of a task's session, as Arrow (views stay definitions)."""
+    return {name: s.unload(name) for name in s.temp_tables()}
 
 
 def _collect(ctx: _Ctx, *states: _State) -> dict:
-    """Every candidate's final narrow row in one task: the record's numbers, and per input shard
-    the decisions (selected rows, their advantage and weight) that the token steps need."""
+    """Every candidate's final narrow row in one task: the record steps (`whole`), and per input
+    shard the selected rows that the token and output steps need."""
     _start(ctx, "collect")
     n_shards = len(ctx.files.listing["rollouts"])
+    work = _concat([st.tables["work"] for st in states])
     with _session(ctx) as s:
-        _load(s, "work", _concat([st.work for st in states]))
+        s.load("work", work)
         runner = Runner(s, dict(ctx.values))
-        summary = summarise(runner, ctx.plan)
-        summary["sample_budget"] = (s.one("SELECT count(*) FROM work WHERE selected")[0]
-                                    if ctx.plan.counts_budget else None)
-        decisions = _split(_read(s, DECISIONS), "shard", n_shards)
-        summary["selected_per_shard"] = [t.num_rows for t in decisions]
-        work = _read(s, "SELECT * FROM work")
+        results = {step.result: runner.table(step) for step in ctx.plan.phase("record")}
+    summary = summarise(results)
+    selected = work.filter(pc.fill_null(work.column("selected"), False)).sort_by([("shard", "ascending"),
+                                                                                ("rollout_id", "ascending")])
+    decisions = _split(selected, "shard", n_shards)
+    summary["selected_per_shard"] = [t.num_rows for t in decisions]
     return {"work": work, "summary": summary,
-            "decisions": [t.drop_columns(["shard"]) if t.num_rows else None for t in decisions]}
+            "decisions": [t if t.num_rows else None for t in decisions]}
 
 
 def _decision(collected: dict, i: int) -> pa.Table:
     return collected["decisions"][i]
 
 
-def _entropies(ctx: _Ctx, i: int, decisions: pa.Table) -> dict:
-    """One shard's token steps, pass 1: its selected rows' entropies (read once, returned for the
-    later steps), the first one missing, and the score histogram."""
+def _shard_advance(ctx: _Ctx, i: int, state: _State, start: int, values: dict) -> _State:
+    """One input shard's token and output steps from step `start` (its selected rows as `work`,
+    its tables so far), until a GLOBAL step (returning its partial result) or the output's end."""
     _start(ctx, "tokens")
+    phases = ("tokens", "output")
     with _session(ctx) as s:
-        _load(s, "work", decisions)
-        runner = Runner(s, dict(ctx.values))
-        runner.run(ctx.step("curate_token_entropies"), {"rollouts": parquet([ctx.shard(i)])})
-        missing = runner.rows(ctx.step("curate_missing_entropies"))
-        if missing:
-            return {"missing": missing[0][0], "hist": [], "table": None}
-        runner.run(ctx.step("curate_token_scores"))
-        hist = [(int(b), int(n)) for b, n in runner.rows(ctx.step("curate_token_histogram"))]
-        return {"missing": None, "hist": hist, "table": _read(s, "SELECT * FROM selected_entropies")}
-
-
-def _token_head(ctx: _Ctx, scored: dict, bucket: int, n: int) -> pa.Table:
-    """The first `n` tokens of one bucket of one shard, from its kept entropies (no Parquet read)."""
-    _start(ctx, "tokens")
-    with _session(ctx) as s:
-        _load(s, "selected_entropies", scored["table"])
-        runner = Runner(s, dict(ctx.values))
-        runner.run(ctx.step("curate_token_scores"))
-        return runner.table(ctx.step("curate_token_bucket"), bucket=bucket, n=n)
-
-
-def _task_runner(ctx: _Ctx, s: Session, decisions: pa.Table, scored: dict | None, values: dict) -> Runner:
-    """A session holding one shard's decisions as `work` and its selected entropies."""
-    _load(s, "work", decisions)
-    runner = Runner(s, {**ctx.values, **values})
-    if scored is None:
-        runner.run(ctx.step("curate_no_entropies"))
-    else:
-        _load(s, "selected_entropies", scored["table"])
-    return runner
-
-
-def _kept(ctx: _Ctx, decisions: pa.Table, scored: dict | None, values: dict) -> pa.Table:
-    """Tokens kept per selected row of one shard."""
-    _start(ctx, "kept")
-    with _session(ctx) as s:
-        runner = _task_runner(ctx, s, decisions, scored, values)
-        runner.run(ctx.step("curate_tokens_kept"))
-        return _read(s, "SELECT * FROM kept_counts")
+        for name, table in state.tables.items():
+            s.load(name, table)
+        runner = Runner(s, values)
+        for view in _views_before(ctx.plan, start, phases):
+            runner.run(view)
+        for idx in range(start, len(ctx.plan.steps)):
+            step = ctx.plan.steps[idx]
+            if step.phase not in phases:
+                continue
+            if step.scope == GLOBAL:
+                merge = MERGES[step.merge]
+                if merge.combine is None:  # the audit: over every candidate's row (`_audit`)
+                    break
+                if not merge.runs(values):
+                    continue
+                return _State(_tables(s), idx, runner.partial(step, merge.arrow))
+            runner.run(step, {"rollouts": parquet([ctx.shard(i)])} if step.relations else None)
+        return _State(_tables(s))
 
 
 def _write(ctx: _Ctx, table_name: str, table: pa.Table, relpath: str, key: str) -> WrittenPart:
@@ -350,29 +317,33 @@ def _write(ctx: _Ctx, table_name: str, table: pa.Table, relpath: str, key: str) 
     return WrittenPart(table_name, tmp, relpath, table.num_rows, token_count(table), nbytes, sha, key)
 
 
-def _materialise_part(ctx: _Ctx, curation_id: str, k: int, slices: list, values: dict, *inputs) -> _Written:
+def _materialise_part(ctx: _Ctx, curation_id: str, k: int, slices: list, values: dict, *states: _State) -> _Written:
     """One curated shard: slices (shard, start, rows) of materialised input shards, written to tmp."""
     _start(ctx, "materialise")
+    step = ctx.plan.phase("materialise")[0]
     pieces = []
-    for (i, start, rows), (decisions, scored) in zip(slices, zip(inputs[::2], inputs[1::2])):
+    for (i, start, rows), state in zip(slices, states):
         with _session(ctx) as s:
-            runner = _task_runner(ctx, s, decisions, scored, values)
-            table = runner.table(ctx.step("curate_materialise"), {"rollouts": parquet([ctx.shard(i)])})
+            for name, table in state.tables.items():
+                s.load(name, table)
+            table = Runner(s, values).table(step, {"rollouts": parquet([ctx.shard(i)])})
             pieces.append(sorted_by_rollout(table).slice(start, rows))
     table, fallback = curated_table(pieces, curation_id)
     name, path = part_name(curation_id, k)
     return _Written(_write(ctx, "curated", table, path, curation_id), fallback)
 
 
-def _write_audit(ctx: _Ctx, curation_id: str, collected: dict, *kept: pa.Table) -> WrittenPart:
-    """The audit: one row per candidate, in rollout_id order, written to tmp."""
+def _whole(ctx: _Ctx, idx: int, values: dict, tables: dict[str, pa.Table]) -> pa.Table:
+    """A `whole` step of the output phase in one task, over every part's tables concatenated."""
     _start(ctx, "audit")
     with _session(ctx) as s:
-        _load(s, "work", collected["work"])
-        _load(s, "kept_counts", _concat(list(kept)) if kept else pa.table(
-            {"rollout_id": pa.array([], pa.string()), "tokens_kept": pa.array([], pa.int32())}))
-        audit = Runner(s, {"curation_id": curation_id}).table(ctx.step("curate_audit")).cast(SELECTIONS)
-    return _write(ctx, "selections", audit, audit_path(curation_id), curation_id)
+        for name, table in tables.items():
+            s.load(name, table)
+        return Runner(s, values).table(ctx.plan.steps[idx])
+
+
+def _write_audit(ctx: _Ctx, curation_id: str, audit: pa.Table) -> WrittenPart:
+    return _write(ctx, "selections", audit.cast(SELECTIONS), audit_path(curation_id), curation_id)
 
 
 # ---- the client ------------------------------------------------------------------------------
@@ -509,60 +480,46 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):
         return _existing(buf, curation_id, snap.seq)
-    ctx = job.ctx = dataclasses.replace(job.ctx, plan=plan, values=dict(plan.values))
+    values = {**run_values(plan), "curation_id": curation_id}
+    ctx = job.ctx = dataclasses.replace(job.ctx, plan=plan, values=dict(values))
     n_shards, n_parts = len(ctx.files.listing["rollouts"]), ctx.partitions
     if n_shards == 0:
         raise CurationError(f"empty batch: no rollouts match where = {params['where']}")
 
     # Candidates per input shard, shuffled to partitions by prompt; the selection steps per
-    # partition, with a round trip to the client at each GLOBAL step.
+    # partition, with a round trip to the client at each GLOBAL step (its registered merge).
     maps = [job.submit(_map_shard, ctx, i) for i in range(n_shards)]
     states = [job.submit(_partition_start, ctx, *[job.item(m, j) for m in maps]) for j in range(n_parts)]
     del maps
-    if sum(job.gather([job.submit(_rows, st) for st in states])) == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {params['where']}")
-    while True:
-        stop = job.gather([job.get(st, "stop") for st in states])[0]
-        if stop is None:
-            break
-        step, partials = plan.steps[stop], job.gather([job.get(st, "partial") for st in states])
-        if step.merge == "mu":
-            mu = mu_of([row for rows in partials for row in rows])
-            states = [job.submit(_partition_resume, ctx, st, {"mu": mu}, None) for st in states]
-        else:  # "pool": the select step over the whole batch's pool, on the client
-            picked = _pick(session, ctx, step, _concat(partials))
-            states = [job.submit(_partition_resume, ctx, st, {}, part) for st, part in
-                      zip(states, _split(picked, "part", n_parts))]
+    states = _merge_rounds(job, session, states, values, _partition_resume)
 
     # Every candidate's row in one task: the record's numbers and the per-shard decisions.
     collected = job.submit(_collect, ctx, *states)
     del states
     summary = job.item(collected, "summary").result()
-    decisions = [job.submit(_decision, collected, i) if n else None
-                 for i, n in enumerate(summary["selected_per_shard"])]
-    scored = [None] * n_shards
-    threshold, k = None, None
-    if plan.token_stage:
-        scored = [job.submit(_entropies, ctx, i, d) if d is not None else None for i, d in enumerate(decisions)]
-        k = token_budget(summary["tokens_selected"], params.token_fraction())
-        threshold = _token_threshold(job, scored, k)
-    values = mask_values(threshold)
-    shards = [i for i, d in enumerate(decisions) if d is not None]
-    kept = [job.submit(_kept, ctx, decisions[i], scored[i], values) for i in shards]
-    tokens_kept = sum(int(pc.sum(t.column("tokens_kept")).as_py() or 0) for t in job.gather(kept))
-    if k is not None:
-        check_exact(k, tokens_kept)
-    audit_future = job.submit(_write_audit, ctx, curation_id, collected, *kept)
-    record = new_record(plan, curation_id, snap.seq, summary, summary["sample_budget"], threshold, tokens_kept)
-    audit_part: WrittenPart = audit_future.result()
-    audit = pq.read_table(os.path.join(buf.root, audit_part.tmp_relpath)).cast(SELECTIONS)
-    out = CurationResult(curation_id, record, summary["reasons"], snap.seq, committed=False, audit=audit)
+    values.update(token_values(plan, summary))
+    shards = [i for i, n in enumerate(summary["selected_per_shard"]) if n]
+    first = next(i for i, s in enumerate(plan.steps) if s.phase == "tokens")
+    per_shard = {i: job.submit(_shard_advance, ctx, i, job.submit(_shard_state, collected, i), first, dict(values))
+                 for i in shards}
+    per_shard = dict(zip(shards, _merge_rounds(job, session, [per_shard[i] for i in shards], values,
+                                               _shard_resume, collected, shards)))
+    if not shards:  # no shard holds a selected row: every merge of the token and output steps sees no part
+        for step in plan.steps:
+            merge = MERGES.get(step.merge or "")
+            if step.phase in ("tokens", "output") and merge and merge.combine and merge.runs(values):
+                values.update(merge.combine([], values))
+    audit = _audit(job, collected, [per_shard[i] for i in shards], values)
+    audit_part: WrittenPart = job.submit(_write_audit, ctx, curation_id, audit).result()
+    record = new_record(plan, curation_id, snap.seq, summary, values)
+    out = CurationResult(curation_id, record, summary["reasons"], snap.seq, committed=False,
+                         audit=audit.cast(SELECTIONS))
     if dry_run:
         return out
 
     layout = part_layout(summary["selected_per_shard"], rows_per_shard(summary))
     written = [job.submit(_materialise_part, ctx, curation_id, k, slices, values,
-                          *[x for i, _, _ in slices for x in (decisions[i], scored[i])])
+                          *[per_shard[i] for i, _, _ in slices])
                for k, slices in enumerate(layout)]
     parts: list[_Written] = job.gather(written)
     record["old_logprobs_fallback"] = sum(w.fallback for w in parts)
@@ -576,45 +533,67 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     return publish(buf, lambda: [w.part for w in parts] + [audit_part, record_part], curation_id, out)
 
 
+def _partition_resume(ctx: _Ctx, state: _State, values: dict, shipped: dict) -> _State:
+    """A partition after the client merged the GLOBAL step it waited at."""
+    _start(ctx, "select")
+    return _advance(ctx, state, state.stop + 1, values, shipped)
+
+
+def _shard_resume(ctx: _Ctx, state: _State, values: dict, shipped: dict, i: int) -> _State:
+    return _shard_advance(ctx, i, state, state.stop + 1, values)
+
+
+def _shard_state(collected: dict, i: int) -> _State:
+    return _State({"work": collected["decisions"][i]})
+
+
+def _merge_rounds(job: _Run, session: Session, states: list, values: dict, resume, *extra) -> list:
+    """Drive parts from one GLOBAL step to the next: the parts' partial results go through the
+    step's registered merge (curate.merges), or, for a `whole` step, the step runs once on the
+    client over every part's `work` and the tables it writes are shipped back. `values` grows."""
+    ctx = job.ctx
+    while states:
+        stop = job.gather([job.get(st, "stop") for st in states])
+        if stop[0] is None:
+            return states
+        step, merge = ctx.plan.steps[stop[0]], MERGES[ctx.plan.steps[stop[0]].merge]
+        shipped: dict = {}
+        if merge.combine is not None:
+            values.update(merge.combine(job.gather([job.get(st, "partial") for st in states]), values))
+        else:
+            works = [t["work"] for t in job.gather([job.get(st, "tables") for st in states])]
+            session.load("work", _concat(works).sort_by("rollout_id"))
+            Runner(session, dict(values)).run(step)
+            shipped = {name: session.unload(name) for name in step.writes}
+        if extra:
+            collected, shards = extra
+            states = [job.submit(resume, ctx, st, dict(values), shipped, i) for st, i in zip(states, shards)]
+        else:
+            states = [job.submit(resume, ctx, st, dict(values), shipped) for st in states]
+    return states
+
+
+def _audit(job: _Run, collected, states: list, values: dict) -> pa.Table:
+    """The `whole` steps of the output phase (the audit) in one task, over every candidate's row
+    and every shard's kept counts."""
+    plan = job.ctx.plan
+    idx = next(i for i, s in enumerate(plan.steps) if s.phase == "output" and s.merge == "whole")
+    kept = [t["kept_counts"] for t in job.gather([job.get(st, "tables") for st in states])]
+    tables = {"work": job.item(collected, "work").result(),
+              "kept_counts": _concat(kept) if kept else pa.table(
+                  {"rollout_id": pa.array([], pa.string()), "tokens_kept": pa.array([], pa.int32())})}
+    return job.submit(_whole, job.ctx, idx, dict(values), tables).result()
+
+
 def _rows(state: _State) -> int:
-    return state.work.num_rows
-
-
-def _pick(session: Session, ctx: _Ctx, step: Step, pool: pa.Table) -> pa.Table:
-    """The merge of a pooled GLOBAL step: the same step over every partition's pool rows, on the
-    client; its `picked` rows with their partition."""
-    _load(session, "work", pool.sort_by("rollout_id"))
-    Runner(session, dict(ctx.values)).run(step)
-    return _read(session, "SELECT p.*, w.part FROM picked p JOIN work w USING (rollout_id)")
-
-
-def _token_threshold(job: _Run, scored: list, k: int):
-    """The K-th token over all shards: summed histograms pick the bucket and the offset in it; the
-    first offset+1 tokens of that bucket from each shard hold the K-th one."""
-    shards = [i for i, f in enumerate(scored) if f is not None]
-    results = job.gather([job.submit(_get_fields, scored[i]) for i in shards])
-    missing = sorted(r["missing"] for r in results if r["missing"] is not None)
-    if missing:
-        raise missing_entropies_error(missing[0], job.ctx.plan.params["token"])
-    found = pick_bucket(merge_histograms([r["hist"] for r in results]), k)
-    if found is None:
-        return None
-    bucket, offset = found
-    holders = [i for i, r in zip(shards, results) if any(b == bucket for b, _ in r["hist"])]
-    heads = job.gather([job.submit(_token_head, job.ctx, scored[i], bucket, offset + 1) for i in holders])
-    return threshold_of(heads, offset)
-
-
-def _get_fields(scored: dict) -> dict:
-    """A shard's token pass-1 result without its entropies table (that stays on the worker)."""
-    return {"missing": scored["missing"], "hist": scored["hist"]}
+    return state.tables["work"].num_rows
 
 
 def _existing(buf: Buffer, curation_id: str, snapshot_seq: int) -> CurationResult:
     """The committed curation with this id (run earlier, by either engine): nothing is recomputed."""
     with buf.snapshot(pin=True) as snap, Session(snap) as s:
-        record = _read(s, "SELECT * FROM curations WHERE curation_id = $c", {"c": curation_id}).to_pylist()[0]
-        audit = _read(s, "SELECT * FROM selections WHERE curation_id = $c ORDER BY rollout_id",
+        record = s.table("SELECT * FROM curations WHERE curation_id = $c", {"c": curation_id}).to_pylist()[0]
+        audit = s.table( "SELECT * FROM selections WHERE curation_id = $c ORDER BY rollout_id",
                       {"c": curation_id}).cast(SELECTIONS)
     reasons = {}
     for reason in audit.column("reason").to_pylist():

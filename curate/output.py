@@ -29,8 +29,8 @@ from storage.buffer import Buffer
 from storage.schema import CURATED
 from storage.shardio import ROW_GROUP_BYTES
 
+from .params import token_budget
 from .plan import Plan
-from .steps import Runner
 
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
 
@@ -48,24 +48,30 @@ class CurationResult:
     output_files: list[str] = field(default_factory=list)
 
 
-def summarise(runner: Runner, plan: Plan) -> dict:
-    """The record's numbers over the whole `work` table (every candidate of the run), and the
-    selected rows per input shard (filename -> rows)."""
-    steps = {s.sql: s for s in plan.phase("record")}
-    n_candidates, n_selected, tokens_candidate, tokens_selected = runner.rows(steps["curate_record"])[0]
-    values = runner.table(steps["curate_record_values"])
+def summarise(results: dict) -> dict:
+    """The record's numbers from the record steps' results (over every candidate of the run), and
+    the selected rows per input shard (filename -> rows)."""
+    counts = results["counts"].to_pylist()[0]
+    values = results["variances"]
     selected = values.column("selected").to_numpy(zero_copy_only=False).astype(bool)
     after = values.column("after").to_numpy(zero_copy_only=False)[selected]
     return {
-        "n_candidates": int(n_candidates),
-        "n_selected": int(n_selected),
-        "tokens_candidate": int(tokens_candidate),
-        "tokens_selected": int(tokens_selected),
+        "n_candidates": int(counts["n_candidates"]),
+        "n_selected": int(counts["n_selected"]),
+        "tokens_candidate": int(counts["tokens_candidate"]),
+        "tokens_selected": int(counts["tokens_selected"]),
         "adv_var_before": exact_var_pop(values.column("before").to_numpy(zero_copy_only=False)),
         "adv_var_after": exact_var_pop(after),
-        "reasons": {r: int(n) for r, n in runner.rows(steps["curate_reasons"])},
-        "selected_files": {f: int(n) for f, n in runner.rows(steps["curate_selected_files"])},
+        "reasons": {r["reason"]: int(r["n"]) for r in results["reasons"].to_pylist()},
+        "selected_files": {r["filename"]: int(r["n"]) for r in results["files"].to_pylist()},
     }
+
+
+def token_values(plan: Plan, summary: dict) -> dict:
+    """The values the token steps start from: the budget K (None without a token stage)."""
+    if not plan.token_stage:
+        return {"token_budget": None}
+    return {"token_budget": token_budget(summary["tokens_selected"], plan.params.token_fraction())}
 
 
 def exact_var_pop(values: np.ndarray) -> float | None:
@@ -77,10 +83,12 @@ def exact_var_pop(values: np.ndarray) -> float | None:
     return math.fsum((values - mean) ** 2) / len(values)
 
 
-def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, sample_budget: int | None,
-               threshold, tokens_kept: int) -> dict:
+def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, values: dict) -> dict:
+    """The curation's record from its summary and the run's final values (threshold, tokens kept)."""
     p = plan.params
     kappa = p.token_fraction() if plan.token_stage else None
+    threshold = values.get("threshold")
+    sample_budget = summary["n_selected"] if plan.counts_budget else None
     return {
         "curation_id": curation_id,
         "created_at": dt.datetime.now(dt.timezone.utc),
@@ -95,7 +103,7 @@ def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, s
         "n_candidates": summary["n_candidates"],
         "n_selected": summary["n_selected"],
         "tokens_candidate": summary["tokens_candidate"],
-        "tokens_kept": int(tokens_kept),
+        "tokens_kept": int(values["tokens_kept"]),
         "adv_var_before": summary["adv_var_before"],
         "adv_var_after": summary["adv_var_after"],
         "old_logprobs_fallback": None,  # counted while the curated rows are materialised

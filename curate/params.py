@@ -44,6 +44,7 @@ ENUMS = {
     "sample": ("none", "pods", "in_group", "cross_group"),
     "token": ("none", "abs_adv_entropy", "entropy"),
     "schedule": ("static", "linear"),
+    "replay": ("none", "groups", "rollouts", "window"),
 }
 FRACTIONS = (
     "sample_fraction", "sample_fraction_start", "sample_fraction_end",
@@ -72,6 +73,11 @@ DEFAULTS: dict[str, object] = {
     "token_fraction_end": Fraction(1),
     "schedule": "static",
     "progress": Fraction(0),
+    "replay": "none",
+    "replay_window": 2,
+    "replay_max_uses": 2,
+    "replay_count": None,
+    "replay_decay": Fraction(1, 2),
 }
 STATIC_ONLY = ("sample_fraction", "token_fraction")
 LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_start", "token_fraction_end")
@@ -126,8 +132,10 @@ def coerce(name: str, value: object) -> object:
         if _is_none(value):
             return None
         return _int(value, name, {"max_policy_lag": 0, "max_reuse": 1, "current_version": None}[name])
-    if name == "difficulty_window":
+    if name in ("difficulty_window", "replay_window", "replay_max_uses"):
         return _int(value, name, 1)
+    if name == "replay_count":
+        return None if _is_none(value) else _int(value, name, 1)
     f = exact(value, name)
     if name in FRACTIONS or name == "amplify_tau":
         if not (0 < f <= 1):
@@ -138,6 +146,9 @@ def coerce(name: str, value: object) -> object:
     elif name == "amplify_max":
         if f < 1:
             raise ParamError(f"parameter amplify_max: must be ≥ 1, got {value}")
+    elif name == "replay_decay":
+        if not (0 < f <= 1):
+            raise ParamError(f"parameter replay_decay: must be in (0, 1], got {value}")
     elif name == "difficulty_prior":
         if f < 0:
             raise ParamError(f"parameter difficulty_prior: must be ≥ 0, got {value}")

@@ -30,13 +30,18 @@ from .params import Params, Recipe
 from .tokens import kept_expression, mask_expression, score_expression
 
 ROW, PROMPT, GROUP, SHARD, GLOBAL = "row", "prompt", "group", "shard", "global"
-PHASES = ("candidates", "groups", "difficulty", "amplify", "select", "apply", "record", "tokens", "output")
+PHASES = ("candidates", "groups", "replay", "difficulty", "amplify", "select", "apply", "record", "tokens", "output",
+          "materialise")
+SELECTION_PHASES = ("groups", "replay", "difficulty", "amplify", "select", "apply")
 
 # Relations some steps read, at their canonical names (what the plan hashes).
 ELIGIBLE = "(SELECT * FROM work WHERE reason IS NULL)"
 CHOSEN = "(SELECT * FROM work WHERE selected)"
 HISTORY_ROWS = ("(SELECT * FROM rollouts WHERE prompt_id IN "
-                "(SELECT prompt_id FROM work WHERE group_size IS NOT NULL))")
+                "(SELECT prompt_id FROM work WHERE reason IS NULL))")  # the prompts that reach step 2
+# With replay, a window row at its use cap still counts in its group's statistics: a replayed row
+# keeps the advantage of its group as generated (docs/replay.md).
+AS_GENERATED = "(SELECT * FROM work WHERE reason IS NULL OR (replayed AND reason = 'reused'))"
 MISSING_LENGTHS = "SELECT count(*) > 0 FROM work WHERE tokens_total IS NULL"
 
 
@@ -50,9 +55,10 @@ class Step:
     fragments: tuple[tuple[str, str], ...] = ()
     relations: tuple[str, ...] = ()             # fragments an engine binds to its own input
     guard: str | None = None                    # run only when this query returns true
-    merge: str | None = None                    # GLOBAL steps: how partitions' results combine
+    merge: str | None = None                    # GLOBAL steps: the registered merge (`curate.merges`)
     text: str = ""                              # the step's SQL as hashed
     source: str = ""                            # the SQL file's text (engines render from it)
+    result: str | None = None                   # GLOBAL steps: the name their merged result is kept under
 
     def render(self, **bound: str) -> str:
         """The SQL to run, with `bound` relations in place of their canonical ones."""
@@ -87,12 +93,19 @@ class Plan:
 
     @property
     def counts_budget(self) -> bool:
-        """Whether the record's sample_budget is the number selected (a sample stage runs)."""
-        return self.params["sample"] != "none"
+        """Whether the record's sample_budget is the number selected (a sample stage or a custom
+        recipe chooses rows)."""
+        return self.params["sample"] != "none" or any(s.merge == "custom" for s in self.steps)
 
     def sha256(self) -> str:
-        """The hash of what the steps execute: their texts without comments, tokens one space apart."""
-        return hashlib.sha256("\n;\n".join(executable(s.text) for s in self.steps).encode()).hexdigest()
+        """The hash of what the steps execute: their texts (and guards) without comments, tokens one
+        space apart, with each step's scope and merge."""
+        parts = []
+        for s in self.steps:
+            parts.append(f"{s.scope}:{s.merge or ''}:{s.result or ''}\n{executable(s.text)}")
+            if s.guard:
+                parts.append(f"guard\n{executable(s.guard)}")
+        return hashlib.sha256("\n;\n".join(parts).encode()).hexdigest()
 
     def curation_id(self, snapshot_seq: int) -> str:
         text = f"{snapshot_seq}\n{self.recipe}\n{self.params.to_json()}\n{self.sha256()}"
@@ -108,6 +121,14 @@ def executable(sql: str) -> str:
     ends = [start for start, _ in tokens[1:]] + [len(raw)]
     return " ".join(raw[start:end].decode().strip() for (start, kind), end in zip(tokens, ends)
                     if kind != duckdb.token_type.comment)
+
+
+def replay_window(where: str) -> str:
+    """The replay window's predicate (docs/replay.md): rows of the batch's own run(s), sampled 1 to
+    $replay_window policy versions before $current_version. The batch's runs are read from the whole
+    snapshot (`rollouts`), as `where` is, whichever shard an engine reads."""
+    return (f"(run_id IN (SELECT run_id FROM rollouts WHERE ({where})) AND policy_version BETWEEN "
+            "$current_version - $replay_window AND $current_version - 1)")
 
 
 def values_of(p: Params) -> dict:
@@ -132,6 +153,12 @@ def values_of(p: Params) -> dict:
         "pods": p["sample"] == "pods",
         "f_num": f.numerator,
         "f_den": f.denominator,
+        "replay_on": p["replay"] != "none",
+        "replay_mode": p["replay"],
+        "replay_window": p["replay_window"],
+        "replay_max_uses": p["replay_max_uses"],
+        "replay_count": p["replay_count"],
+        "replay_decay": float(p["replay_decay"]),
     }
 
 
@@ -143,28 +170,39 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
     steps: list[Step] = []
 
     def add(sql: str, phase: str, scope: str, reads: tuple, writes: tuple, relations: tuple = (),
-            guard: str | None = None, merge: str | None = None, **fragments: str) -> None:
+            guard: str | None = None, merge: str | None = None, result: str | None = None, **fragments: str) -> None:
         frags = tuple(sorted(fragments.items()))
         source = load_sql(sql)
         steps.append(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
-                          render(sql, dict(frags), text=source), source))
+                          render(sql, dict(frags), text=source), source, result))
 
+    replay = p["replay"] != "none"
     add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
         relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
+        window=replay_window(p["where"]) if replay else "false",
         length="len(entropies)" if token != "none" else "len(response_token_ids)")
     if token != "none":
         add("curate_lengths", "candidates", ROW, ("work", "rollouts"), ("work",), relations=("rollouts",),
             guard=MISSING_LENGTHS, rollouts="rollouts")
+    if amplify == "da3po":  # read with the candidates: the only other read of rollouts before the tokens
+        add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
+            rows=HISTORY_ROWS, out="history_parts")
+    add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",), merge="nonempty")
+    if replay:
+        add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",), merge="one_run")
 
-    add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=ELIGIBLE, out="full_groups")
+    stats_rows = AS_GENERATED if replay else ELIGIBLE
+    add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=stats_rows, out="full_groups")
     add("curate_advantages", "groups", GROUP, ("work", "full_groups"), ("full_adv",),
-        rows=ELIGIBLE, groups="full_groups", out="full_adv")
+        rows=stats_rows, groups="full_groups", out="full_adv")
     add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",))
+    if replay:
+        add("curate_replay", "replay", GLOBAL, ("work",), ("replay_choice",), merge="whole")
+        add("curate_replay_apply", "replay", ROW, ("work", "replay_choice"), ("work",))
 
     if amplify == "da3po":
         add("curate_batch_accuracy", "difficulty", GLOBAL, ("work",), ("$mu",), merge="mu")
-        add("curate_history", "difficulty", PROMPT, ("rollouts",), ("prompt_history",), relations=("rows",),
-            rows=HISTORY_ROWS, out="prompt_history")
+        add("curate_history_total", "difficulty", PROMPT, ("history_parts",), ("prompt_history",))
         add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",))
     else:
         add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",))
@@ -178,15 +216,17 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
         amplification("amplify")
 
     if recipe.sql is not None:
-        steps.append(Step("custom", "select", GLOBAL, ("candidates",), ("work",), merge="custom",
+        add("curate_custom_candidates", "select", ROW, ("work", "rollouts"), ("candidates",))
+        steps.append(Step("custom", "select", GLOBAL, ("candidates",), ("custom_choice",), merge="custom",
                           text=custom_statement or ""))
+        add("curate_custom_apply", "apply", ROW, ("work", "custom_choice"), ("work",))
     else:
         if sample == "none":
             add("curate_select_all", "select", ROW, ("work",), ("picked",))
         else:
             cross = sample == "cross_group"
             add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
-                merge="pool" if cross else None, pool_key="'batch'" if cross else "group_id",
+                merge="whole" if cross else None, pool_key="'batch'" if cross else "group_id",
                 value="reward" if pods else "advantage_final")
         add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",))
         if pods:
@@ -195,18 +235,19 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
                 rows=CHOSEN, groups="subset_groups", out="subset_adv")
             amplification("apply")
 
-    add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="all rows")
-    add("curate_record_values", "record", GLOBAL, ("work",), ("record",), merge="all rows")
-    add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="all rows")
-    add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",), merge="all rows")
+    add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="whole", result="counts")
+    add("curate_record_values", "record", GLOBAL, ("work",), ("record",), merge="whole", result="variances")
+    add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="whole", result="reasons")
+    add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",), merge="whole", result="files")
 
     if token != "none":
         add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
             relations=("rollouts",), rollouts="rollouts")
-        add("curate_missing_entropies", "tokens", SHARD, ("selected_entropies",), ("error",))
+        add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
+            merge="first_missing")
         add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_scores",),
             score=score_expression(token))
-        add("curate_token_histogram", "tokens", GLOBAL, ("token_scores",), ("bucket",), merge="histogram")
+        add("curate_token_histogram", "tokens", GLOBAL, ("token_scores",), ("$bucket", "$n"), merge="histogram")
         add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
             merge="heads")
     else:
@@ -214,10 +255,11 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
 
     add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
         kept=kept_expression(token))
-    add("curate_materialise", "output", SHARD,
+    add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept")
+    add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="whole", result="audit")
+    add("curate_materialise", "materialise", SHARD,
         ("work", "selected_entropies", "rollouts.token_ids", "rollouts.logprobs"), ("curated",),
         relations=("rollouts",), rollouts="rollouts", loss_mask=mask_expression(token))
-    add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="all rows")
     return Plan(recipe.name, params, tuple(steps), values_of(params))
 
 

@@ -30,7 +30,8 @@ from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part
 from storage.schema import CURATED, CURATIONS, SELECTIONS
 
-from .custom import apply_custom_recipe
+from .custom import choose_custom
+from .merges import MERGES
 from .output import (
     CurationResult,
     ahead,
@@ -43,20 +44,20 @@ from .output import (
     rows_per_shard,
     sorted_by_rollout,
     summarise,
+    token_values,
 )
-from .params import CurationError, ParamError, Recipe, resolve, token_budget
-from .plan import Plan, Step, build
+from .params import CurationError, ParamError, Recipe, resolve
+from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
 from .steps import (
     CURATION_INPUTS,
     Runner,
     latest_checkpoint,
     latest_policy,
     latest_step,
-    mu_of,
     parquet,
+    run_values,
     with_defaults,
 )
-from .tokens import check_exact, merge_histograms, mask_values, missing_entropies_error, pick_bucket, threshold_of
 
 # Parquet bytes one materialisation query may read (several small shards, or one big one).
 MATERIALISE_GROUP_BYTES = 256 * 1024 * 1024
@@ -132,81 +133,70 @@ def curate(
         with session.deadline(timeout):
             session.check_predicate(params["where"])
             plan = build(params, recipe, custom_statement(session, recipe))
-            runner = Runner(session, dict(plan.values))
-            sample_budget = _select(runner, plan, everything)
-        return _output(buf, snap.seq, files, runner, plan, sample_budget, commit, dry_run)
+            runner = Runner(session, run_values(plan))
+            results: dict = {}
+            _run(runner, plan, ("candidates", *SELECTION_PHASES), {"rollouts": everything}, results)
+        return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run)
 
 
-def _select(runner: Runner, plan: Plan, everything: str) -> int | None:
-    """Candidates to the final selection: every step of the phases before the record."""
-    session = runner.session
-    for step in plan.phase("candidates"):
-        runner.run(step, {"rollouts": everything} if "rollouts" in step.relations else None)
-    if session.one("SELECT count(*) FROM work")[0] == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {plan.params['where']}")
-    sample_budget = None
+def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:
+    """The embedded engine's handler of the `custom` merge: the user's SELECT, checked."""
+    choose_custom(runner.session, step.text)
+
+
+def _whole(runner: Runner, step: Step, bound: dict, results: dict) -> None:
+    """`whole`: one session holds the whole batch, so the step runs once; its result is kept."""
+    results[step.result] = runner.table(step, bound)
+
+
+def _combined(runner: Runner, step: Step, bound: dict, results: dict) -> None:
+    """Every other merge: the session's result is the only partial."""
+    merge = MERGES[step.merge]
+    runner.values.update(merge.combine([runner.partial(step, merge.arrow, bound)], runner.values))
+
+
+# One handler per registered merge (curate.merges); the Dask engine has its own table.
+HANDLERS = {name: (_custom if name == "custom" else _whole if m.combine is None else _combined)
+            for name, m in MERGES.items()}
+
+
+def _run(runner: Runner, plan: Plan, phases: tuple[str, ...], relations: dict[str, str], results: dict) -> None:
+    """Every step of `phases`, in the plan's order: a GLOBAL step through its merge's handler, any
+    other as a statement. `relations` binds the steps' input relations (e.g. `rollouts`)."""
     for step in plan.steps:
-        if step.phase in ("candidates", "record", "tokens", "output"):
+        if step.phase not in phases:
             continue
-        if step.merge == "mu":
-            runner.values["mu"] = mu_of(runner.rows(step))
-        elif step.merge == "custom":
-            sample_budget = apply_custom_recipe(session, step.text)
-        else:  # every other step; a GLOBAL one's input is the whole batch here, already in `work`
-            runner.run(step)
-    if plan.counts_budget:
-        sample_budget = session.one("SELECT count(*) FROM work WHERE selected")[0]
-    return sample_budget
+        bound = {k: relations[k] for k in step.relations if k in relations}
+        if step.scope != GLOBAL:
+            runner.run(step, bound)
+        elif MERGES[step.merge].runs(runner.values):
+            HANDLERS[step.merge](runner, step, bound, results)
 
 
-def _threshold(runner: Runner, plan: Plan, summary: dict, opened: list[str]):
-    """Token selection's input and exact threshold (and the budget K it was found for; None without
-    a token stage): the selected rows' entropies, read once."""
-    steps = {s.sql: s for s in plan.phase("tokens")}
-    if not plan.token_stage:
-        runner.run(steps["curate_no_entropies"])
-        return None, None
-    # No shard holds a selected row: an empty relation, so no entropies are read at all.
-    runner.run(steps["curate_token_entropies"],
-               {"rollouts": parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"})
-    missing = runner.rows(steps["curate_missing_entropies"])
-    if missing:
-        raise missing_entropies_error(missing[0][0], plan.params["token"])
-    runner.run(steps["curate_token_scores"])
-    k = token_budget(summary["tokens_selected"], plan.params.token_fraction())
-    found = pick_bucket(merge_histograms([runner.rows(steps["curate_token_histogram"])]), k)
-    if found is None:
-        return None, k
-    bucket, offset = found
-    head = runner.table(steps["curate_token_bucket"], bucket=bucket, n=offset + 1)
-    return threshold_of([head], offset), k
-
-
-def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, plan: Plan,
-            sample_budget: int | None, commit: bool, dry_run: bool) -> CurationResult:
-    session = runner.session
+def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, plan: Plan, results: dict,
+            commit: bool, dry_run: bool) -> CurationResult:
     curation_id = plan.curation_id(snapshot_seq)
-    summary = summarise(runner, plan)
+    runner.values["curation_id"] = curation_id
+    _run(runner, plan, ("record",), {}, results)
+    summary = summarise(results)
+    runner.values.update(token_values(plan, summary))
     opened = [f for f in files if f in summary["selected_files"]]
-    threshold, k = _threshold(runner, plan, summary, opened)
-    runner.values.update(mask_values(threshold), curation_id=curation_id)
-    out_steps = {s.sql: s for s in plan.phase("output")}
-    runner.run(out_steps["curate_tokens_kept"])
-    tokens_kept = session.one("SELECT coalesce(sum(tokens_kept), 0) FROM kept_counts")[0]
-    if k is not None:
-        check_exact(k, tokens_kept)
-    record = new_record(plan, curation_id, snapshot_seq, summary, sample_budget, threshold, tokens_kept)
-    audit = runner.table(out_steps["curate_audit"]).cast(SELECTIONS)
+    # No shard holds a selected row: an empty relation, so no entropies are read at all.
+    shards = parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"
+    _run(runner, plan, ("tokens", "output"), {"rollouts": shards}, results)
+    record = new_record(plan, curation_id, snapshot_seq, summary, runner.values)
+    audit = results["audit"].cast(SELECTIONS)
     out = CurationResult(curation_id, record, summary["reasons"], snapshot_seq, committed=False, audit=audit)
     if dry_run:
         return out
 
     layout = part_layout([summary["selected_files"][f] for f in opened], rows_per_shard(summary))
+    materialise = plan.phase("materialise")[0]
 
     def parts():
         record["old_logprobs_fallback"] = 0
         output_files, current = [], (None, None)
-        shards = _materialised(runner, out_steps["curate_materialise"], opened)
+        shards = _materialised(runner, materialise, opened, summary["selected_files"])
         for k, slices in enumerate(layout):
             pieces = []
             for i, start, rows in slices:
@@ -231,7 +221,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     return publish(buf, lambda: ahead(parts()), curation_id, out)
 
 
-def _materialised(runner: Runner, materialise: Step, opened: list[str]):
+def _materialised(runner: Runner, materialise: Step, opened: list[str], expected: dict[str, int]):
     """The materialised selected rows of each opened input shard, in order, each sorted by
     rollout_id. One query reads as many shards as the session has threads, up to
     MATERIALISE_GROUP_BYTES of Parquet (a bigger shard alone): DuckDB parallelises a scan by row
@@ -239,22 +229,21 @@ def _materialised(runner: Runner, materialise: Step, opened: list[str]):
     stays bounded by one group's selected rows."""
     for group in _shard_groups(opened, max(1, runner.session.threads())):
         table = runner.table(materialise, {"rollouts": parquet(group)})
-        if len(group) == 1:
-            yield sorted_by_rollout(table)
-            continue
-        members = [runner.session.con.sql("SELECT rollout_id FROM work WHERE selected AND filename = $f",
-                                          params={"f": f}).to_arrow_table().column("rollout_id") for f in group]
-        ends = np.cumsum([len(m) for m in members])
-        if table.num_rows != ends[-1]:
+        where = pc.index_in(table.column("shard_file"), value_set=pa.array(group, pa.string()))
+        if where.null_count:
+            raise CurationError(f"materialisation read a row of a shard outside {len(group)} opened shards; "
+                                "nothing was written (please report this)")
+        table = table.append_column("_shard", where)
+        table = table.take(pc.sort_indices(table, [("_shard", "ascending"), ("rollout_id", "ascending")]))
+        counts = np.bincount(table.column("_shard").to_numpy(zero_copy_only=False), minlength=len(group))
+        if [int(n) for n in counts] != [expected[f] for f in group]:
             raise CurationError(f"materialisation read {table.num_rows} selected rows from {len(group)} shards, "
-                                f"the selection has {int(ends[-1])}; nothing was written (please report this)")
-        position = pc.index_in(table.column("rollout_id"), value_set=pa.chunked_array(members).combine_chunks())
-        shard = np.searchsorted(ends, position.to_numpy(zero_copy_only=False), side="right")
-        order = pc.sort_indices(pa.table({"shard": shard, "rollout_id": table.column("rollout_id")}),
-                                [("shard", "ascending"), ("rollout_id", "ascending")])
-        table = table.take(order)
-        for start, end in zip(np.concatenate([[0], ends[:-1]]), ends):
-            yield table.slice(int(start), int(end - start))
+                                f"the selection has {sum(expected[f] for f in group)}; nothing was written "
+                                "(please report this)")
+        start = 0
+        for n in counts:
+            yield table.slice(start, int(n))
+            start += int(n)
 
 
 def _shard_groups(paths: list[str], per_query: int) -> list[list[str]]:

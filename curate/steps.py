@@ -17,17 +17,15 @@ from queries.session import Session
 from storage.snapshot import sql_string
 
 from .params import CurationError, Params, step_where
-from .plan import Step
+from .plan import Plan, Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
 CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
 
-def mu_of(counts: list[tuple[int, int]]) -> float | None:
-    """The merge of curate_batch_accuracy.sql: μ = Σk / Σn over the partitions (None when Σn = 0)."""
-    k = sum(int(c[0] or 0) for c in counts)
-    n = sum(int(c[1] or 0) for c in counts)
-    return k / n if n else None
+def run_values(plan: Plan) -> dict:
+    """The values a run starts with: the plan's, and what the merges' errors name."""
+    return {**plan.values, "where_text": plan.params["where"], "token_mode": plan.params["token"]}
 
 
 class Runner:
@@ -57,7 +55,11 @@ class Runner:
 
     def table(self, step: Step, bound: dict | None = None, **extra) -> pa.Table:
         sql, args = self._sql(step, bound or {}, extra)
-        return self.session.con.sql(sql, params=args or None).to_arrow_table()
+        return self.session.table(sql, args or None)
+
+    def partial(self, step: Step, arrow: bool, bound: dict | None = None):
+        """A GLOBAL step's result over the part this session holds (rows, or an Arrow table)."""
+        return self.table(step, bound) if arrow else self.rows(step, bound)
 
 
 def parquet(paths: list[str], located: bool = False) -> str:

@@ -51,13 +51,27 @@ class Batch:
     lengths: Tensor  # [B] long: response lengths
     rollout_ids: list[str]
     curation_ids: list[str]
+    policy_version: Tensor | None = None  # [B] long: the version that sampled each row
+
+    def rows(self, index: Tensor) -> "Batch":
+        """The rows `index` (a [B] bool mask or indices) of this batch, same padding."""
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                picked[f.name] = value[index]
+            else:
+                keep = index.nonzero().flatten().tolist() if index.dtype == torch.bool else index.tolist()
+                picked[f.name] = [value[i] for i in keep]
+        return Batch(**picked)
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
 
     def to(self, device: torch.device | str) -> "Batch":
         moved = {
-            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), Tensor) else getattr(self, f.name))
+            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), Tensor)
+                     else getattr(self, f.name))
             for f in fields(self)
         }
         return Batch(**moved)
@@ -170,6 +184,7 @@ def collate(rows: pa.Table, pad_id: int = 0) -> Batch:
         lengths=torch.from_numpy(r_len.astype(np.int64)),
         rollout_ids=rows.column("rollout_id").to_pylist(),
         curation_ids=rows.column("curation_id").to_pylist(),
+        policy_version=torch.from_numpy(rows.column("policy_version").to_numpy().astype(np.int64)),
     )
 
 

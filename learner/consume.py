@@ -152,7 +152,7 @@ def train_pending(
         new_version = dist.broadcast(new_version)
         rows = train_on_curation(
             model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit],
-            run_id=run_id, version=new_version, start_step=step, dist=dist, **train_kwargs,
+            run_id=run_id, version=new_version, weights_version=version, start_step=step, dist=dist, **train_kwargs,
         )
         clock.lap("optimiser")
         step = rows[-1]["step"] if rows else step

@@ -4,7 +4,8 @@ Every loss has one signature: per-token tensors [B, T] `logp` (the policy being 
 grad), `old_logp` (the trainer's log-probs at the sampling version), `mask` (bool: the kept
 tokens), per-sequence tensors [B] `advantages` and `weights`; keyword-only optional per-token
 `ref_logp` (reference model, for the k3 KL term), `gen_logp` (sampler log-probs, for the truncated
-importance weight), `entropy` (metrics only), a `LossConfig` and a `Normalizer`.
+importance weight), `prox_logp` (the proximal policy of the decoupled objective, no grad), `entropy`
+(metrics only), a `LossConfig` and a `Normalizer`.
 
 Invariants:
 - A token outside `mask` contributes exactly nothing to the loss and receives exactly zero
@@ -16,7 +17,11 @@ Invariants:
 - Denominators come from the `Normalizer`: by default the batch itself; the trainer passes the
   whole optimiser step's counts so that the micro-batch losses of one step sum to exactly the loss
   of the step's full batch (gradient accumulation changes no weighting).
-- Adding a loss is one decorated function: `@register_loss(name, clip_low, clip_high)`.
+- Adding a loss is one decorated function: `@register_loss(name, clip_low, clip_high)`; the
+  decoupled off-policy correction (`config.decoupled`, `prox_logp`) applies to every loss through
+  `_ratio_base` / `_decoupled_weight` (token losses) or their sequence-level forms (GSPO).
+- Decoupled, a row whose `prox_logp` equals its `old_logp` contributes exactly what it does without
+  the correction: the ratio is against the same values, and its weight is exp(0) = 1 exactly.
 - Metrics are returned as sums (`LossStats`, mergeable across micro-batches with `+`) and turned
   into means by `LossStats.metrics()`: clip fraction and approx KL are over kept tokens.
 """
@@ -41,6 +46,12 @@ class LossConfig:
     kl_beta: float = 0.0  # coefficient of the k3 KL to `ref_logp`
     tis_cap: float | None = None  # C (2.0): truncated importance weight min(exp(old − gen), C)
     max_len: int | None = None  # dr_grpo's length constant (the generation budget); None: longest response
+    # The decoupled objective (AReaL, arXiv 2505.24298) for rows sampled by an older policy: the clip
+    # ratio against `prox_logp` (the weights at the start of the optimiser step), each token weighted
+    # by min(π_prox / π_behav, C) with π_behav the row's `old_logp`. Rows whose prox_logp equals
+    # old_logp (no lag) get exactly today's loss.
+    decoupled: bool = True  # without prox_logp (or without lagged rows) nothing changes
+    decoupled_cap: float = 2.0  # C
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,7 @@ class LossFn(Protocol):
         ref_logp: Tensor | None = ...,
         gen_logp: Tensor | None = ...,
         entropy: Tensor | None = ...,
+        prox_logp: Tensor | None = ...,
     ) -> LossOutput: ...
 
 
@@ -218,14 +230,31 @@ def _stats(
         )
 
 
+def _ratio_base(old_logp: Tensor, prox_logp: Tensor | None, config: LossConfig) -> Tensor:
+    """What the ratio is taken against: π_old, or with the decoupled objective π_prox."""
+    if config.decoupled and prox_logp is not None:
+        return prox_logp.float().detach()
+    return old_logp.float()
+
+
+def _decoupled_weight(old_logp: Tensor, prox_logp: Tensor | None, mask: Tensor, config: LossConfig) -> Tensor | None:
+    """Per-token min(π_prox / π_behav, C), π_behav = the row's stored `old_logp` (None: not decoupled)."""
+    if not config.decoupled or prox_logp is None:
+        return None
+    return torch.clamp(torch.exp(_masked(prox_logp.float() - old_logp.float(), mask)), max=config.decoupled_cap).detach()
+
+
 def _token_losses(
-    logp, old_logp, mask, advantages, config, ref_logp, gen_logp
+    logp, old_logp, mask, advantages, config, ref_logp, gen_logp, prox_logp=None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Per-token loss [B, T] (0 where masked), the log ratio, where clipped, the reference k3."""
     logp = logp.float()
-    log_ratio = _masked(logp - old_logp.float(), mask)
+    log_ratio = _masked(logp - _ratio_base(old_logp, prox_logp, config), mask)
     adv = advantages.float()[:, None].expand_as(logp)
     loss, clipped = _clipped_surrogate(torch.exp(log_ratio), adv, config)
+    weight = _decoupled_weight(old_logp, prox_logp, mask, config)
+    if weight is not None:
+        loss = loss * weight
     if gen_logp is not None and config.tis_cap is not None:
         tis = torch.clamp(torch.exp(_masked(old_logp.float() - gen_logp.float(), mask)), max=config.tis_cap)
         loss = loss * tis.detach()
@@ -246,9 +275,11 @@ def _kept_sequences(mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @register_loss("grpo", clip_low=0.2, clip_high=0.2)
-def grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+def grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
+         prox_logp=None):
     """Token mean within each sequence, then mean over (non-empty) sequences."""
-    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
+    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp,
+                                                    prox_logp)
     n, _ = _kept_sequences(mask)
     per_seq = tok.sum(dim=1) / n.clamp(min=1)
     loss = (weights.float() * per_seq).sum() / max(norm.sequences, 1)
@@ -256,35 +287,44 @@ def grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=No
 
 
 @register_loss("dapo", clip_low=0.2, clip_high=0.28)
-def dapo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+def dapo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
+         prox_logp=None):
     """Mean over all kept tokens of the batch (token-level, DAPO arXiv 2503.14476)."""
-    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
+    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp,
+                                                    prox_logp)
     loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.tokens, 1)
     return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
 
 
 @register_loss("dr_grpo", clip_low=0.2, clip_high=0.2)
-def dr_grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+def dr_grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
+         prox_logp=None):
     """Sum over kept tokens / (non-empty sequences × max response length) (Dr. GRPO arXiv
     2503.20783); the length is `config.max_len` (a constant budget, as in the paper) when set, else
     the longest response of the step."""
-    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp)
+    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp,
+                                                    prox_logp)
     max_len = config.max_len if config.max_len is not None else norm.max_len
     loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.sequences * max_len, 1)
     return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
 
 
 @register_loss("gspo", clip_low=3e-4, clip_high=4e-4)
-def gspo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None):
+def gspo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
+         prox_logp=None):
     """One clipped term per sequence with s_i = exp(mean_t(logπ − old)) over its kept tokens
-    (GSPO arXiv 2507.18071); the truncated importance weight is the sequence's geometric mean
+    (GSPO arXiv 2507.18071); decoupled, s_i is against π_prox and weighted by the geometric mean
+    of min-capped π_prox/π_old (the sequence-level variant); the truncated importance weight is the sequence's geometric mean
     min(exp(mean_t(old − gen)), C); the KL term is the token mean of k3 per sequence."""
     logp = logp.float()
     n, has = _kept_sequences(mask)
     denom = n.clamp(min=1)
-    log_ratio = _masked(logp - old_logp.float(), mask)
+    log_ratio = _masked(logp - _ratio_base(old_logp, prox_logp, config), mask)
     seq_log_ratio = log_ratio.sum(dim=1) / denom
     seq_loss, seq_clipped = _clipped_surrogate(torch.exp(seq_log_ratio), advantages.float(), config)
+    if config.decoupled and prox_logp is not None:  # the geometric mean of the token weights, capped
+        seq_w = _masked(prox_logp.float() - old_logp.float(), mask).sum(dim=1) / denom
+        seq_loss = seq_loss * torch.clamp(torch.exp(seq_w), max=config.decoupled_cap).detach()
     if gen_logp is not None and config.tis_cap is not None:
         seq_tis = _masked(old_logp.float() - gen_logp.float(), mask).sum(dim=1) / denom
         seq_loss = seq_loss * torch.clamp(torch.exp(seq_tis), max=config.tis_cap).detach()

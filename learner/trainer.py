@@ -97,6 +97,19 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = True) -> tuple[T
     return logp, entropy
 
 
+def proximal_logprobs(model, batch: Batch, current_version: int) -> Tensor:
+    """π_prox of the decoupled objective for `batch`: the model's log-probs now (no grad) for the
+    rows sampled before `current_version` (lagged), their stored old log-probs for the others (so
+    a row with no lag has exactly today's loss). Only lagged rows are run through the model."""
+    lagged = batch.policy_version < current_version
+    prox = batch.old_logprobs.clone()
+    if bool(lagged.any()):
+        with torch.no_grad():
+            logp, _ = response_logprobs(model, batch.rows(lagged), with_entropy=False)
+        prox[lagged] = logp.float()
+    return prox
+
+
 def _all_reduced(stats: LossStats, total: float, dist: Dist) -> tuple[LossStats, float]:
     if not dist.active:
         return stats, total
@@ -128,13 +141,18 @@ def train_on_curation(
     on_step: Callable[[dict], None] | None = None,
     dist: Dist = SINGLE,
     timings: dict[str, float] | None = None,
+    weights_version: int | None = None,
 ) -> list[dict]:
     """Train `model` on the curated Parquet files `shards` (in that order); return the step rows.
 
-    `version` is the policy version these steps produce; rows are numbered `start_step + 1, ...`.
+    `version` is the policy version these steps produce; `weights_version` the version the weights
+    start at (default `version − 1`). With `loss_config.decoupled` (the default), rows sampled
+    before `weights_version` get the decoupled off-policy correction (`proximal_logprobs`); other
+    rows train exactly as without it. Rows are numbered `start_step + 1, ...`.
     `on_step(row)` is called after each optimiser step. `dist`: this rank (see the invariants).
     """
     loss_fn = get_loss(loss)
+    current = version - 1 if weights_version is None else weights_version
     device = next(model.parameters()).device
     clock = Stopwatch(timings)
     rows_table = read_curated(shards)
@@ -162,6 +180,9 @@ def train_on_curation(
                     norm = norm + Normalizer.of(b.loss_mask, b.lengths)
                 norm = dist.normalizer(norm)
                 lr = float(optimizer.param_groups[0]["lr"])
+                # π_prox: the weights at the start of this optimiser step, before its first backward
+                prox = ([proximal_logprobs(model, b, current) for b in micro] if loss_config.decoupled
+                        else [None] * len(micro))
                 optimizer.zero_grad(set_to_none=True)
                 stats, total = LossStats(), 0.0
                 if norm.tokens:
@@ -181,7 +202,7 @@ def train_on_curation(
                             res = loss_fn(
                                 logp, b.old_logprobs, b.loss_mask, b.advantage, b.weight,
                                 config=loss_config, norm=norm, ref_logp=ref_logp,
-                                gen_logp=b.gen_logprobs, entropy=entropy,
+                                gen_logp=b.gen_logprobs, entropy=entropy, prox_logp=prox[k],
                             )
                             # DDP / FSDP2 average over ranks; the global normaliser wants the sum
                             (res.loss * dist.world if dist.active else res.loss).backward()

@@ -5,12 +5,17 @@
 -- open only the shards that hold a selected row. `{length}` counts a row's response tokens: from
 -- `entropies` when the plan prunes tokens (a dry run then never reads token ids), else from
 -- `response_token_ids`.
+-- Replay (docs/replay.md): with {window} not `false`, the batch also holds the replay window — rows
+-- of the batch's own run sampled 1..$replay_window policy versions before $current_version and not
+-- matched by `where` (`replayed`); a row already selected $replay_max_uses times is `reused`.
+-- `age` = current_version − policy_version; `uses` = committed curations that selected it before.
 CREATE OR REPLACE TEMP TABLE work AS
 WITH batch AS (
-    SELECT rollout_id, group_id, prompt_id, policy_version, reward, correct, verify_error,
-           finish_reason, ({length})::INTEGER AS tokens_total, filename
+    SELECT rollout_id, group_id, prompt_id, run_id, policy_version, reward, correct, verify_error,
+           finish_reason, ({length})::INTEGER AS tokens_total, filename,
+           NOT coalesce(({where}), false) AS replayed
     FROM {rollouts} AS rollouts
-    WHERE ({where})
+    WHERE ({where}) OR ({window})
 ),
 times_selected AS (  -- distinct committed curations that selected each rollout
     SELECT rollout_id, count(DISTINCT curation_id) AS n
@@ -26,7 +31,11 @@ SELECT
         WHEN $max_policy_lag IS NOT NULL
              AND b.policy_version < $current_version - $max_policy_lag THEN 'stale'
         WHEN $max_reuse IS NOT NULL AND coalesce(t.n, 0) >= $max_reuse THEN 'reused'
+        WHEN $replay_on AND coalesce(t.n, 0) >= $replay_max_uses THEN 'reused'
     END AS reason,
+    ($current_version - b.policy_version)::BIGINT AS age,
+    coalesce(t.n, 0)::INTEGER AS uses,
+    false AS replay_dropped,  -- set by curate_replay_apply.sql: a window row replay did not choose
     NULL::BOOLEAN AS selected,
     NULL::INTEGER AS sample_rank,
     1.0::FLOAT    AS weight

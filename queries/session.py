@@ -191,6 +191,35 @@ class Session:
         if str(kind) not in ("BOOLEAN", '"NULL"', "NULL"):
             raise SqlRefused(f"{name}: must be a boolean expression, but {text!r:.80} is {kind}")
 
+    def table(self, sql: str, params: dict | None = None) -> "pa.Table":
+        """The result of rollstore's own query as an Arrow table (errors as in `execute`)."""
+        try:
+            return self.con.sql(sql, params=params or None).to_arrow_table()
+        except duckdb.PermissionException as exc:
+            raise SqlRefused(explain_permission(str(exc), self.root)) from None
+        except duckdb.InterruptException:
+            raise
+        except duckdb.Error as exc:
+            raise RollstoreError(f"SQL error: {_first_line(exc)}") from None
+
+    def load(self, name: str, table: "pa.Table") -> None:
+        """Transport in: `table` becomes the temp table `name` (no SQL of a step involved)."""
+        self.con.register("_incoming", table)
+        try:
+            self.con.execute(f'CREATE OR REPLACE TEMP TABLE "{name}" AS SELECT * FROM _incoming')
+        finally:
+            self.con.unregister("_incoming")
+
+    def temp_tables(self) -> list[str]:
+        """Names of this session's temp tables (not views), for transport between Dask tasks."""
+        return [r[0] for r in self.con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE temporary AND table_name <> '_incoming' "
+            "ORDER BY table_name").fetchall()]
+
+    def unload(self, name: str) -> "pa.Table":
+        """Transport out: the whole temp table or view `name` as Arrow."""
+        return self.con.table(name).to_arrow_table()
+
     def one(self, sql: str, params: dict | list | None = None) -> tuple | None:
         """First row of a query (fully consumed, so the connection is free for the next one)."""
         rows = self.execute(sql, params).fetchall()

@@ -2,7 +2,7 @@
 table, JSON or CSV.
 
 Invariants:
-- Every view is the result of one SQL file of `queries/` (`audit_reasons`, `audit_bands`,
+- Every view is the result of one SQL file of `queries/` (`audit_reasons`, `audit_bands`, `audit_replay`,
   `audit_rollout`, `audit_compare_summary`, `audit_compare_reasons`, `audit_compare_rows`) run
   over one pinned snapshot; the formats only render those rows (plus, in compare mode, the
   parameters whose effective values differ, read from the two `curations.params` records).
@@ -121,7 +121,8 @@ def emit(fmt: str, head: dict, views: list[tuple[str, pa.Table]], table_fn) -> N
 def audit_one(s: Session, cid: str, fmt: str, out: Console) -> None:
     rec = record(s, cid)
     views = [("reasons", view(s, "audit_reasons", {"curation_id": cid})),
-             ("bands", view(s, "audit_bands", {"curation_id": cid}))]
+             ("bands", view(s, "audit_bands", {"curation_id": cid})),
+             ("replay", view(s, "audit_replay", {"curation_id": cid}))]
 
     def as_table():
         out.print(f"curation {cid}  recipe {rec['recipe']}  candidates {rec['n_candidates']}  "
@@ -129,6 +130,7 @@ def audit_one(s: Session, cid: str, fmt: str, out: Console) -> None:
         out.print(f"params {json.dumps(rec['params'])}", highlight=False, markup=False)
         render_table(views[0][1], out, "reasons")
         render_table(views[1][1], out, "keep rate by difficulty band")
+        render_table(views[2][1], out, "fresh and replayed rows by age (policy versions)")
 
     emit(fmt, {"curation": rec}, views, as_table)
 

@@ -127,30 +127,35 @@ def import_(
     score_model: Optional[str] = typer.Option(None, "--score-model", help="With --from a text format: local model directory that recomputes gen_logprobs."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="With --from: run_id of the imported rows (default: the format's name)."),
     correct_threshold: Optional[float] = real(None, "--correct-threshold", help="With --from: where the format gives no verdict, correct = reward >= this (else null: curation counts the row invalid)."),
+    rewards: Optional[str] = typer.Option(None, "--rewards", help="With --from prime-rl: JSONL of rewards for an export without them (docs/importers.md)."),
 ):
     """Append rollouts from files: one all-or-nothing append per file. With --from, convert another
     framework's dump (docs/importers.md); importing the same file twice adds nothing."""
     from storage.importer import read_rows_file
 
     if from_ is None:
-        if tokenizer or score_model or run_id or correct_threshold is not None:
-            fail("--tokenizer, --score-model, --run-id and --correct-threshold need --from FORMAT")
+        if tokenizer or score_model or run_id or rewards or correct_threshold is not None:
+            fail("--tokenizer, --score-model, --run-id, --rewards and --correct-threshold need --from FORMAT")
         with open_buffer(buffer) as buf:
             for path in files:
                 table = read_rows_file(path)
                 shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
                 out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
         return
-    from storage.importers import FORMATS, import_file
+    from storage.importers import FORMATS, import_file, units
     from storage.importers.codec import load_codec
 
     if from_ not in FORMATS:
         fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
     codec = load_codec(tokenizer, score_model)
+    if rewards is not None and from_ == "prime-rl":
+        from storage.importers.primerl import load_rewards
+
+        rewards = load_rewards(rewards)
     with open_buffer(buffer) as buf:
-        for path in files:
+        for path in units(from_, files):
             res = import_file(buf, path, from_, codec, run_id, compact=compact_entropies,
-                              correct_threshold=correct_threshold)
+                              correct_threshold=correct_threshold, rewards=rewards)
             where = f" -> {res.shard.path}" if res.shard is not None else ""
             out.print(f"{path}: {res.rows} new rows, {res.skipped} already present{where}", highlight=False, markup=False)
             if res.lossy:

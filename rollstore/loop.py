@@ -8,7 +8,10 @@ Invariants:
   staleness rule only ever drops rows of older versions (two-process mode shares this code).
 - With a filtering recipe (`filter=dynamic`) the loop over-generates (`overgen`× the prompts per
   batch) and keeps generating batches of the same step until enough groups survive or
-  `max_gen_batches` is reached, and then says so.
+  `max_gen_batches` is reached, and then says so; with group replay (`replay=groups`) it does not:
+  the curation replaces the filtered groups with stored ones.
+- Replay recipes train rows of earlier steps again; the learner corrects their loss with the
+  decoupled objective (learner.losses), on by default, which changes nothing for rows with no lag.
 - With `pool_size` the prompts come from a finite pool, revisited once per epoch, so a prompt's
   pooled accuracy (DA3PO's q̂) has history from earlier visits.
 - Rerunning an interrupted loop resumes from the run's latest checkpoint (learner.consume):
@@ -224,7 +227,9 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     sets = dict(cfg.sets)
     if cfg.max_policy_lag is not None:
         sets.setdefault("max_policy_lag", str(cfg.max_policy_lag))
-    filtering = resolve(recipe, {k: v for k, v in sets.items() if k != "progress"})["filter"] == "dynamic"
+    effective = resolve(recipe, {k: v for k, v in sets.items() if k != "progress"})
+    # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
+    filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
     run_id = cfg.run_id or f"loop-{cfg.recipe}-s{cfg.seed}"
     buf = Buffer.open(cfg.buffer)
     base_dir = resolve_model(cfg.model)

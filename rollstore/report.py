@@ -50,6 +50,7 @@ SECTIONS = [
     ("accuracy", "Accuracy and reward"),
     ("curations", "Curations"),
     ("bands", "Keep rate by difficulty band"),
+    ("replay", "Replay: share and age of the rows trained"),
     ("advantages", "Advantages before and after amplification and selection"),
     ("tokens", "Selected and rejected rollouts, token by token"),
     ("training", "Training"),
@@ -63,6 +64,7 @@ QUERIES = [
     "report_evaluations",
     "report_curations",
     "report_bands",
+    "report_replay",
     "report_advantages",
     "report_advantage_stats",
     "report_tokens",
@@ -359,6 +361,26 @@ def section_bands(res: dict[str, Result]) -> str:
     return _section("bands", "Keep rate by difficulty band", intro, body)
 
 
+def section_replay(res: dict[str, Result]) -> str:
+    rows = res["report_replay"].rows
+    intro = ("Per curation, in the order they ran: the selected rows that came from the replay window "
+             "(earlier steps of the run, docs/replay.md), their share of the selection, the selected rows "
+             "by age in policy versions (<code>age:rows</code>; 0 is the fresh batch) and the candidates "
+             "refused at their use cap (<code>reused</code>).")
+    if not any(r["replayed"] for r in rows):
+        return _section("replay", "Replay: share and age of the rows trained",
+                        intro + " No curation of this buffer replayed a stored row (recipes <code>replay-*</code>).",
+                        table(rows, ["seq", "curation_id", "recipe", "selected", "replayed", "replay_share",
+                                     "selected_by_age", "at_use_cap"], name="report_replay")
+                        + sql_block(res["report_replay"]))
+    chart = line_chart(_per_recipe(rows, [("replay_share", "replay share")]), title="Share of selected rows replayed",
+                       x_label="curation", y_label="share", y_range=(0.0, 1.0), integer_x=True)
+    body = (_charts(chart) + table(rows, ["seq", "curation_id", "recipe", "selected", "replayed", "replay_share",
+                                          "selected_by_age", "at_use_cap"], name="report_replay")
+            + sql_block(res["report_replay"]))
+    return _section("replay", "Replay: share and age of the rows trained", intro, body)
+
+
 def section_advantages(res: dict[str, Result]) -> str:
     hist = res["report_advantages"].rows
     stats = res["report_advantage_stats"].rows
@@ -492,6 +514,7 @@ def render(res: dict[str, Result], text: TokenText, root: str, seq: int, curatio
         section_accuracy(res),
         section_curations(res, curation_id),
         section_bands(res),
+        section_replay(res),
         section_advantages(res),
         section_tokens(res, text),
         section_training(res),

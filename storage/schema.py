@@ -81,6 +81,9 @@ SELECTIONS = pa.schema(
         pa.field("sample_rank", pa.int32()),
         pa.field("tokens_total", pa.int32(), nullable=False),
         pa.field("tokens_kept", pa.int32(), nullable=False),
+        pa.field("replayed", pa.bool_()),  # from the replay window, not the fresh batch (null: before replay)
+        pa.field("age", pa.int64()),  # current_version − policy_version at this curation
+        pa.field("uses", pa.int32()),  # committed curations that selected it before this one
     ]
 )
 

@@ -146,13 +146,15 @@ class SnapshotFiles:
 
 
 def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None) -> None:
+    """Views by name; columns are matched by name, since a table may gain columns (shards written
+    before a column was added read it as null)."""
     for name in tables or list(TABLES):
         files = files_of(name)
         if files:
             listing = ", ".join(sql_string(f) for f in files)
             con.execute(
                 f"CREATE OR REPLACE VIEW {name} AS "
-                f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false)"
+                f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)"
             )
         else:
             empty = pa.Table.from_batches([], schema=TABLES[name])

@@ -527,3 +527,139 @@ def reference_curate(rows: list[dict], params: dict, snapshot_rows: list[dict] |
         "old_logprobs_fallback": sum(1 for r in selected_rows if r.get("old_logprobs") is None),
     }
     return {"selections": out, "masks": masks, "record": record}
+
+
+# --------------------------------------------------------------------------------------------
+# replay (docs/replay.md): the window beside the fresh batch
+# --------------------------------------------------------------------------------------------
+
+REPLAY_DEFAULTS = {"replay": "none", "replay_window": 2, "replay_max_uses": 2, "replay_count": None,
+                   "replay_decay": "0.5"}
+
+
+def reference_replay_curate(snapshot_rows: list[dict], batch_ids: set[str], params: dict, current_version: int,
+                            prior_selected_counts: dict[str, int] | None = None) -> dict:
+    """One replay curation, brute force: the fresh batch (`batch_ids`) plus the window of its run.
+
+    Returns what `reference_curate` returns, each selection with `replayed`, `age` and `uses`."""
+    prm = resolve_params({k: v for k, v in params.items() if k not in REPLAY_DEFAULTS})
+    rp = {**REPLAY_DEFAULTS, **{k: v for k, v in params.items() if k in REPLAY_DEFAULTS}}
+    mode, W, cap = rp["replay"], int(rp["replay_window"]), int(rp["replay_max_uses"])
+    count = optional_int(rp["replay_count"])
+    decay = float(exact(rp["replay_decay"]))
+    uses = prior_selected_counts or {}
+    fresh = [r for r in snapshot_rows if r["rollout_id"] in batch_ids]
+    runs = {r["run_id"] for r in fresh}
+    window = [r for r in snapshot_rows if r["rollout_id"] not in batch_ids and r["run_id"] in runs
+              and 1 <= current_version - r["policy_version"] <= W]
+    rows = fresh + window
+    replayed = {r["rollout_id"] for r in window}
+    out = {r["rollout_id"]: empty_selection(r) for r in rows}
+    for r in rows:
+        out[r["rollout_id"]].update(replayed=r["rollout_id"] in replayed,
+                                    age=current_version - r["policy_version"], uses=uses.get(r["rollout_id"], 0))
+
+    # step 1, then the use cap (the first use included)
+    reasons = step1_eligibility(rows, prm, current_version, uses)
+    for rid in reasons:
+        if reasons[rid] is None and uses.get(rid, 0) >= cap:
+            reasons[rid] = "reused"
+        out[rid]["reason"] = reasons[rid]
+    remaining = [r for r in rows if reasons[r["rollout_id"]] is None]
+    # a replayed row at its cap still belongs to its group as generated (statistics, advantages)
+    as_generated = [r for r in rows if reasons[r["rollout_id"]] is None
+                    or (r["rollout_id"] in replayed and reasons[r["rollout_id"]] == "reused")]
+
+    # steps 2-3 over the groups as generated; audit values only for eligible rows
+    groups_all, stats, _ = step2_group_statistics(as_generated)
+    advantage = {}
+    for gid, members in groups_all.items():
+        for r, a in zip(members, step3_advantages([r["reward"] for r in members], prm["std"])):
+            advantage[r["rollout_id"]] = a
+    groups: dict[str, list[dict]] = {}
+    for r in remaining:
+        groups.setdefault(r["group_id"], []).append(r)
+        st = stats[r["group_id"]]
+        sel = out[r["rollout_id"]]
+        sel["group_size"], sel["group_accuracy"] = st["G"], f32(st["k"] / st["G"])
+        sel["advantage_raw"] = advantage[r["rollout_id"]]
+    mu = sum(1 for r in remaining if r["correct"]) / len(remaining) if remaining else None
+
+    # step 4
+    dropped = step4_filter({g: stats[g] for g in groups}, prm["filter"])
+    for gid in dropped:
+        for r in groups[gid]:
+            sel = out[r["rollout_id"]]
+            sel["reason"], sel["amplification"], sel["advantage_final"] = "zero_variance", f32(1.0), sel["advantage_raw"]
+    pool = [r for r in remaining if r["group_id"] not in dropped]
+
+    # replay: which window rows of the pool stay
+    fresh_pool = [r for r in pool if r["rollout_id"] not in replayed]
+    window_pool = [r for r in pool if r["rollout_id"] in replayed]
+
+    def decayed(r) -> float:
+        return decay ** (current_version - r["policy_version"] - 1)
+
+    if mode == "window":
+        chosen = {r["rollout_id"] for r in window_pool}
+    elif mode == "groups":
+        zero = {gid for gid, members in groups.items() if members[0]["rollout_id"] not in replayed
+                and stats[gid]["k"] in (0, stats[gid]["G"])}
+        by_group: dict[str, list[dict]] = {}
+        for r in window_pool:
+            by_group.setdefault(r["group_id"], []).append(r)
+        ranked = []
+        for gid, members in by_group.items():
+            st = stats[gid]
+            if not (0 < st["k"] < st["G"]) or all(wide(advantage[r["rollout_id"]]) == 0 for r in members):
+                continue
+            rewards = [float(f32(r["reward"])) for r in members]
+            priority = float(np.std(np.array(rewards, np.float64))) * decayed(members[0])
+            ranked.append((-priority, gid.encode(), gid))
+        ranked.sort()
+        keep = {gid for _, _, gid in ranked[:len(zero)]}
+        chosen = {r["rollout_id"] for r in window_pool if r["group_id"] in keep}
+    elif mode == "rollouts":
+        scored = sorted(((-abs(wide(advantage[r["rollout_id"]])) * decayed(r), rid_key(r["rollout_id"]), r["rollout_id"])
+                         for r in window_pool if wide(advantage[r["rollout_id"]]) != 0))
+        limit = len(fresh_pool) if count is None else count
+        chosen = {rid for _, _, rid in scored[:limit]}
+    else:
+        raise ValueError(mode)
+    for r in window_pool:
+        if r["rollout_id"] not in chosen:
+            out[r["rollout_id"]]["reason"] = "not_selected"
+    pool = fresh_pool + [r for r in window_pool if r["rollout_id"] in chosen]
+
+    # steps 5-9 as in reference_curate (no PODS with replay in this reference)
+    qhat = {}
+    if prm["amplify"] == "da3po" and groups:
+        qhat = step5_difficulty(groups, snapshot_rows, current_version, prm, mu)
+        for gid, members in groups.items():
+            for r in members:
+                out[r["rollout_id"]]["difficulty"] = None if qhat[gid] is None else f32(qhat[gid])
+    for r in remaining:  # rows that left the pool keep amplification 1 (replay: not chosen)
+        sel = out[r["rollout_id"]]
+        if sel["reason"] == "not_selected":
+            sel["amplification"], sel["advantage_final"] = f32(1.0), sel["advantage_raw"]
+    step5_amplify(pool, out, stats, qhat, prm)
+    adv_var_before = pop_var([wide(out[r["rollout_id"]]["advantage_final"]) for r in pool])
+    sample_budget = step6_sample(pool, out, prm)
+    for r in pool:
+        sel = out[r["rollout_id"]]
+        sel["reason"] = "selected" if sel["selected"] else "not_selected"
+    selected_rows = [r for r in pool if out[r["rollout_id"]]["selected"]]
+    masks, threshold, kappa = step8_tokens(selected_rows, out, prm)
+    for rid, mask in masks.items():
+        out[rid]["tokens_kept"] = sum(mask)
+    candidates = [r for r in rows if r["rollout_id"] in replayed or r["rollout_id"] in batch_ids]
+    record = {
+        "sample_budget": sample_budget, "token_fraction": kappa, "token_threshold": threshold,
+        "n_candidates": len(candidates), "n_selected": len(selected_rows),
+        "tokens_candidate": sum(len(r["response_token_ids"]) for r in rows),
+        "tokens_kept": sum(out[r["rollout_id"]]["tokens_kept"] for r in selected_rows),
+        "adv_var_before": adv_var_before,
+        "adv_var_after": pop_var([wide(out[r["rollout_id"]]["advantage_final"]) for r in selected_rows]),
+        "old_logprobs_fallback": sum(1 for r in selected_rows if r.get("old_logprobs") is None),
+    }
+    return {"selections": out, "masks": masks, "record": record}

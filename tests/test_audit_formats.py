@@ -43,14 +43,16 @@ def test_audit_json_and_csv_hold_the_table_views(cli, whatif):
     table = cli("audit", root, a)
     assert table.code == 0 and "reasons" in table.stdout and "keep rate" in table.stdout
     doc = json.loads(cli("audit", root, a, "--format", "json").stdout)
-    assert set(doc) == {"curation", "reasons", "bands"}
+    assert set(doc) == {"curation", "reasons", "bands", "replay"}
+    assert [(r["origin"], r["candidates"]) for r in doc["replay"]] == [("fresh", len(mine))]  # no replay here
     assert doc["curation"]["curation_id"] == a and doc["curation"]["params"]["sample"] == "pods"
     assert {r["reason"]: r["candidates"] for r in doc["reasons"]} == dict(Counter(s["reason"] for s in mine))
     assert sum(r["tokens_kept"] for r in doc["reasons"]) == sum(s["tokens_kept"] for s in mine)
     res = cli("audit", root, a, "--format", "csv")
     rows = parse_csv(res.stdout)
     assert res.stdout.splitlines()[0].startswith('"view"')
-    assert Counter(r["view"] for r in rows) == {"reasons": len(doc["reasons"]), "bands": len(doc["bands"])}
+    assert Counter(r["view"] for r in rows) == {"reasons": len(doc["reasons"]), "bands": len(doc["bands"]),
+                                                "replay": len(doc["replay"])}
     reasons = {r["reason"]: int(r["candidates"]) for r in rows if r["view"] == "reasons"}
     assert reasons == {r["reason"]: r["candidates"] for r in doc["reasons"]}
     assert all(r["band"] == "" for r in rows if r["view"] == "reasons")  # columns of other views stay empty

@@ -119,6 +119,16 @@ def test_every_recipe_is_byte_identical(pair, client, recipe):
     assert_identical(pair, ra, rb, rows_a, rows_b)
 
 
+@pytest.mark.parametrize("recipe", ["replay-groups", "replay-d3s", "replay-rollouts", "replay-window"])
+def test_replay_recipes_are_byte_identical(pair, client, recipe):
+    """The fresh batch is the last step; the window (steps 1-2, versions 1-2) is read per shard and
+    the replay choice merged on the client: same rows, same bytes."""
+    ra, rb, rows_a, rows_b = _both(pair, client, recipe, {"where": "step = 4", "progress": "0.4"}, partitions=3)
+    replayed = [r for r in ra.audit.to_pylist() if r["replayed"]]
+    assert replayed and {r["age"] for r in replayed} <= {1, 2}
+    assert_identical(pair, ra, rb, rows_a, rows_b)
+
+
 @pytest.mark.parametrize("sets, partitions", [
     ({"amplify": "da3po", "filter": "dynamic", "sample": "cross_group", "token": "abs_adv_entropy",
       "schedule": "linear", "progress": "0.3", "difficulty_window": "2"}, 3),
@@ -212,14 +222,12 @@ def test_an_inexact_token_threshold_is_refused_and_leaves_nothing(pair, client, 
     """Both engines prove the threshold before writing: a threshold that is not the K-th token
     (here: one after every token, as a non-monotone bucket key would give) keeps a number of tokens
     other than K, and the run stops with the same one-line error and nothing visible."""
-    import curate.distributed as dist_module
-    import curate.run as run_module
+    import curate.merges as merges_module
 
     def wrong(heads, offset):
         return float("inf"), "", 0
 
-    monkeypatch.setattr(run_module, "threshold_of", wrong)
-    monkeypatch.setattr(dist_module, "threshold_of", wrong)
+    monkeypatch.setattr(merges_module, "threshold_of", wrong)  # the `heads` merge both engines use
     b = pair[1]
     with Buffer.open(b) as buf:
         seq = buf.manifest.latest_seq()

@@ -68,6 +68,31 @@ def test_filtering_recipe_over_generates(tmp_path, default_tiny):
     assert sql(root, "SELECT count(DISTINCT group_id) FROM rollouts")[0][0] == 32 * it["gen_batches"]
 
 
+def test_replay_recipe_in_the_loop_reuses_stored_groups_without_generating_more(tmp_path, default_tiny):
+    """`replay-groups` in the one-process loop: one generation batch per step (no over-generation),
+    rows of earlier steps trained again within the window and the use cap, every curated shard
+    trained exactly once, and the audit says which rows were replayed and how old they were."""
+    root = str(tmp_path / "buf")
+    Buffer.init(root).close()
+    summary = run_loop(small(root, default_tiny, recipe="replay-groups", iterations=4))
+    assert [r["gen_batches"] for r in summary["iterations"]] == [1, 1, 1, 1]
+    assert sql(root, "SELECT count(DISTINCT group_id) FROM rollouts")[0][0] == 4 * 16
+    replayed = sql(root, "SELECT count(*), min(age), max(age) FROM selections WHERE selected AND replayed")[0]
+    fresh = sql(root, "SELECT count(*), max(age) FROM selections WHERE selected AND NOT replayed")[0]
+    assert fresh[0] > 0 and fresh[1] == 0
+    zero = sql(root, "SELECT count(*) FROM selections s JOIN curations c USING (curation_id) "
+                     "WHERE s.reason = 'zero_variance' AND NOT s.replayed AND c.progress > 0")[0][0]
+    if zero:  # the fresh batches after the first had zero-variance groups to replace
+        assert replayed[0] > 0 and 1 <= replayed[1] <= replayed[2] <= 2
+    uses = sql(root, "SELECT max(n) FROM (SELECT rollout_id, count(DISTINCT curation_id) AS n FROM selections "
+                     "WHERE selected GROUP BY rollout_id)")[0][0]
+    assert uses <= 2  # replay_max_uses, the first use included
+    with Buffer.open(root) as buf:
+        ledger = consumed_ledger(buf, 4)
+        curated = {s.path for s in buf.snapshot().shards("curated")}
+    assert sorted(e["shard"] for e in ledger) == sorted(curated) and len(ledger) == len(curated)
+
+
 def test_two_process_mode_respects_the_staleness_bound(tmp_path, default_tiny):
     root = str(tmp_path / "buf")
     Buffer.init(root).close()
@@ -79,7 +104,7 @@ def test_two_process_mode_respects_the_staleness_bound(tmp_path, default_tiny):
     try:
         gen = subprocess.run(
             [BIN, "generate", root, "--model", default_tiny, "--follow", "--steps", "3", "--num-prompts", "16",
-             "-G", "4", "--max-policy-lag", "1", "--run-id", "gen", "--recipe", "d3s"],
+             "-G", "4", "--max-policy-lag", "1", "--run-id", "gen", "--recipe", "replay-groups"],
             capture_output=True, text=True, env=env, timeout=600)
         assert gen.returncode == 0, gen.stderr
     finally:
@@ -160,7 +185,7 @@ def test_loop_with_a_two_rank_learner(tmp_path, default_tiny):
     root = str(tmp_path / "ranks")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([BIN, "loop", root, "--model", default_tiny, "--learner-ranks", "2", "--iterations", "3",
-                          "--prompts-per-iter", "16", "-G", "4", "--run-id", "r"],
+                          "--prompts-per-iter", "16", "-G", "4", "--run-id", "r", "--recipe", "replay-d3s"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "the 2-rank learner published v3" in res.stdout

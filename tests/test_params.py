@@ -11,7 +11,8 @@ from curate.params import (
     DEFAULTS, ParamError, budget, builtin_recipes, load_recipe, parse_sets, resolve, token_budget,
 )
 
-ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "grpo", "pods"]
+ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "grpo", "pods",
+       "replay-d3s", "replay-groups", "replay-rollouts", "replay-window"]
 
 
 def test_builtin_recipes_are_the_spec_table():
@@ -27,6 +28,26 @@ def test_builtin_recipes_are_the_spec_table():
     assert presets["d3s"] == {"sample": "cross_group", "token": "abs_adv_entropy", "schedule": "linear"}
     assert presets["d3s-i"] == {"sample": "in_group", "token": "abs_adv_entropy", "schedule": "linear"}
     assert presets["entropy-top"] == {"filter": "dynamic", "token": "entropy", "token_fraction": Fraction(1, 5)}
+    replay = {"replay_window": 2, "replay_max_uses": 2}
+    assert presets["replay-groups"] == {"filter": "dynamic", "replay": "groups", **replay}
+    assert presets["replay-rollouts"] == {"replay": "rollouts", **replay}
+    assert presets["replay-d3s"] == {**presets["d3s"], "replay": "rollouts", **replay}
+    assert presets["replay-window"] == {"replay": "window", "replay_window": 1, "replay_max_uses": 2}
+    assert all("replay" in name for name in ALL if load_recipe(name).presets.get("replay"))
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("replay_window", "0", "replay_window: must be ≥ 1"),
+    ("replay_max_uses", "0", "replay_max_uses: must be ≥ 1"),
+    ("replay_count", "-3", "replay_count: must be ≥ 1"),
+    ("replay_decay", "0", "replay_decay: must be in (0, 1]"),
+    ("replay", "sometimes", "replay: 'sometimes' is not one of none, groups, rollouts, window"),
+])
+def test_replay_parameters_out_of_range_are_one_line(name, value, message):
+    with pytest.raises(ParamError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")) as info:
+        resolve(load_recipe("replay-groups"), {name: value})
+    assert "\n" not in str(info.value)
 
 
 def test_exact_decimal_budgets():

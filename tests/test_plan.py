@@ -162,3 +162,122 @@ def test_comments_and_spacing_do_not_change_the_hash_but_code_does():
     assert dataclasses.replace(plan, steps=reworded).sha256() == plan.sha256()
     # non-ASCII text before the code (the tokenizer counts bytes, not characters)
     assert plan_module.executable("-- |A|·H, κ ≤ 1\nSELECT 'é' AS x") == "SELECT 'é' AS x"
+
+
+class EngineSpy:
+    """Every statement a curation executes through its session (`Session.execute`, `Session.table`)
+    and every step the runner renders, in order; transport (Arrow in and out) is not SQL."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from queries.session import Session
+
+        self.executed: list[str] = []
+        self.steps: list[tuple[str, str]] = []  # (step id, rendered text)
+        self.lock = threading.Lock()
+        run_sql, execute, table = Runner._sql, Session.execute, Session.table
+
+        def spy_sql(runner, step, bound, extra):
+            sql, args = run_sql(runner, step, bound, extra)
+            with self.lock:
+                self.steps.append((_step_id(step), sql))
+            return sql, args
+
+        def spy_execute(session, sql, params=None):
+            with self.lock:
+                self.executed.append(sql)
+            return execute(session, sql, params)
+
+        def spy_table(session, sql, params=None):
+            with self.lock:
+                self.executed.append(sql)
+            return table(session, sql, params)
+
+        monkeypatch.setattr(Runner, "_sql", spy_sql)
+        monkeypatch.setattr(Session, "execute", spy_execute)
+        monkeypatch.setattr(Session, "table", spy_table)
+
+
+def _step_id(step) -> str:
+    return f"{step.phase}:{step.sql}:{step.fragments}"
+
+
+# What a run executes outside the plan: the defaults it resolves before the plan exists, and the
+# session's own introspection.
+OUTSIDE_PLAN = ("curate_latest_step", "curate_latest_policy", "curate_latest_checkpoint")
+
+
+def _outside_plan(sql: str) -> bool:
+    if sql == "SELECT current_setting('threads')":
+        return True
+    return any(_code(load_sql(name)).split("FROM")[0] in _code(sql) for name in OUTSIDE_PLAN)
+
+
+def _check_engine_ran_the_plan(spy: EngineSpy, plan, ordered: bool) -> None:
+    rendered = {sql for _, sql in spy.steps}
+    guards = {s.guard for s in plan.steps if s.guard}
+    stray = [sql for sql in spy.executed if sql not in rendered and sql not in guards and not _outside_plan(sql)]
+    assert not stray, f"statements outside the plan: {stray[:3]}"
+    ids = [_step_id(s) for s in plan.steps]
+    ran = [sid for sid, _ in spy.steps]
+    first = [ids.index(sid) for sid in dict.fromkeys(ran)]
+    assert first == sorted(first), "steps ran out of the plan's order"
+    skippable = {_step_id(s) for s in plan.steps if s.guard or s.merge in ("heads",) or s.merge == "custom"}
+    assert set(ids) - set(ran) <= skippable, f"plan steps never run: {set(ids) - set(ran) - skippable}"
+    if ordered:
+        positions = [ids.index(sid) for sid in ran]
+        assert positions == sorted(positions), "the embedded engine runs each step once, in order"
+
+
+def _plan_of(result, recipe_name: str, sets: dict):
+    used = json.loads(result.record["params"])
+    recipe = load_recipe(recipe_name)
+    params = resolve(recipe, {**sets, "where": used["where"], "current_version": used["current_version"]})
+    return plan_module.build(params, recipe)
+
+
+@pytest.mark.parametrize("recipe, sets", [
+    ("d3s", {"progress": "0.3"}),
+    ("pods", {"amplify": "da3po", "filter": "dynamic"}),
+    ("grpo", {}),
+])
+def test_the_embedded_engine_executes_the_plan_steps_in_order(steps_buffer, monkeypatch, recipe, sets):
+    with Buffer.open(steps_buffer) as buf:
+        spy = EngineSpy(monkeypatch)
+        result = curate(buf, load_recipe(recipe), sets, commit=False)
+    _check_engine_ran_the_plan(spy, _plan_of(result, recipe, sets), ordered=True)
+    assert result.record["sql_sha256"] == _plan_of(result, recipe, sets).sha256()
+
+
+@pytest.mark.parametrize("recipe, sets", [
+    ("d3s", {"progress": "0.3", "where": "step >= 1"}),
+    ("da3po", {"where": "step >= 1", "sample": "in_group", "token": "entropy"}),
+])
+def test_the_dask_engine_executes_the_plan_steps_in_order(steps_buffer, monkeypatch, recipe, sets):
+    """In-process Dask workers (threads), so the spy sees every task's statements."""
+    distributed = pytest.importorskip("distributed")
+    from curate.distributed import curate_dask
+
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client, \
+            Buffer.open(steps_buffer) as buf:
+        embedded = curate(buf, load_recipe(recipe), sets, commit=False)
+        spy = EngineSpy(monkeypatch)
+        result = curate_dask(buf, load_recipe(recipe), sets, scheduler=client, partitions=3, commit=False)
+    assert result.curation_id == embedded.curation_id and result.audit.equals(embedded.audit)
+    _check_engine_ran_the_plan(spy, _plan_of(result, recipe, sets), ordered=False)
+
+
+def test_every_global_step_has_a_registered_merge_with_a_handler_in_both_engines():
+    from curate.merges import MERGES
+    from curate.run import HANDLERS
+
+    for name in builtin_recipes():
+        recipe = load_recipe(name)
+        for sets in ({}, {"amplify": "da3po", "filter": "dynamic", "token": "entropy", "sample": "cross_group"}):
+            plan = plan_module.build(resolve(recipe, {**sets, "where": "true", "current_version": "0"}), recipe)
+            for step in plan.steps:
+                if step.scope == plan_module.GLOBAL:
+                    assert step.merge in MERGES and step.merge in HANDLERS, step
+                    if MERGES[step.merge].combine is None:
+                        assert step.result or step.writes, step

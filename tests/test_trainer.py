@@ -153,3 +153,62 @@ def test_a_step_without_kept_tokens_changes_nothing(buf):
     assert len(rows) == 1 and rows[0]["tokens"] == 0 and rows[0]["samples"] == 0
     assert all(torch.equal(x, y) for x, y in zip(before, model.parameters()))
     assert sched.last_epoch == 0
+
+
+def _lagged(table: pa.Table, lagged_rows: set[int], version: int) -> pa.Table:
+    """`table` with rows `lagged_rows` sampled at `version` − 1 (the others at `version`)."""
+    versions = [version - 1 if i in lagged_rows else version for i in range(table.num_rows)]
+    col = table.schema.get_field_index("policy_version")
+    return table.set_column(col, table.schema.field(col), pa.array(versions, pa.int64()))
+
+
+def test_decoupled_training_without_lag_is_todays_training_bit_for_bit(buf):
+    """Every row sampled by the weights' own version: the decoupled objective changes nothing
+    (same weights, torch.equal), and no proximal forward runs."""
+    from learner.losses import LossConfig
+
+    shard = paths(buf, commit_curated(buf, "c", [_lagged(curated_rows("c", 8, seed=9, model=tiny_llama(1)), set(), 0)]))
+    models = []
+    for decoupled in (False, True):
+        model = tiny_llama(1)
+        opt, sched = make_optimizer(model, lr=1e-2)
+        train_on_curation(model, opt, sched, shard, micro_batch_size=4, version=1, weights_version=0,
+                          loss_config=LossConfig(decoupled=decoupled))
+        models.append(model)
+    assert all(torch.equal(x, y) for x, y in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_lagged_rows_are_scored_by_the_weights_at_the_start_of_the_step(buf, monkeypatch):
+    """Only lagged rows go through the proximal forward, once per optimiser step, before its first
+    backward; the loss then sees π_prox for them and π_old for the others."""
+    import learner.trainer as trainer
+    from learner.losses import LOSSES
+
+    table = _lagged(curated_rows("c", 8, seed=10, model=tiny_llama(1)), {1, 4, 6}, 3)
+    shard = paths(buf, commit_curated(buf, "c", [table]))
+    model = tiny_llama(2)  # not the model that wrote old_logprobs: π_prox ≠ π_old
+    seen, prox_rows = [], []
+    original = trainer.proximal_logprobs
+
+    def spy(m, batch, current):
+        out = original(m, batch, current)
+        lagged = batch.policy_version < current
+        prox_rows.append(sorted(r for r, lag in zip(batch.rollout_ids, lagged.tolist()) if lag))
+        with torch.no_grad():
+            want, _ = response_logprobs(m, batch, with_entropy=False)
+        assert torch.allclose(out[lagged], want[lagged], atol=1e-6)
+        assert torch.equal(out[~lagged], batch.old_logprobs[~lagged])
+        return out
+
+    monkeypatch.setattr(trainer, "proximal_logprobs", spy)
+    real = LOSSES["grpo"].fn
+
+    def loss_spy(*args, prox_logp=None, **kw):
+        seen.append(prox_logp is not None)
+        return real(*args, prox_logp=prox_logp, **kw)
+
+    monkeypatch.setattr(trainer, "get_loss", lambda name: loss_spy)
+    opt, sched = make_optimizer(model, lr=1e-2)
+    rows = train_on_curation(model, opt, sched, shard, micro_batch_size=8, version=4, weights_version=3)
+    assert len(rows) == 1 and all(seen)
+    assert prox_rows == [["c-r001", "c-r004", "c-r006"]]

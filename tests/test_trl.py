@@ -48,9 +48,10 @@ def dataset():
 
 
 def config(out, steps=2, **kw):
+    kw.setdefault("save_strategy", "no")
     return GRPOConfig(
         output_dir=str(out), num_generations=G, per_device_train_batch_size=2 * G, max_completion_length=6,
-        max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+        max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[],
         use_cpu=True, seed=0, temperature=1.0, dataloader_num_workers=0, disable_tqdm=True, **kw)
 
 
@@ -102,6 +103,48 @@ def test_recorder_rows_groups_versions(untrained_tiny, tmp_path):  # noqa: F811
         assert len({r["step"] for r in g}) == 1
     assert {r["policy_version"] for r in rows} == {0, 1}
 
+
+
+def shaping(completions, completion_ids, prompts, **kw):
+    """A small shaping reward (0.01 per token): on the constant prompt the group's std is ~0.01."""
+    return [0.01 * len(c) for c in completion_ids]
+
+
+def trained_params(cls, model_dir, out, funcs, steps=2, **extra):
+    tr = make(cls, model_dir, out, funcs, steps=steps, **extra)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.train()
+    return tr, before, [p.detach().clone() for p in tr.model.parameters()]
+
+
+def param_gap(a: list, b: list, before: list) -> tuple[float, float]:
+    """(max |a - b|, that / max |a - before|): the difference relative to the largest update."""
+    diff = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    step = max(float((x - y).abs().max()) for x, y in zip(a, before))
+    return diff, diff / step
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_trl_grpo_recipe_reproduces_vanilla_parameters(untrained_tiny, tmp_path, scale_rewards):  # noqa: F811
+    """curate="grpo" inside TRL trains exactly as plain GRPOTrainer: TRL's std + 1e-4 and its
+    scale_rewards mode, not rollstore's std + 1e-6; a small-std shaping reward makes the constant matter."""
+    cfg = {"scale_rewards": scale_rewards}
+    _, before, vanilla = trained_params(GRPOTrainer, untrained_tiny, tmp_path / "v", [parity, shaping], cfg=cfg)
+    tr, _, curated = trained_params(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "c", [parity, shaping],
+                                    buffer=str(tmp_path / "buf"), curate="grpo", cfg=cfg)
+    stds = [json.loads(r["meta"])["rewards"]["shaping"] for r in rollouts(str(tmp_path / "buf"))]
+    assert len(stds) == 4 * G and len(tr.rollstore_curations) == 2
+    diff, rel = param_gap(vanilla, curated, before)
+    print(f"scale_rewards={scale_rewards}: max |dparam| {diff:.3e}, relative to the largest update {rel:.3e}")
+    assert rel <= 1e-4, (diff, rel)
+    if scale_rewards == "group":  # the test can tell: rollstore's own constant (std + 1e-6) does not match
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(RollstoreGRPOTrainer, "_trl_scale", lambda self, n: [1.0] * n)
+            _, _, own = trained_params(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "o", [parity, shaping],
+                                       buffer=str(tmp_path / "buf-own"), curate="grpo", cfg=cfg)
+        diff, rel = param_gap(vanilla, own, before)
+        print(f"with std + 1e-6: max |dparam| {diff:.3e}, relative to the largest update {rel:.3e}")
+        assert rel > 0.1
 
 
 def first_loss(cls, model_dir, out, funcs, **extra):
@@ -238,3 +281,127 @@ def test_readme_snippet_runs(untrained_tiny, tmp_path, monkeypatch):  # noqa: F8
         sel = snap.arrow("selections").to_table().to_pylist()
         recipes = snap.arrow("curations").to_table(columns=["recipe"]).column("recipe").to_pylist()
     assert {s["rollout_id"] for s in sel} == {r["rollout_id"] for r in rows} and recipes == ["d3s"]
+
+
+def test_trl_resume_from_checkpoint_continues_the_run(untrained_tiny, tmp_path):  # noqa: F811
+    """resume_from_checkpoint with the same run_id: the steps continue from TRL's global_step (no
+    "rollout_id already in the buffer"), policy_version = step; resuming from an EARLIER checkpoint,
+    the batches the stopped run generated after it keep their steps, and the resumed ones follow."""
+    buf, out = str(tmp_path / "buf"), tmp_path / "out"
+    save = {"save_strategy": "steps", "save_steps": 1}
+    make(RollstoreGRPOTrainer, untrained_tiny, out, [parity], steps=2, buffer=buf, run_id="r",
+         curate="dapo", cfg=save).train()
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, out, [parity], steps=3, buffer=buf, run_id="r",
+              curate="dapo", cfg=save)
+    tr.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    rows = rollouts(buf)
+    assert sorted({(r["step"], r["policy_version"]) for r in rows}) == [(0, 0), (1, 1), (2, 2)]
+    assert len(rows) == 3 * 2 * G and tr.state.global_step == 3
+    # the run stopped after step 2 but a new process resumes from checkpoint-1: step 1's batch exists
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, out, [parity], steps=2, buffer=buf, run_id="r",
+              curate="dapo", cfg=save)
+    tr.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    rows = rollouts(buf)
+    assert sorted({(r["step"], r["policy_version"]) for r in rows}) == [(0, 0), (1, 1), (2, 2), (3, 1)]
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        audits = snap.arrow("curations").to_table(columns=["curation_id"]).num_rows
+    assert audits == 4  # one curation per recorded batch
+
+
+def sometimes(completions, completion_ids, prompts, **kw):
+    """A correctness reward that does not apply to the constant prompt (None there, as TRL allows)."""
+    return [None if p == CONSTANT else float(len(c) % 2 == 0) for p, c in zip(prompts, completion_ids)]
+
+
+sometimes.rollstore_correct = True
+
+
+def test_trl_none_correct_reward_is_dropped_and_warned(untrained_tiny, tmp_path, caplog):  # noqa: F811
+    """Documented difference from TRL (docs/trl.md): a row whose correct function returned None has no
+    verdict; curation drops it as `invalid` even under grpo (TRL would train on it with the other
+    rewards), and the plug-in says so once."""
+    buf = str(tmp_path / "buf")
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [sometimes, shaping], steps=1,
+              buffer=buf, run_id="n", curate="grpo")
+    seen = {}
+    original = tr._compute_loss
+
+    def spy(model, inputs):
+        seen["inputs"] = inputs
+        return original(model, inputs)
+
+    tr._compute_loss = spy
+    with caplog.at_level("WARNING", logger="rollstore.trl"):
+        tr.train()
+    rows = {r["rollout_id"]: r for r in rollouts(buf)}
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        sel = snap.arrow("selections").to_table().to_pylist()
+    none_rows = [r for r in rows.values() if r["prompt"] == CONSTANT]
+    assert len(none_rows) == G and all(r["correct"] is None and r["reward"] > 0 for r in none_rows)
+    reasons = {s["rollout_id"]: s["reason"] for s in sel}
+    assert {reasons[r["rollout_id"]] for r in none_rows} == {"invalid"}
+    assert {reasons[rid] for rid, r in rows.items() if r["prompt"] != CONSTANT} == {"selected"}
+    mask = seen["inputs"]["completion_mask"] * seen["inputs"]["tool_mask"]
+    assert int((mask.sum(-1) == 0).sum()) == G
+    assert sum("have no verdict" in rec.getMessage() for rec in caplog.records) == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trl_accelerate_two_processes_record_and_curate_once(untrained_tiny, tmp_path):  # noqa: F811
+    """`accelerate launch --num_processes 2` on CPU (gloo; tests/trl_ranks_script.py): every completion of
+    every process recorded exactly once, one shard and one curation (one audit) per generation batch
+    over both processes' rows (groups straddle the processes), the same decisions on both processes,
+    and the advantages TRL trains with are the group advantages over the whole batch."""
+    import subprocess
+    import sys
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_ranks_script.py")
+    buf, out = str(tmp_path / "buf"), tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+                          script, untrained_tiny, buf, str(out), "dapo"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["processes"], r["backend"]) for r in ranks] == [(0, 2, "gloo"), (1, 2, "gloo")]
+    assert ranks[0]["run_id"] == ranks[1]["run_id"] == "ranks"
+    rows = {r["rollout_id"]: r for r in rollouts(buf)}
+    with Buffer.open(buf) as b, b.snapshot() as snap:
+        sel = snap.arrow("selections").to_table().to_pylist()
+        curations = snap.arrow("curations").to_table(columns=["curation_id"]).column("curation_id").to_pylist()
+        curated = {c["rollout_id"]: c for c in snap.arrow("curated").to_table().to_pylist()}
+        shards = len(b.manifest.shards("rollouts"))
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == 2 and shards == 2
+    seen = []
+    for step in range(2):
+        batch = [ranks[0]["batches"][step], ranks[1]["batches"][step]]
+        ids = batch[0]["ids"] + batch[1]["ids"]
+        assert len(ids) == 12 and {rows[i]["step"] for i in ids} == {step}
+        seen += ids
+        # both processes count the same items: the curated tokens of the whole batch
+        kept = sum(sum(b["kept_tokens"]) for b in batch)
+        assert batch[0]["num_items"] == batch[1]["num_items"] == kept
+        for b in batch:
+            for rid, adv, k, comp in zip(b["ids"], b["advantages"], b["kept_tokens"], b["completion_ids"]):
+                assert rows[rid]["response_token_ids"] == comp  # the process's own completion, recorded
+                c = curated.get(rid)
+                assert k == (0 if c is None else sum(c["loss_mask"]))
+                trl_adv = json.loads(rows[rid]["meta"])["trl_advantage"]
+                assert adv == 0.0 if c is None else abs(adv - trl_adv) <= 1e-5 * max(1.0, abs(trl_adv))
+    assert sorted(seen) == sorted(rows) and len(seen) == len(set(seen)) == 24  # every completion exactly once
+    straddle = {}
+    for r in rows.values():
+        straddle.setdefault(r["group_id"], set()).add(json.loads(r["meta"])["trl_process"])
+    assert any(len(p) == 2 for p in straddle.values())  # a group split over the two processes is one group
+    assert ranks[0]["curations"] == ranks[1]["curations"] == curations and len(curations) == 2
+    assert len(sel) == 24 and {s["curation_id"] for s in sel} == set(curations)

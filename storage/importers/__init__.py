@@ -4,7 +4,9 @@ Each format module follows the writer of its project (cited in its docstring) an
 `import_file` turns them into one append.
 
 Invariants:
-- One file is one all-or-nothing append, validated by `Buffer.append_rollouts` like any import.
+- One file is one all-or-nothing append, validated by `Buffer.append_rollouts` like any import;
+  for prime-rl the unit is a step directory (all its rank files, `units`), so that a group split
+  over data-parallel ranks stays one group.
 - Rollout ids are content hashes: rows already in the buffer are dropped before the append, so
   importing the same file twice adds nothing (the second import reports 0 new rows).
 - What a conversion had to guess (retokenised text, groups rebuilt from order, ...) is written into
@@ -40,12 +42,29 @@ class ImportResult:
     lossy: list[str]
 
 
+def units(fmt: str, paths: list[str]) -> list[str]:
+    """What to import, in order, once each: the paths themselves, except for prime-rl, where each
+    rank file stands for its step directory."""
+    if fmt != primerl.FORMAT:
+        return list(paths)
+    return list(dict.fromkeys(primerl.unit(p) for p in paths))
+
+
 def import_file(buf, path: str, fmt: str, codec: TextCodec | None, run_id: str | None = None,
-                compact: bool = False, correct_threshold: float | None = None) -> ImportResult:
+                compact: bool = False, correct_threshold: float | None = None,
+                rewards: str | dict | None = None) -> ImportResult:
+    """Convert and append one unit (`units`). `rewards` (prime-rl only): a `--rewards` JSONL path
+    or its loaded table (`primerl.load_rewards`)."""
     convert = FORMATS.get(fmt)
     if convert is None:
         raise ImportRefused(f"--from {fmt}: unknown format (one of {', '.join(FORMATS)})")
-    rows = convert(path, codec, run_id or fmt)
+    if rewards is not None:
+        if fmt != primerl.FORMAT:
+            raise ImportRefused(f"--rewards is for --from {primerl.FORMAT} (the {fmt} dump holds its rewards)")
+        table = primerl.load_rewards(rewards) if isinstance(rewards, str) else rewards
+        rows = primerl.convert(path, codec, run_id or fmt, rewards=table)
+    else:
+        rows = convert(path, codec, run_id or fmt)
     if correct_threshold is not None:
         derive_correct(rows, correct_threshold)
     table = rows.table()

@@ -4,6 +4,11 @@ Invariants:
 - Only local directories are read (no network); transformers and torch are imported lazily, so
   the token formats that need no model never load torch.
 - Encoding adds no special tokens: a dump's text is the model's text, templates included.
+- `chat(messages)` renders a conversation with the tokenizer's own chat template and the generation
+  prompt added (as TRL renders a conversational prompt), `chat_ids(messages)` tokenises it the way
+  TRL does (`apply_chat_template(tokenize=True)`); both absent when the tokenizer has none.
+  `encode_prompt(text)` adds the tokenizer's special tokens, as TRL's `processing_class(text=...)`
+  does for a text prompt.
 - `score(prompt_ids, response_ids)` returns one log-probability (<= 0) per response token, from one
   teacher-forced forward pass of the model in float32 on the CPU; the model loads on first use.
 - A prompt with no tokens cannot be scored (nothing predicts the first response token): refused.
@@ -33,6 +38,18 @@ def load_codec(tokenizer_dir: str | None, score_model_dir: str | None = None) ->
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
 
+    def encode_prompt(text: str) -> list[int]:
+        return list(tok(text)["input_ids"])
+
+    chat = chat_ids = None
+    if getattr(tok, "chat_template", None):
+        def chat(messages: list[dict]) -> str:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        def chat_ids(messages: list[dict]) -> list[int]:
+            out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+            return list(out["input_ids"])
+
     score = None
     name = ""
     if score_model_dir is not None:
@@ -40,7 +57,7 @@ def load_codec(tokenizer_dir: str | None, score_model_dir: str | None = None) ->
             raise ImportRefused(f"--score-model {score_model_dir}: not a directory")
         score = _scorer(score_model_dir)
         name = os.path.basename(os.path.normpath(score_model_dir))
-    return TextCodec(encode, decode, tok.eos_token_id, score, name)
+    return TextCodec(encode, decode, tok.eos_token_id, score, name, chat, encode_prompt, chat_ids)
 
 
 def _scorer(model_dir: str):

@@ -8,7 +8,10 @@ Invariants:
 - Every lossy step an importer takes is named in `Rows.lossy` and written into each row's `meta`
   JSON (`meta.import.lossy`), so it travels with the shard and is queryable with SQL.
 - A required field the format lacks is refused with one line naming the format, the file and the
-  field (`missing`), before anything is written.
+  field (`missing`), before anything is written. A value of the wrong kind is refused with one line
+  naming the format, the file, the line (JSONL) or row (Parquet, 0-based) and the field (`bad`);
+  a file without a single row is refused as empty (`empty`). No importer lets a Python exception
+  (TypeError, KeyError, ...) reach the user.
 """
 
 from __future__ import annotations
@@ -37,6 +40,51 @@ def missing(fmt: str, path: str, name: str, hint: str = "") -> ImportRefused:
     return ImportRefused(f"{fmt}: {path}: missing required field {name!r}{extra}")
 
 
+def bad(fmt: str, path: str, where: str, name: str, problem: str) -> ImportRefused:
+    """The one-line refusal for one value: `where` is "line N" (JSONL) or "row N" (Parquet)."""
+    return ImportRefused(f"{fmt}: {path}: {where}: field {name!r}: {problem}")
+
+
+def empty(fmt: str, path: str) -> ImportRefused:
+    """The one-line refusal for a dump without a single row."""
+    return ImportRefused(f"{fmt}: {path}: the file is empty (no rows to import)")
+
+
+def kind(value, limit: int = 60) -> str:
+    """A short description of a value for a refusal: its JSON-ish type and a clipped repr."""
+    name = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    text = repr(value)
+    return f"{name} {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def int_list(fmt: str, path: str, where: str, name: str, value) -> list[int]:
+    """`value` as a list of token ids, or a refusal naming the field."""
+    if not isinstance(value, list) or not value:
+        raise bad(fmt, path, where, name, f"expected a non-empty list of token ids, got {kind(value)}")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise bad(fmt, path, where, name, f"expected non-negative integer token ids, found {kind(v)}")
+    return value
+
+
+def float_list(fmt: str, path: str, where: str, name: str, value, n: int) -> list:
+    """`value` as a list of at least `n` numbers (nulls allowed: the writers turn NaN into null)."""
+    if not isinstance(value, list) or len(value) < n:
+        got = f"{len(value)} values" if isinstance(value, list) else kind(value)
+        raise bad(fmt, path, where, name, f"expected a list of at least {n} numbers, got {got}")
+    for v in value[:n]:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise bad(fmt, path, where, name, f"expected numbers, found {kind(v)}")
+    return value
+
+
+def number(fmt: str, path: str, where: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise bad(fmt, path, where, name, f"expected a number, got {kind(value)}")
+    return float(value)
+
+
 def stable_id(*parts) -> str:
     """A 32-hex-digit id from the JSON of `parts` (deterministic across runs and hosts)."""
     blob = json.dumps(parts, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
@@ -46,6 +94,13 @@ def stable_id(*parts) -> str:
 def file_time(path: str) -> dt.datetime:
     """The file's modification time (UTC): the nearest thing to a creation time these dumps have."""
     return dt.datetime.fromtimestamp(os.stat(path).st_mtime, tz=dt.timezone.utc)
+
+
+def groups_by_key(keys: Sequence) -> list[int]:
+    """Group index per row: rows with equal keys form one group wherever they are in the file
+    (for writers that reorder rows, e.g. verl's `balance_batch`, or split them over files)."""
+    order: dict = {}
+    return [order.setdefault(k, len(order)) for k in keys]
 
 
 def groups_from_order(keys: Sequence) -> list[int]:
@@ -70,6 +125,13 @@ class TextCodec:
     eos_id: int | None
     score: Callable[[list[int], list[int]], list[float]] | None = None
     name: str = ""
+    # messages -> the prompt text the model saw (the tokenizer's chat template, generation prompt
+    # added); None when the tokenizer has no chat template
+    chat: Callable[[list[dict]], str] | None = None
+    # how a trainer that tokenises a text prompt itself (TRL: `processing_class(text=...)`) encodes it:
+    # special tokens added (e.g. BOS); and a conversation's ids from the chat template. None: `encode`
+    encode_prompt: Callable[[str], list[int]] | None = None
+    chat_ids: Callable[[list[dict]], list[int]] | None = None
 
 
 @dataclass

@@ -14,10 +14,13 @@ from __future__ import annotations
 from .common import Rows, TextCodec, missing, score_or_refuse
 
 
-def fill_text(rows: Rows, codec: TextCodec | None, prompts: list[str], responses: list[str]) -> None:
+def fill_text(rows: Rows, codec: TextCodec | None, prompts: list[str], responses: list[str],
+              prompt_ids: list[list[int]] | None = None) -> None:
+    """`prompt_ids`: the prompts' ids when the importer tokenises them the way its trainer does
+    (TRL); else each prompt is encoded without special tokens."""
     if codec is None:
         raise missing(rows.fmt, rows.path, "prompt_token_ids", "the format holds text only; pass --tokenizer DIR")
-    p_ids = [codec.encode(p) for p in prompts]
+    p_ids = prompt_ids if prompt_ids is not None else [codec.encode(p) for p in prompts]
     r_ids = [codec.encode(r) for r in responses]
     rows.note("prompt_token_ids and response_token_ids retokenised from text")
     rows.set("prompt", prompts)

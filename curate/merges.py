@@ -1,0 +1,105 @@
+"""The registered merges of GLOBAL plan steps: how the partial results of one step combine.
+
+A GLOBAL step needs the whole batch. An engine runs it over each part it holds (the embedded engine
+has one part: the whole session; the Dask engine one per partition or input shard), collects the
+partial results, and hands them to the step's merge, named in the plan (`Step.merge`). The merge
+returns the $values the later steps bind (μ, the bucket, the token threshold, ...) or raises the
+run's error. A new GLOBAL step with an existing merge needs no engine code.
+
+Two merges are not combinations of partials:
+- `whole`: the step runs once over every candidate's narrow row (the embedded session; on Dask the
+  client or one task that loads them all); its result is kept under `Step.result`.
+- `custom`: a custom recipe's SELECT, embedded engine only.
+
+Invariants:
+- Every combination is exact: integer counts add, the first missing id is the minimum, the token
+  threshold is taken from the heads of its bucket (`curate.tokens`). So any split of the batch into
+  parts gives the same values.
+- `MERGES` names every merge a plan may use; both engines dispatch through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .params import CurationError
+from .tokens import check_exact, mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
+
+
+def mu_of(counts: list[tuple[int, int]]) -> float | None:
+    """μ = Σk / Σn over the partitions' (k, n) counts (None when Σn = 0)."""
+    k = sum(int(c[0] or 0) for c in counts)
+    n = sum(int(c[1] or 0) for c in counts)
+    return k / n if n else None
+
+
+def _rows(partials: list) -> list[tuple]:
+    return [row for part in partials for row in part]
+
+
+def _nonempty(partials: list, values: dict) -> dict:
+    n = sum(int(r[0]) for r in _rows(partials))
+    if n == 0:
+        raise CurationError(f"empty batch: no rollouts match where = {values['where_text']}")
+    return {"batch_size": n}
+
+
+def _one_run(partials: list, values: dict) -> dict:
+    runs = sorted({str(r[0]) for r in _rows(partials)})
+    if len(runs) > 1:
+        shown = ", ".join(repr(r) for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
+        raise CurationError(f"parameter replay: the batch holds rows of {len(runs)} runs ({shown}); replay draws "
+                            "on the batch's own run, so narrow `where` to one run_id")
+    return {}
+
+
+def _mu(partials: list, values: dict) -> dict:
+    return {"mu": mu_of(_rows(partials))}
+
+
+def _first_missing(partials: list, values: dict) -> dict:
+    missing = sorted(str(r[0]) for r in _rows(partials))
+    if missing:
+        raise missing_entropies_error(missing[0], values["token_mode"])
+    return {}
+
+
+def _histogram(partials: list, values: dict) -> dict:
+    found = pick_bucket(merge_histograms([[(int(b), int(n)) for b, n in p] for p in partials]), values["token_budget"])
+    if found is None:
+        return {"bucket": None, "n": 0, **mask_values(None)}
+    bucket, offset = found
+    return {"bucket": bucket, "n": offset + 1}
+
+
+def _heads(partials: list, values: dict) -> dict:
+    threshold = threshold_of(partials, values["n"] - 1)
+    return {**mask_values(threshold), "threshold": threshold}
+
+
+def _kept(partials: list, values: dict) -> dict:
+    total = sum(int(r[0]) for r in _rows(partials))
+    if values.get("token_budget") is not None:
+        check_exact(values["token_budget"], total)
+    return {"tokens_kept": total}
+
+
+@dataclass(frozen=True)
+class Merge:
+    combine: Callable[[list, dict], dict] | None  # None: the step runs once over the whole batch
+    arrow: bool = False  # partials are Arrow tables (else lists of rows)
+    runs: Callable[[dict], bool] = lambda values: True  # False: nothing to do (the step is skipped)
+
+
+MERGES: dict[str, Merge] = {
+    "nonempty": Merge(_nonempty),
+    "one_run": Merge(_one_run),
+    "mu": Merge(_mu),
+    "first_missing": Merge(_first_missing),
+    "histogram": Merge(_histogram),
+    "heads": Merge(_heads, arrow=True, runs=lambda values: values.get("bucket") is not None),
+    "kept": Merge(_kept),
+    "whole": Merge(None, arrow=True),
+    "custom": Merge(None),
+}

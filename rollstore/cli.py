@@ -236,8 +236,8 @@ def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an 
         err.print(f"note: retired shards are left for the next gc: the manifest cannot be written "
                   f"({r.retired_skipped})", highlight=False, markup=False)
     if r.data_dirs_skipped:
-        err.print("note: writers were committing throughout; orphans under the data folders are left "
-                  "for the next gc", highlight=False)
+        err.print("note: orphans under the data folders are left for the next gc (writers held the "
+                  "writers' lock throughout, or it could not be opened)", highlight=False)
 
 
 @app.command()

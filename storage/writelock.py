@@ -50,8 +50,13 @@ def writing(root: str) -> Iterator[None]:
 
 @contextmanager
 def collecting(root: str, wait_s: float = 30.0) -> Iterator[bool]:
-    """Hold the writers' lock exclusively; yields True, or False if writers kept it for `wait_s`."""
-    fd = _open(root)
+    """Hold the writers' lock exclusively; yields True, or False if writers kept it for `wait_s`
+    (or the lock file cannot be created: a full disk; then gc leaves the data folders alone)."""
+    try:
+        fd = _open(root)
+    except OSError:
+        yield False
+        return
     try:
         deadline = time.monotonic() + wait_s
         while True:

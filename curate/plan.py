@@ -89,9 +89,6 @@ class Plan:
     def phase(self, name: str) -> list[Step]:
         return [s for s in self.steps if s.phase == name]
 
-    def step(self, sql: str) -> Step | None:
-        return next((s for s in self.steps if s.sql == sql), None)
-
     @property
     def token_stage(self) -> bool:
         return self.params["token"] != "none"

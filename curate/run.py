@@ -42,7 +42,6 @@ from .output import (
     part_name,
     publish,
     rows_per_shard,
-    sorted_by_rollout,
     summarise,
     token_values,
 )

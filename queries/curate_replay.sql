@@ -5,7 +5,8 @@
 --   $replay_mode 'groups' (POPO-style): Z = the fresh groups with p ∈ {0, 1} (zero variance, judged on
 --     `correct`). Up to |Z| effective window groups (0 < k < G and some advantage ≠ 0) enter whole —
 --     every eligible row — ranked by priority = population std of the group's rewards · decay,
---     desc, then group_id asc.
+--     rounded to float32 (the float64 std depends on row order in its last bits), desc, then
+--     group_id asc.
 --   $replay_mode 'rollouts': up to $replay_count window rows with |advantage_raw| > 0 (every fresh
 --     row in the pool when $replay_count is null), ranked by |advantage_raw| · decay desc, then
 --     rollout_id asc.
@@ -28,7 +29,7 @@ fresh_pool AS (
 ),
 group_priority AS (
     SELECT group_id,
-           stddev_pop(reward::DOUBLE) * any_value(decay) AS priority,
+           (stddev_pop(reward::DOUBLE) * any_value(decay))::FLOAT AS priority,  -- float32: row order cannot split ties
            any_value(g_correct) AS k, any_value(group_size) AS g,
            max(abs(advantage_raw)) AS top_adv
     FROM window_rows

@@ -614,7 +614,7 @@ def reference_replay_curate(snapshot_rows: list[dict], batch_ids: set[str], para
             if not (0 < st["k"] < st["G"]) or all(wide(advantage[r["rollout_id"]]) == 0 for r in members):
                 continue
             rewards = [float(f32(r["reward"])) for r in members]
-            priority = float(np.std(np.array(rewards, np.float64))) * decayed(members[0])
+            priority = float(f32(float(np.std(np.array(rewards, np.float64))) * decayed(members[0])))
             ranked.append((-priority, gid.encode(), gid))
         ranked.sort()
         keep = {gid for _, _, gid in ranked[:len(zero)]}

@@ -98,16 +98,35 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = True) -> tuple[T
     return logp, entropy
 
 
-def proximal_logprobs(model, batch: Batch, current_version: int) -> Tensor:
+def proximal_logprobs(model, batch: Batch, current_version: int, whole: bool = False) -> Tensor:
     """π_prox of the decoupled objective for `batch`: the model's log-probs now (no grad) for the
     rows sampled before `current_version` (lagged), their stored old log-probs for the others (so
-    a row with no lag has exactly today's loss). Only lagged rows are run through the model."""
+    a row with no lag has exactly today's loss). Only lagged rows are run through the model, unless
+    `whole` (under torch.distributed every rank runs one forward per pass, whatever its rows)."""
     lagged = batch.policy_version < current_version
     prox = batch.old_logprobs.clone()
-    if bool(lagged.any()):
+    if whole or bool(lagged.any()):
         with torch.no_grad():
-            logp, _ = response_logprobs(model, batch.rows(lagged), with_entropy=False)
-        prox[lagged] = logp.float()
+            logp, _ = response_logprobs(model, batch if whole else batch.rows(lagged), with_entropy=False)
+        prox[lagged] = (logp[lagged] if whole else logp).float()
+    return prox
+
+
+def _proximal(model, part, micro: list[Batch], current: int, dist: Dist, device) -> list[Tensor | None]:
+    """π_prox of each micro-batch of one optimiser step (None where no row is lagged). Under
+    torch.distributed the forwards are collectives (FSDP2 gathers the weights, DDP may broadcast
+    buffers): when any rank has a lagged row, every rank runs one forward per pass of the step,
+    the zero-loss passes included, so that the collectives line up."""
+    lagged = any(bool((b.policy_version < current).any()) for b in micro)
+    if dist.active:
+        lagged = dist.sum([float(lagged)])[0] > 0
+    if not lagged:
+        return [None] * len(micro)
+    prox = [proximal_logprobs(model, b, current, whole=dist.active) for b in micro]
+    if dist.active:
+        for _ in range(part.passes - len(micro)):
+            with torch.no_grad():
+                response_logprobs(model, part.filler.to(device), with_entropy=False)
     return prox
 
 
@@ -183,7 +202,7 @@ def train_on_curation(
                 lr = float(optimizer.param_groups[0]["lr"])
                 # π_prox: the weights at the start of this optimiser step, before its first backward
                 clock.lap("other")
-                prox = ([proximal_logprobs(model, b, current) for b in micro] if loss_config.decoupled
+                prox = (_proximal(model, part, micro, current, dist, device) if loss_config.decoupled
                         else [None] * len(micro))
                 clock.lap("proximal")
                 optimizer.zero_grad(set_to_none=True)

@@ -190,8 +190,8 @@ def test_lagged_rows_are_scored_by_the_weights_at_the_start_of_the_step(buf, mon
     seen, prox_rows = [], []
     original = trainer.proximal_logprobs
 
-    def spy(m, batch, current):
-        out = original(m, batch, current)
+    def spy(m, batch, current, whole=False):
+        out = original(m, batch, current, whole)
         lagged = batch.policy_version < current
         prox_rows.append(sorted(r for r, lag in zip(batch.rollout_ids, lagged.tolist()) if lag))
         with torch.no_grad():

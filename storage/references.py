@@ -64,8 +64,8 @@ def runs_to_mask(runs: pa.ChunkedArray | pa.Array, tokens: np.ndarray) -> pa.Arr
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(mask, pa.bool_()))
 
 
-def _rows_of(path: str, positions: np.ndarray, source: str) -> pa.Table:
-    """Rows `positions` of one rollouts shard (RESOLVED_COLUMNS), reading only their row groups."""
+def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COLUMNS) -> pa.Table:
+    """Rows `positions` of one rollouts shard (`columns`), reading only their row groups."""
     pf = pq.ParquetFile(path)
     sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)], np.int64)
     ends = np.cumsum(sizes)
@@ -77,7 +77,7 @@ def _rows_of(path: str, positions: np.ndarray, source: str) -> pa.Table:
     starts_in_read = np.zeros(len(sizes), np.int64)
     starts_in_read[needed] = np.concatenate([[0], np.cumsum(sizes[needed])[:-1]])
     local = positions - (ends[groups] - sizes[groups]) + starts_in_read[groups]
-    table = pf.read_row_groups([int(g) for g in needed], columns=list(RESOLVED_COLUMNS))
+    table = pf.read_row_groups([int(g) for g in needed], columns=list(columns))
     return table.take(pa.array(local))
 
 
@@ -170,3 +170,28 @@ def referenced_shards(paths: Sequence[str]) -> set[str]:
         if is_thin(pf.schema_arrow):
             found.update(pc.unique(pf.read(columns=["rollouts_shard"]).column("rollouts_shard")).to_pylist())
     return found
+
+
+def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str) -> str | None:
+    """The first problem of references `refs` (a shard not live, a row out of range, another
+    rollout_id at the position), or None. Reads only the rollout_id column of the row groups that
+    hold a referenced row."""
+    live_set = set(live)
+    shards = refs.column("rollouts_shard").combine_chunks().dictionary_encode()
+    codes = shards.indices.to_numpy(zero_copy_only=False)
+    positions = refs.column("rollouts_row").to_numpy().astype(np.int64)
+    wanted = refs.column("rollout_id").combine_chunks()
+    for k, rel in enumerate(shards.dictionary.to_pylist()):
+        if rel not in live_set or not os.path.exists(os.path.join(root, rel)):
+            return f"{source}: refers to rollouts shard {rel}, which is not live (quarantined or removed)"
+        where = np.flatnonzero(codes == k)
+        try:
+            found = _rows_of(os.path.join(root, rel), positions[where], source, ("rollout_id",)).column("rollout_id")
+        except UnresolvedReference as exc:
+            return str(exc)
+        bad = pc.invert(pc.equal(wanted.take(pa.array(where)), found))
+        if pc.any(bad).as_py():
+            i = int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+            return (f"{source}: row {int(positions[where[i]])} of rollouts shard {rel} holds rollout_id="
+                    f"{found[i].as_py()!r}, the reference says {wanted[int(where[i])].as_py()!r}")
+    return None

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from .errors import ManifestError
 from .manifest import Manifest, Shard
-from .schema import TABLES
+from .references import is_thin
+from .schema import CURATED, TABLES
 from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
@@ -121,7 +123,7 @@ class Snapshot:
         """Create a view per table (named as the table) over this snapshot's files, after checking
         that every file is there with its recorded size."""
         self.check_present(tables)
-        _register_duckdb(con, self.files, tables)
+        _register_duckdb(con, self.files, tables, self.root)
 
     def frozen(self) -> "SnapshotFiles":
         """This snapshot's file lists as a plain, picklable value (for processes that must not open
@@ -142,22 +144,58 @@ class SnapshotFiles:
         return list(self.listing[table])
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
-        _register_duckdb(con, self.files, tables)
+        _register_duckdb(con, self.files, tables, self.root)
 
 
-def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None) -> None:
+def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None, root: str) -> None:
     """Views by name; columns are matched by name, since a table may gain columns (shards written
-    before a column was added read it as null)."""
+    before a column was added read it as null). `curated` shows the resolved columns (`CURATED`):
+    thin shards joined to their rollouts rows, materialised ones as stored (`curated_view`)."""
     for name in tables or list(TABLES):
         files = files_of(name)
-        if files:
+        if name == "curated" and files:
+            con.execute(f"CREATE OR REPLACE VIEW curated AS {curated_view(files, files_of('rollouts'), root)}")
+        elif files:
             listing = ", ".join(sql_string(f) for f in files)
             con.execute(
                 f"CREATE OR REPLACE VIEW {name} AS "
                 f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)"
             )
         else:
-            empty = pa.Table.from_batches([], schema=TABLES[name])
+            empty = pa.Table.from_batches([], schema=CURATED if name == "curated" else TABLES[name])
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
             con.unregister(f"_empty_{name}")
+
+
+def curated_view(curated: list[str], rollouts: list[str], root: str) -> str:
+    """The SELECT of the `curated` view (the `CURATED` columns): thin shards' references joined to
+    the snapshot's rollouts rows by (file, row position), the rollout_id checked by the join; kept
+    runs expanded to the loss mask; materialised (version 1) shards as stored."""
+    thin, full = [], []
+    for path in curated:
+        (thin if is_thin(pq.read_schema(path)) else full).append(path)
+    selects = []
+    if thin:
+        refs = ", ".join(sql_string(f) for f in thin)
+        shards = ", ".join(sql_string(f) for f in rollouts) if rollouts else None
+        prefix = sql_string(os.path.join(root, ""))
+        rows = (f"read_parquet([{shards}], filename = true, file_row_number = true, hive_partitioning = false, "
+                "union_by_name = true)" if shards else
+                "(SELECT NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number, NULL::VARCHAR AS rollout_id, "
+                "NULL::INTEGER[] AS prompt_token_ids, NULL::INTEGER[] AS response_token_ids, "
+                "NULL::FLOAT[] AS gen_logprobs, NULL::FLOAT[] AS old_logprobs WHERE false)")
+        selects.append(
+            "SELECT c.curation_id, c.rollout_id, c.group_id, c.prompt_id, c.policy_version, "
+            "r.prompt_token_ids, r.response_token_ids, coalesce(r.old_logprobs, r.gen_logprobs) AS old_logprobs, "
+            "r.gen_logprobs, c.advantage, "
+            "list_transform(range(c.tokens), lambda i: len(list_filter(range(len(c.keep_runs) // 2), "
+            "lambda j: c.keep_runs[2 * j + 1] <= i AND i < c.keep_runs[2 * j + 2])) > 0) AS loss_mask, "
+            f"c.weight FROM read_parquet([{refs}], hive_partitioning = false) c "
+            f"JOIN {rows} r ON r.filename = {prefix} || c.rollouts_shard AND r.file_row_number = c.rollouts_row "
+            "AND r.rollout_id = c.rollout_id")
+    if full:
+        listing = ", ".join(sql_string(f) for f in full)
+        names = ", ".join(CURATED.names)
+        selects.append(f"SELECT {names} FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)")
+    return " UNION ALL ".join(selects)

@@ -189,9 +189,11 @@ def curated_view(curated: list[str], rollouts: list[str], root: str) -> str:
             "SELECT c.curation_id, c.rollout_id, c.group_id, c.prompt_id, c.policy_version, "
             "r.prompt_token_ids, r.response_token_ids, coalesce(r.old_logprobs, r.gen_logprobs) AS old_logprobs, "
             "r.gen_logprobs, c.advantage, "
-            "list_transform(range(c.tokens), lambda i: len(list_filter(range(len(c.keep_runs) // 2), "
-            "lambda j: c.keep_runs[2 * j + 1] <= i AND i < c.keep_runs[2 * j + 2])) > 0) AS loss_mask, "
-            f"c.weight FROM read_parquet([{refs}], hive_partitioning = false) c "
+            # segment k of the bounds [0, runs..., tokens] is kept when k is odd
+            "flatten(list_transform(range(len(c.bounds) - 1), lambda k: "
+            "list_resize([]::BOOLEAN[], c.bounds[k + 2] - c.bounds[k + 1], k % 2 = 1))) AS loss_mask, "
+            "c.weight FROM (SELECT *, list_concat([0], keep_runs, [tokens]) AS bounds "
+            f"FROM read_parquet([{refs}], hive_partitioning = false)) c "
             f"JOIN {rows} r ON r.filename = {prefix} || c.rollouts_shard AND r.file_row_number = c.rollouts_row "
             "AND r.rollout_id = c.rollout_id")
     if full:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from storage.buffer import Buffer, refuse_managed
 from storage.errors import RollstoreError
 from storage.references import read_curated_file
-from storage.schema import CURATED, SCHEMA_VERSION, TABLES
+from storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES
 
 
 @dataclass
@@ -80,7 +80,7 @@ def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
 
 def exported_schema(name: str) -> pa.Schema:
     """The schema of an exported table: curated rows materialised (`CURATED`), others as stored."""
-    return CURATED if name == "curated" else TABLES[name]
+    return READ_SCHEMAS[name]
 
 
 def _write_table(batches, name: str, folder: str) -> int:

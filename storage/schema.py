@@ -193,6 +193,10 @@ TABLES: dict[str, pa.Schema] = {
     "evaluations": EVALUATIONS,
 }
 
+# The schema readers see per table (the DuckDB views, `Snapshot.arrow`/`polars`, export): as
+# stored, except `curated`, which reads resolved.
+READ_SCHEMAS: dict[str, pa.Schema] = {**TABLES, "curated": CURATED}
+
 
 def stored_schema(table_name: str, schema: pa.Schema) -> pa.Schema:
     """The schema a shard of `table_name` is written with, given the table's own `schema`: a curated

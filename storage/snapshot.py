@@ -6,7 +6,8 @@ Invariants:
 - A snapshot older than the last seq whose retired shards `gc` deleted is refused, never read with
   shards missing.
 - Every table of `schema.TABLES` is readable, also when it has no shard yet (an empty relation of
-  the contract's schema).
+  the contract's schema). `curated` reads resolved (schema `CURATED`: thin shards' references
+  joined to the snapshot's live rollouts rows) in the DuckDB view, `arrow` and `polars`.
 - A pin is best-effort: when the manifest cannot be written (disk full) a snapshot still reads.
 - Files are handed to an engine only after a stat shows each exists with its recorded size (a
   deleted or truncated shard is one error line); `verify` also checks sha256 (storage.verify).
@@ -25,8 +26,8 @@ import pyarrow.parquet as pq
 
 from .errors import ManifestError
 from .manifest import Manifest, Shard
-from .references import is_thin
-from .schema import CURATED, TABLES
+from .references import is_thin, read_curated_file
+from .schema import CURATED, READ_SCHEMAS, TABLES
 from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
@@ -92,15 +93,27 @@ class Snapshot:
     def rows(self, table: str) -> int:
         return sum(s.rows for s in self._shards[table])
 
-    def arrow(self, table: str) -> ds.Dataset:
+    def arrow(self, table: str, resolved: bool = True) -> ds.Dataset:
+        """A dataset of `table`'s rows. `curated` comes resolved (schema `CURATED`: references
+        joined to the rollouts rows, in memory) unless `resolved=False` (the stored references)."""
         files = self.files(table)
+        if table == "curated" and resolved:
+            return ds.dataset(self.curated())
         if not files:
             return ds.dataset(pa.Table.from_batches([], schema=TABLES[table]))
         return ds.dataset(files, schema=TABLES[table], format="parquet")
 
+    def curated(self) -> pa.Table:
+        """Every curated row of this snapshot, resolved (schema `CURATED`), in manifest order."""
+        live = [s.path for s in self._shards["rollouts"]]
+        tables = [read_curated_file(f, self.root, live) for f in self.files("curated")]
+        return pa.concat_tables(tables) if tables else CURATED.empty_table()
+
     def polars(self, table: str) -> "pl.LazyFrame":
         import polars as pl
 
+        if table == "curated":  # resolved, as `arrow`
+            return pl.from_arrow(self.curated()).lazy()
         files = self.files(table)
         if not files:
             return pl.from_arrow(pa.Table.from_batches([], schema=TABLES[table])).lazy()
@@ -162,7 +175,7 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
                 f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)"
             )
         else:
-            empty = pa.Table.from_batches([], schema=CURATED if name == "curated" else TABLES[name])
+            empty = pa.Table.from_batches([], schema=READ_SCHEMAS[name])
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
             con.unregister(f"_empty_{name}")

@@ -13,6 +13,7 @@ reported.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -78,8 +79,10 @@ def main() -> None:
         tokens = common.describe(base)["tokens"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    lines = [f"### Thin curated shards: before/after (`python -m bench.thin_curated --before <main> --tokens "
-             f"{a.tokens} --shard-tokens {a.shard_tokens} --recipe {a.recipe} --repeat {a.repeat}`)", "",
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    lines = [f"### Thin curated shards: before and after — {when}", "",
+             f"`python -m bench.thin_curated --before <main's tree> --tokens {a.tokens} --shard-tokens "
+             f"{a.shard_tokens} --recipe {a.recipe} --progress {a.progress} --repeat {a.repeat}`", "",
              f"{tokens:,} response tokens, {a.recipe} (progress {a.progress}), {a.repeat} alternating rounds "
              "per tree on one host, fresh copy of one buffer per run; fastest round of each tree "
              "(every round's full ÷ dry in brackets).", "",

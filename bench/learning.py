@@ -59,6 +59,9 @@ CONFIGS: list[tuple[str, str, dict[str, str]]] = [
     ("replay-groups", "replay-groups", {}),
     ("replay-rollouts", "replay-rollouts", {}),
     ("replay-d3s", "replay-d3s", {}),
+    # more reuse: window 3, each rollout at most 3 times, up to 2 replayed rows per fresh row
+    ("replay-rollouts-x3", "replay-rollouts-x3", {}),  # = replay-rollouts with window 3, 3 uses, 1024 rows
+    ("replay-window-x3", "replay-window", {"replay_window": "2", "replay_max_uses": "3"}),
 ]
 SPLITS = {"train": ("builtin:arith", "heldout"), "harder": ("builtin:arith:harder", "heldout-harder")}
 

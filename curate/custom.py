@@ -41,6 +41,10 @@ def choose_custom(session: Session, statement: str) -> None:
     records it in `work`)."""
     result: pa.Table = session.run_user_sql(statement, timeout=None)
     cols = result.column_names
+    twice = sorted({c for c in cols if cols.count(c) > 1})
+    if twice:
+        raise CustomRecipeError(f"custom recipe: the result has column {twice[0]!r} {cols.count(twice[0])} times "
+                                "(give each column once)")
     for need in ("rollout_id", "advantage"):
         if need not in cols:
             raise CustomRecipeError(f"custom recipe: the result has no column {need!r} (columns: {', '.join(cols)})")

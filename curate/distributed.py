@@ -21,7 +21,8 @@ Invariants:
     and a task re-declares the views of earlier steps (`_views_before`);
   - curated shards are cut exactly as the embedded engine cuts them (`output.part_layout`), one
     task per output shard, with the client's row-group sizing, so the worker's host does not
-    change the bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<run>/.
+    change the bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<host>-<pid>-<hex>/
+    (named for the client: gc keeps it while the client lives).
 - Nothing is visible until the client links every file into place and commits them with the
   record in ONE `Buffer.commit`. On any failure (a lost worker past Dask's retries, an interrupt,
   an error) the run folder is removed and nothing is committed. Tasks are pure functions of their
@@ -50,6 +51,7 @@ import pyarrow.parquet as pq
 
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part, WrittenPart, token_count
+from storage.owners import owned_name
 from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS, TABLES
 from storage.shardio import READ_THREADS, write_tmp
 from storage.snapshot import SnapshotFiles, sql_string
@@ -128,7 +130,7 @@ class _TaskSession(Session):
         self.snapshot = None
         self.root = ctx.files.root
         self.con = duckdb.connect(":memory:")
-        self.spill_dir = os.path.join(self.root, "tmp", f"duckdb-{uuid.uuid4().hex[:12]}")
+        self.spill_dir = os.path.join(self.root, "tmp", owned_name("duckdb"))
         self.con.execute(f"SET memory_limit={sql_string(ctx.memory_limit)}")
         self.con.execute(f"SET temp_directory={sql_string(self.spill_dir)}")
         self.con.execute("SET preserve_insertion_order=false")
@@ -449,7 +451,7 @@ def curate_dask(
                 raise CurationError(f"Dask worker {address} runs duckdb/pyarrow {'/'.join(theirs)}, the client "
                                     f"{'/'.join(mine)}: every process must run the same versions")
         run = uuid.uuid4().hex[:12]
-        folder = os.path.join("tmp", f"curate-{run}")
+        folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this client lives
         ctx = _Ctx(snap.frozen(), build(params, recipe), {}, partitions or 2 * len(versions), memory_limit,
                    threads or 1, folder, READ_THREADS, dict(_task_hooks or {}))
         job = _Run(client, ctx, run)

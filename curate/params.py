@@ -168,17 +168,53 @@ def builtin_recipes() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
+# The keys a recipe file may hold at its top level, and the type of each (`params` is a table
+# whose keys are parameter names, checked by `coerce`). Anything else is refused, naming the key.
+RECIPE_KEYS = {"name": str, "description": str, "params": dict, "sql": str, "sql_file": str}
+
+
 def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ParamError(f"{origin}: invalid TOML ({exc})") from None
-    presets = {k: coerce(k, v) for k, v in (data.get("params") or {}).items()}
+    for key, value in data.items():
+        kind = RECIPE_KEYS.get(key)
+        if kind is None:
+            what = "table" if isinstance(value, dict) else "key"
+            raise ParamError(f"{origin}: unknown {what} {key!r} (a recipe holds {', '.join(RECIPE_KEYS)}; "
+                             "parameters go under [params])")
+        if not isinstance(value, kind):
+            raise ParamError(f"{origin}: {key!r} must be a {'table' if kind is dict else 'string'}")
+    presets = {}
+    for k, v in data.get("params", {}).items():
+        try:
+            presets[k] = coerce(k, v)
+        except ParamError as exc:
+            raise ParamError(f"{origin}: [params] {exc}") from None
+    if "sql" in data and "sql_file" in data:
+        raise ParamError(f"{origin}: give either 'sql' or 'sql_file', not both")
     sql = data.get("sql")
-    if sql is None and data.get("sql_file"):
-        path = os.path.join(os.path.dirname(origin), data["sql_file"])
-        sql = open(path, encoding="utf-8").read()
+    if "sql_file" in data:
+        sql = _read_text(recipe_sql_path(origin, data["sql_file"]))
     return Recipe(data.get("name", name), data.get("description", ""), presets, sql)
+
+
+def recipe_sql_path(origin: str, sql_file: str) -> str:
+    """The file a recipe's `sql_file` names: a relative path ending in `.sql`, resolved against the
+    recipe file's folder and staying inside it (symlinks followed). Anything else is refused
+    before it is read, so no other file's text can reach an error message."""
+    if not sql_file.endswith(".sql"):
+        raise ParamError(f"{origin}: sql_file {sql_file!r} must name a .sql file")
+    if os.path.isabs(sql_file):
+        raise ParamError(f"{origin}: sql_file {sql_file!r} must be relative to the recipe's folder")
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(origin)))
+    path = os.path.realpath(os.path.join(folder, sql_file))
+    if os.path.commonpath([folder, path]) != folder:
+        raise ParamError(f"{origin}: sql_file {sql_file!r} leaves the recipe's folder")
+    if not os.path.isfile(path):
+        raise ParamError(f"{origin}: sql_file {sql_file!r} not found next to the recipe")
+    return path
 
 
 def _read_text(path: str) -> str:
@@ -193,6 +229,8 @@ def _read_text(path: str) -> str:
 
 def load_recipe(ref: str) -> Recipe:
     """A built-in name, a TOML recipe file, or a custom `.sql` file."""
+    if ref.endswith((".sql", ".toml")) and os.path.exists(ref) and not os.path.isfile(ref):
+        raise ParamError(f"{ref}: a recipe must be a regular file")  # never read a FIFO or a device
     if ref.endswith(".sql"):
         if not os.path.exists(ref):
             raise ParamError(f"{ref}: custom recipe SQL file not found")

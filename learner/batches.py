@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
+from storage.errors import RollstoreError
 from storage.references import read_curated_file
 from storage.schema import CURATED
 
@@ -92,6 +93,29 @@ def read_curated(paths: Sequence[str]) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+class CuratedDataError(RollstoreError, ValueError):
+    """A curated row the learner cannot train on (one line naming the file, the row and the column)."""
+
+
+def check_vocabulary(paths: Sequence[str], vocab_size: int) -> None:
+    """Refuse (one line naming the file, the rollout and the id) a token id at or above the model's
+    vocabulary size, before anything is trained or committed; an embedding lookup would fail
+    mid-training with an IndexError that says neither."""
+    for path in paths:
+        table = read_curated_file(str(path)).select(["rollout_id", "prompt_token_ids", "response_token_ids"])
+        for name in ("prompt_token_ids", "response_token_ids"):
+            col = table.column(name).combine_chunks()
+            flat = pc.list_flatten(col)
+            if len(flat) == 0 or pc.max(flat).as_py() < vocab_size:
+                continue
+            at = int(np.flatnonzero(np.asarray(pc.greater_equal(flat, vocab_size).to_numpy(zero_copy_only=False)))[0])
+            row = int(pc.list_parent_indices(col)[at].as_py())
+            rid = table.column("rollout_id")[row].as_py()
+            raise CuratedDataError(f"{path}: row rollout_id={rid!r}: column {name!r}: token id {flat[at].as_py()} "
+                                   f"is not below the model's vocabulary size {vocab_size}; train a model with a "
+                                   "larger vocabulary, or curate without these rows")
+
+
 def _check(table: pa.Table, source: str) -> None:
     n = pc.list_value_length(table.column("response_token_ids"))
     p = pc.list_value_length(table.column("prompt_token_ids"))
@@ -99,12 +123,12 @@ def _check(table: pa.Table, source: str) -> None:
     bad = pc.equal(p, 0)
     if pc.any(bad).as_py():
         rid = rids.filter(bad)[0].as_py()
-        raise ValueError(f"{source}: row rollout_id={rid!r}: column 'prompt_token_ids': empty prompt")
+        raise CuratedDataError(f"{source}: row rollout_id={rid!r}: column 'prompt_token_ids': empty prompt")
     for col in TOKEN_COLUMNS:
         bad = pc.not_equal(pc.list_value_length(table.column(col)), n)
         if pc.any(bad).as_py():
             rid = rids.filter(bad)[0].as_py()
-            raise ValueError(
+            raise CuratedDataError(
                 f"{source}: row rollout_id={rid!r}: column {col!r}: length differs from response_token_ids"
             )
 

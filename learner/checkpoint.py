@@ -34,7 +34,6 @@ import os
 import random
 import shutil
 import sqlite3
-import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -46,6 +45,7 @@ import torch
 from storage.shardio import fsync_dir
 from storage.buffer import Buffer, Part
 from storage.errors import RollstoreError
+from storage.owners import owned_name
 from storage.schema import CHECKPOINTS, TRAINING
 
 TRAINER_STATE = "trainer_state.pt"
@@ -237,7 +237,7 @@ def save_checkpoint(
         raise CheckpointError(f"checkpoint v{version}: a shard is listed twice in consumed")
     rel = f"checkpoints/v{version}"
     final = os.path.join(buf.root, rel)
-    tmp = os.path.join(buf.root, "tmp", f"ckpt-{uuid.uuid4().hex}")
+    tmp = os.path.join(buf.root, "tmp", owned_name("ckpt"))  # gc keeps it while we live
     ledger = {"version": version, "parent_version": parent_version, "run_id": run_id, "consumed": consumed}
     now = dt.datetime.now(dt.timezone.utc)
     row = {
@@ -275,7 +275,7 @@ def save_checkpoint(
         if lease is not None:
             _ack_in_transaction(buf, con, shards, *lease, now.timestamp())
         if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)
-            aside = os.path.join(buf.root, "tmp", f"orphan-{uuid.uuid4().hex}")
+            aside = os.path.join(buf.root, "tmp", owned_name("orphan"))
             os.rename(final, aside)
             moved_aside.append(aside)
         os.rename(tmp, final)

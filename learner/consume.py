@@ -10,6 +10,8 @@ Invariants:
 - Units go in manifest commit order (shard id), so an interrupted run resumed from its latest
   checkpoint (`resume`) trains exactly the units it had not published, in the same order, from
   the same optimizer / scheduler / RNG state: the result equals an uninterrupted run.
+- Every pending unit's token ids are checked against the model's vocabulary before the first unit
+  is trained: a row the model cannot embed is one line naming it, and nothing is published.
 - A unit is never trained twice into a run even if callers misuse this module: `save_checkpoint`
   refuses a shard already consumed by the run inside its commit transaction.
 - Under `torch.distributed` (`dist`), rank 0 decides (the pending units, each new version) and
@@ -28,6 +30,7 @@ from storage.buffer import Buffer
 from storage.manifest import Shard
 from storage.timing import Stopwatch
 
+from .batches import check_vocabulary
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -40,6 +43,14 @@ from .checkpoint import (
 )
 from .distributed import SINGLE, Dist, publishable
 from .trainer import train_on_curation
+
+
+def vocabulary_size(model) -> int | None:
+    """Rows of the model's input embedding (through a DDP/FSDP wrapper), or None if it has none."""
+    inner = getattr(model, "module", model)
+    get = getattr(inner, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    return getattr(emb, "num_embeddings", None)
 
 
 def shard_curation_id(shard: Shard) -> str:
@@ -127,6 +138,9 @@ def train_pending(
         todo = _units(pending_shards(buf, ledger, curation_ids, shards), per)
         if max_units is not None:
             todo = todo[:max_units]
+        vocab = vocabulary_size(model)
+        if vocab is not None:  # every unit checked before the first is trained and published
+            check_vocabulary([os.path.join(buf.root, s.path) for unit in todo for s in unit], vocab)
     todo = dist.broadcast(todo)
     published: list[Checkpoint] = []
     version, step = from_version, start_step

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -52,13 +53,21 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+MIN_MEMORY_LIMIT = 16 * 2**20  # below it DuckDB cannot run a query at all
+MAX_MEMORY_LIMIT = 2**50  # 1 PiB: beyond it DuckDB refuses the setting
+
+
 def parse_memory_limit(text: str) -> int:
-    """Bytes of a limit written like DuckDB's (`200MB`, `2GiB`, `1.5GB`); refuses anything else."""
+    """Bytes of a limit written like DuckDB's (`200MB`, `2GiB`, `1.5GB`), between 16 MiB and 1 PiB;
+    refuses anything else."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).upper() if m else ""
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise MemoryLimitError(f"memory limit {text!r}: expected a size such as 200MB, 2GB or 1GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if not MIN_MEMORY_LIMIT <= value <= MAX_MEMORY_LIMIT:
+        raise MemoryLimitError(f"memory limit {text!r}: must be between 16MiB and 1PiB")
+    return value
 
 
 class Session:
@@ -128,8 +137,12 @@ class Session:
 
     @contextmanager
     def deadline(self, timeout: float | None) -> Iterator[None]:
-        """Interrupt whatever runs on this connection after `timeout` seconds."""
-        if not timeout:
+        """Interrupt whatever runs on this connection after `timeout` seconds (None, 0: never).
+        A timeout must be a finite number ≥ 0; one beyond what a timer can wait
+        (`threading.TIMEOUT_MAX`) never fires, like no timeout."""
+        if timeout is not None and not (timeout >= 0 and math.isfinite(timeout)):
+            raise SqlTimeout(f"timeout {timeout!r}: expected a finite number of seconds ≥ 0")
+        if not timeout or timeout >= threading.TIMEOUT_MAX:
             yield
             return
         fired = threading.Event()

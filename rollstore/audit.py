@@ -205,6 +205,7 @@ def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out:
         raise RollstoreError("--compare and --rollout cannot be used together")
     with buf.snapshot(pin=True) as snap, Session(snap) as s:
         cid = curation_id or latest_curation(s)
+        record(s, cid)  # an unknown id is one line naming it, in every mode
         if compare is not None:
             audit_compare(s, cid, compare, fmt, out)
         elif rollout_id is not None:

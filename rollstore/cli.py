@@ -17,6 +17,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from rollstore.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
+                               seconds, seed as seed_, seq)
 from storage.errors import RollstoreError
 
 # transformers' own progress bars and notices would interleave with ours on stderr.
@@ -24,10 +26,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
                   pretty_exceptions_enable=False)
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+
+
+def _losses() -> tuple:
+    """The learner's loss names (read when a command that takes --loss is parsed; imports torch)."""
+    from learner.losses import LOSSES
+
+    return tuple(sorted(LOSSES))
 
 
 DEBUG = {"on": os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")}
@@ -67,6 +76,12 @@ def guarded(fn):
             fail(f"{exc.filename}: {exc.strerror}")
         except sqlite3.OperationalError as exc:
             fail(f"manifest: {one_line(str(exc))}")
+        except sqlite3.DatabaseError as exc:  # found damaged while reading (a corrupt page)
+            from storage.manifest import DAMAGED_ADVICE
+
+            where = kwargs.get("buffer")
+            where = os.path.join(where, "manifest.sqlite") if isinstance(where, str) else "manifest"
+            fail(f"{where}: damaged ({one_line(str(exc))}); {DAMAGED_ADVICE}")
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, typer.Exit):
             raise
         except Exception as exc:
@@ -80,7 +95,7 @@ def guarded(fn):
 
 def one_line(text: str) -> str:
     """The first line of `text`, clipped; escape anything that a terminal would interpret."""
-    text = " ".join(str(text).split()) or "no details"
+    text = " ".join(part.strip() for part in str(text).splitlines() if part.strip()) or "no details"
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= 500 else text[:497] + "..."
 
@@ -111,7 +126,7 @@ def import_(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="With --from: local tokenizer directory (retokenises text, decodes ids)."),
     score_model: Optional[str] = typer.Option(None, "--score-model", help="With --from a text format: local model directory that recomputes gen_logprobs."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="With --from: run_id of the imported rows (default: the format's name)."),
-    correct_threshold: Optional[float] = typer.Option(None, "--correct-threshold", help="With --from: where the format gives no verdict, correct = reward >= this (else null: curation counts the row invalid)."),
+    correct_threshold: Optional[float] = real(None, "--correct-threshold", help="With --from: where the format gives no verdict, correct = reward >= this (else null: curation counts the row invalid)."),
     rewards: Optional[str] = typer.Option(None, "--rewards", help="With --from prime-rl: JSONL of rewards for an export without them (docs/importers.md)."),
 ):
     """Append rollouts from files: one all-or-nothing append per file. With --from, convert another
@@ -152,7 +167,7 @@ def import_(
 def export(
     buffer: str,
     to: str = typer.Option(..., "--to", help="A new (or empty) directory for the Parquet dataset and its README card."),
-    snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to export (default: latest)."),
+    snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to export (default: latest)."),
 ):
     """Write a snapshot's tables as a plain Parquet dataset with a dataset card (README.md) that
     DuckDB, Polars, pandas and Hugging Face datasets open without rollstore."""
@@ -171,9 +186,9 @@ def sql(
     query: str = typer.Argument(..., help="SELECT statement(s) over the buffer's tables and views."),
     format: str = typer.Option("table", "--format", "-f", help="table|csv|json|parquet"),
     out_file: Optional[str] = typer.Option(None, "--out", "-o", help="Write the result to this file."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before the query is stopped."),
-    memory_limit: str = typer.Option("2GB", "--memory-limit"),
-    seq: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
+    timeout: float = seconds(60.0, "--timeout", zero="no limit", help="Seconds before the query is stopped (0: no limit)."),
+    memory_limit: str = memory("2GB", "--memory-limit"),
+    seq: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
 ):
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
     and time are bounded by --memory-limit and --timeout)."""
@@ -185,9 +200,9 @@ def sql(
     if format == "parquet" and not out_file:
         fail("--format parquet needs --out FILE")
     if out_file:
-        from storage.buffer import refuse_managed
+        from rollstore.outfile import check_output_file
 
-        refuse_managed(out_file)
+        check_output_file(out_file)
     with open_buffer(buffer) as buf, buf.snapshot(seq, pin=True) as snap:
         table = run_bounded(snap, query, timeout, memory_limit)
     write_result(table, format, out_file, out)
@@ -209,7 +224,7 @@ def info(buffer: str, format: str = typer.Option("table", "--format", "-f", help
 
 @app.command("gc")
 @guarded
-def gc_(buffer: str, grace: float = typer.Option(3600.0, "--grace", help="Seconds an orphan must be old before removal.")):
+def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an orphan must be old before removal.")):
     """Remove orphaned files (crashed writes) and files of compacted shards no snapshot needs."""
     from storage.maintenance import gc
 
@@ -217,6 +232,12 @@ def gc_(buffer: str, grace: float = typer.Option(3600.0, "--grace", help="Second
         r = gc(buf, grace)
     out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards and "
               f"{r.spill_dirs_removed} spill folders ({r.bytes_freed} bytes)")
+    if r.retired_skipped:
+        err.print(f"note: retired shards are left for the next gc: the manifest cannot be written "
+                  f"({r.retired_skipped})", highlight=False, markup=False)
+    if r.data_dirs_skipped:
+        err.print("note: orphans under the data folders are left for the next gc (writers held the "
+                  "writers' lock throughout, or it could not be opened)", highlight=False)
 
 
 @app.command()
@@ -256,8 +277,8 @@ def verify(
 def compact(
     buffer: str,
     table: str = typer.Option("rollouts", "--table"),
-    small_mb: float = typer.Option(16.0, "--small-mb", help="Shards smaller than this are merged."),
-    target_mb: float = typer.Option(128.0, "--target-mb", help="Size of merged shards."),
+    small_mb: float = positive(16.0, "--small-mb", high=2**40, help="Shards smaller than this are merged."),
+    target_mb: float = positive(128.0, "--target-mb", high=2**40, help="Size of merged shards."),
 ):
     """Merge small shards into large ones in one manifest transaction."""
     from storage.maintenance import compact as run
@@ -274,13 +295,13 @@ def curate_(
     recipe: str = typer.Option(..., "--recipe", "-r", help="Built-in recipe, a .toml recipe file, or a .sql custom recipe."),
     set_: List[str] = typer.Option([], "--set", help="Override a parameter: name=value (repeatable)."),
     progress: Optional[str] = typer.Option(None, "--progress", help="Schedule position t in [0, 1] (= --set progress=T)."),
-    snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
+    snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print, commit nothing."),
-    memory_limit: str = typer.Option("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
+    memory_limit: str = memory("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
     engine: str = typer.Option("embedded", "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
-    partitions: Optional[int] = typer.Option(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; embedded engine)."),
+    partitions: Optional[int] = count(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
+    timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; embedded engine)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
     from rollstore.curation_cli import print_summary, run_curate
@@ -313,13 +334,13 @@ def report(
     buffer: str,
     out_file: str = typer.Option(..., "--out", "-o", help="The HTML file to write (replaced atomically)."),
     curation: Optional[str] = typer.Option(None, "--curation", help="Scope the candidate-level sections to this curation (default: all)."),
-    snapshot: Optional[int] = typer.Option(None, "--snapshot", help="Manifest sequence number to report (default: latest)."),
+    snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to report (default: latest)."),
 ):
     """One self-contained HTML report (charts, token views, the SQL behind each) of a buffer."""
+    from rollstore.outfile import check_output_file
     from rollstore.report import build_report
-    from storage.buffer import refuse_managed
 
-    refuse_managed(out_file)
+    check_output_file(out_file)
     with open_buffer(buffer) as buf:
         info = build_report(buf, out_file, curation_id=curation, snapshot=snapshot)
     out.print(f"wrote {info.path} ({info.bytes / 1024:.0f} KiB, snapshot {info.snapshot_seq}, "
@@ -333,18 +354,18 @@ def generate(
     prompts: str = typer.Option("builtin:arith", "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),
     model: str = typer.Option("builtin:tiny", "--model", help="A local transformers model directory or builtin:tiny."),
     backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
-    group_size: int = typer.Option(8, "--group-size", "-G"),
-    num_prompts: Optional[int] = typer.Option(64, "--num-prompts", "-n"),
-    policy_version: Optional[int] = typer.Option(None, "--policy-version", help="Default: the checkpoint's version, else 0."),
-    seed: int = typer.Option(0, "--seed"),
-    steps: int = typer.Option(1, "--steps", help="Generation steps to run (one shard each)."),
+    group_size: int = count(8, "--group-size", "-G"),
+    num_prompts: Optional[int] = count(64, "--num-prompts", "-n"),
+    policy_version: Optional[int] = count(None, "--policy-version", low=0, help="Default: the checkpoint's version, else 0."),
+    seed: int = seed_(0, "--seed"),
+    steps: int = count(1, "--steps", help="Generation steps to run (one shard each)."),
     run_id: str = typer.Option("gen", "--run-id"),
-    max_new_tokens: int = typer.Option(12, "--max-new-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
+    max_new_tokens: int = count(12, "--max-new-tokens"),
+    temperature: float = positive(1.0, "--temperature"),
+    top_p: float = fraction(1.0, "--top-p"),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: a format string with {prompt}."),
     follow: bool = typer.Option(False, "--follow", help="Keep generating; load each newly published checkpoint."),
-    max_policy_lag: int = typer.Option(1, "--max-policy-lag", help="With --follow: wait while the learner is this many versions behind."),
+    max_policy_lag: int = count(1, "--max-policy-lag", low=0, help="With --follow: wait while the learner is this many versions behind."),
     compact_entropies: bool = typer.Option(False, "--compact-entropies"),
     recipe: str = typer.Option("d3s", "--recipe", help="With --follow: the recipe that curates each step."),
     set_: List[str] = typer.Option([], "--set", help="With --follow: curation parameter overrides."),
@@ -364,24 +385,26 @@ def train(
     buffer: str,
     curation: List[str] = typer.Option([], "--curation", help="Curation id(s) to train on (default: all pending)."),
     model: str = typer.Option("builtin:tiny", "--model"),
-    loss: str = typer.Option("grpo", "--loss", help="grpo | dapo | gspo | dr_grpo"),
-    lr: float = typer.Option(2e-5, "--lr"),
-    epochs: int = typer.Option(1, "--epochs"),
-    micro_batch_size: int = typer.Option(64, "--micro-batch-size"),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
+    loss: str = choice("grpo", "--loss", choices=_losses, help="grpo | dapo | gspo | dr_grpo"),
+    lr: float = positive(2e-5, "--lr"),
+    epochs: int = count(1, "--epochs"),
+    micro_batch_size: int = count(64, "--micro-batch-size"),
+    grad_accum: int = count(1, "--grad-accum"),
     run_id: str = typer.Option("train", "--run-id"),
     follow: bool = typer.Option(False, "--follow", help="Keep leasing curations as they appear."),
-    poll: float = typer.Option(1.0, "--poll", help="Seconds between polls with --follow."),
-    max_idle: float = typer.Option(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
-    parallel: str = typer.Option("none", "--parallel", help="none | ddp | fsdp (under torchrun, or with --nproc)."),
-    nproc: int = typer.Option(0, "--nproc", help="Launch this many ranks with torchrun (default --parallel ddp)."),
+    poll: float = interval(1.0, "--poll", help="Seconds between polls with --follow."),
+    max_idle: float = seconds(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
+    parallel: str = choice("none", "--parallel", choices=("none", "ddp", "fsdp"), help="none | ddp | fsdp (under torchrun, or with --nproc)."),
+    nproc: int = count(0, "--nproc", low=0, help="Launch this many ranks with torchrun (default --parallel ddp)."),
 ):
     """Train on curated shards exactly once each; publish a checkpoint per curation.
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
-    from rollstore.train_cli import launch_torchrun, run_train
+    from rollstore.train_cli import check_curations, launch_torchrun, run_train
 
+    if curation and "LOCAL_RANK" not in os.environ:
+        check_curations(buffer, curation)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
     run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle,
@@ -394,28 +417,28 @@ def loop(
     buffer: str,
     model: Optional[str] = typer.Option(None, "--model", help="Default builtin:tiny."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith."),
-    iterations: Optional[int] = typer.Option(None, "--iterations", "-k"),
+    iterations: Optional[int] = count(None, "--iterations", "-k"),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
-    prompts_per_iter: Optional[int] = typer.Option(None, "--prompts-per-iter"),
-    pool_size: Optional[int] = typer.Option(None, "--pool-size", help="Train on a pool of N prompts in epochs (0: fresh prompts)."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", "-G"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-    loss: Optional[str] = typer.Option(None, "--loss"),
-    lr: Optional[float] = typer.Option(None, "--lr"),
-    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps"),
-    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size"),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-batches per optimiser step."),
-    max_policy_lag: Optional[int] = typer.Option(None, "--max-policy-lag"),
-    max_gen_batches: Optional[int] = typer.Option(None, "--max-gen-batches"),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Held-out evaluation every N iterations (0 = never)."),
-    eval_prompts: Optional[int] = typer.Option(None, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
-    eval_samples: int = typer.Option(0, "--eval-samples", help="Also sample N per prompt for pass@1 / pass@N."),
-    seed: int = typer.Option(0, "--seed"),
+    prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter"),
+    pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts)."),
+    group_size: Optional[int] = count(None, "--group-size", "-G"),
+    max_new_tokens: Optional[int] = count(None, "--max-new-tokens"),
+    loss: Optional[str] = choice(None, "--loss", choices=_losses),
+    lr: Optional[float] = positive(None, "--lr"),
+    warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0),
+    micro_batch_size: Optional[int] = count(None, "--micro-batch-size"),
+    grad_accum: Optional[int] = count(None, "--grad-accum", help="Micro-batches per optimiser step."),
+    max_policy_lag: Optional[int] = count(None, "--max-policy-lag", low=0),
+    max_gen_batches: Optional[int] = count(None, "--max-gen-batches"),
+    eval_every: Optional[int] = count(None, "--eval-every", low=0, help="Held-out evaluation every N iterations (0 = never)."),
+    eval_prompts: Optional[int] = count(None, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
+    eval_samples: int = count(0, "--eval-samples", low=0, help="Also sample N per prompt for pass@1 / pass@N."),
+    seed: int = seed_(0, "--seed"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
     backend: Optional[str] = typer.Option(None, "--backend"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default 1: see the README)."),
-    learner_ranks: int = typer.Option(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
+    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see the README)."),
+    learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
 
@@ -448,19 +471,28 @@ def loop(
 def eval_(
     model: str = typer.Option("builtin:tiny", "--model"),
     prompts: str = typer.Option("builtin:arith:heldout", "--prompts"),
-    samples: int = typer.Option(8, "--samples", "-n"),
+    samples: int = count(8, "--samples", "-n"),
     k: str = typer.Option("1,8", "--k", help="Comma-separated k values for pass@k."),
-    num_prompts: Optional[int] = typer.Option(200, "--num-prompts"),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    max_new_tokens: int = typer.Option(12, "--max-new-tokens"),
-    seed: int = typer.Option(0, "--seed"),
+    num_prompts: Optional[int] = count(200, "--num-prompts"),
+    temperature: float = positive(1.0, "--temperature"),
+    max_new_tokens: int = count(12, "--max-new-tokens"),
+    seed: int = seed_(0, "--seed"),
     buffer: Optional[str] = typer.Option(None, "--buffer", help="Store the results in this buffer's evaluations table."),
     format: str = typer.Option("table", "--format", "-f", help="table|json"),
 ):
     """pass@k (unbiased estimator) and avg@n of a model on a prompt set."""
     from rollstore.evaluate import run_eval
 
-    run_eval(model, prompts, samples, [int(x) for x in k.split(",") if x.strip()], num_prompts, temperature,
+    ks = []
+    for word in k.split(","):
+        word = word.strip()
+        if word and (not word.isdigit() or not 1 <= int(word) <= samples):
+            fail(f"--k {k}: each k must be an integer in [1, --samples={samples}], not {word!r}", code=2)
+        if word:
+            ks.append(int(word))
+    if not ks:
+        fail("--k: give at least one k (e.g. 1,8)", code=2)
+    run_eval(model, prompts, samples, ks, num_prompts, temperature,
              max_new_tokens, seed, buffer, format, out)
 
 
@@ -468,10 +500,10 @@ def eval_(
 @guarded
 def demo(
     buffer: str = typer.Argument("demo-buffer", help="Where to put the demo buffer (replaced if it is a previous demo's)."),
-    iterations: int = typer.Option(40, "--iterations", "-k"),
+    iterations: int = count(40, "--iterations", "-k"),
     recipe: str = typer.Option("d3s", "--recipe"),
     model: str = typer.Option("builtin:tiny", "--model"),
-    seed: int = typer.Option(0, "--seed", help="Seed of the prompts and samples (the warm start is shared)."),
+    seed: int = seed_(0, "--seed", help="Seed of the prompts and samples (the warm start is shared)."),
 ):
     """The loop on builtin:tiny + builtin:arith with the d3s recipe, in a few minutes on a CPU."""
     from rollstore.demo import run_demo

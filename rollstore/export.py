@@ -9,9 +9,11 @@ nothing of rollstore installed.
 Invariants:
 - Reads one pinned, verified snapshot (every shard's size and sha256 checked first): the export is
   exactly that snapshot, whatever commits meanwhile.
-- DIR must not exist or be an empty directory, and must not lie in a buffer's managed files (the
-  `--out` guard). Everything is written under a sibling temp folder and renamed into place at the
-  end: a failed export leaves no DIR (or the empty one it found).
+- DIR must not exist or be an empty directory (never a symbolic link or another kind of file), and
+  must not lie in a buffer's managed files (`rollstore.outfile`). Everything is written under a
+  sibling partial folder `.<DIR>.partial-<host>-<pid>-<hex>` and renamed into place at the end: a
+  failed export leaves no DIR (or the empty one it found); a killed one's partial folder is removed
+  by the next export to the same DIR.
 - Rows stream shard by shard (memory bounded by one record batch; a curated shard: its rows), in
   manifest order.
 - The export is self-contained: curated rows are materialised (references resolved against the
@@ -24,14 +26,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.buffer import Buffer, refuse_managed
-from storage.errors import RollstoreError
+from rollstore.outfile import check_output_dir, partial_dir
+from storage.buffer import Buffer
 from storage.references import read_curated_file
 from storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES
 
@@ -44,15 +45,9 @@ class ExportInfo:
 
 
 def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
-    target = os.path.abspath(to)
-    refuse_managed(to, "--to")
-    refuse_managed(os.path.join(to, "README.md"), "--to")
-    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-        raise RollstoreError(f"--to {to}: exists and is not an empty directory; choose a new one")
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.partial-{uuid.uuid4().hex[:12]}")
-    os.makedirs(tmp)
+    target = check_output_dir(to, "--to")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = partial_dir(target)
     try:
         with buf.snapshot(seq, pin=True) as snap:
             snap.verify()
@@ -69,7 +64,8 @@ def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
             with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
                 fh.write(dataset_card(os.path.basename(buf.root.rstrip(os.sep)), snap.seq, rows))
             seq_done = snap.seq
-        if os.path.isdir(target):
+        check_output_dir(to, "--to")  # still absent or empty (nothing appeared meanwhile)
+        if os.path.lexists(target):
             os.rmdir(target)  # the empty directory we were given (checked above)
         os.rename(tmp, target)
     except BaseException:

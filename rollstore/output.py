@@ -108,8 +108,12 @@ def _cell(value) -> str:
 
 
 def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Console) -> None:
+    """Print `table`, or write it to `out_file` through `outfile.write_output` (a regular file
+    only, replaced atomically)."""
+    from rollstore.outfile import write_output
+
     if fmt == "parquet":
-        pq.write_table(table, out_file, compression="zstd")
+        write_output(out_file, lambda partial: pq.write_table(table, partial, compression="zstd"))
         return
     if fmt == "json":
         text = to_json(table) + "\n"
@@ -123,8 +127,11 @@ def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Conso
             return
         text = _python_safe(table).to_string(preview_cols=0) + "\n"
     if out_file:
-        with open(out_file, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        def write(partial: str) -> None:
+            with open(partial, "x", encoding="utf-8") as fh:
+                fh.write(text)
+
+        write_output(out_file, write)
     else:
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,7 +39,8 @@ from rollstore.report_svg import (
     line_chart,
     stacked_bars,
 )
-from storage.buffer import Buffer, refuse_managed
+from rollstore.outfile import check_output_file, write_output
+from storage.buffer import Buffer
 from storage.errors import RollstoreError
 from storage.snapshot import sql_string
 
@@ -530,7 +530,7 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
                  memory_limit: str | None = None) -> ReportInfo:
     """Write the report of `buf` (at `snapshot`, default the latest) to `out_path`, atomically;
     never inside a buffer's managed files."""
-    refuse_managed(out_path)
+    check_output_file(out_path)  # before the work: a device, a folder or a link there is refused
     t0 = time.perf_counter()
     kwargs = {"memory_limit": memory_limit} if memory_limit else {}
     with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:
@@ -538,20 +538,11 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
         text = TokenText.for_snapshot(session)
         page = render(res, text, buf.root, snap.seq, curation_id)
         seq = snap.seq
-    target = os.path.abspath(out_path)
-    folder = os.path.dirname(target)
-    if not os.path.isdir(folder):
-        raise RollstoreError(f"{out_path}: the folder {folder} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+    def write(partial: str) -> None:
+        with open(partial, "x", encoding="utf-8") as fh:
             fh.write(page)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    target = write_output(out_path, write)
     return ReportInfo(target, os.path.getsize(target), time.perf_counter() - t0, seq, curation_id)
 
 

@@ -19,7 +19,19 @@ import time
 from rich.console import Console
 
 from storage.buffer import Buffer
+from storage.errors import RollstoreError
 from storage.verify import verify_references, verify_shards
+
+
+def check_curations(buffer: str, curations: list[str]) -> None:
+    """Refuse (one line) a `--curation` id that names no live curation of the buffer, before any
+    model is loaded or shard leased: training "nothing pending" on a typo would look like success."""
+    with Buffer.open(buffer) as buf:
+        for cid in curations:
+            if buf.manifest.live_key_count("curations", cid) == 0:
+                n = len(buf.manifest.shards("curations"))
+                raise RollstoreError(f"--curation {cid}: no curation {cid!r} in {buf.root} ({n} curations; "
+                                     "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
 
 
 def launch_torchrun(nproc: int, parallel: str) -> int:

@@ -6,7 +6,9 @@ Invariants:
   and nothing becomes visible (a crash leaves only orphans for `gc`). A file found at a part's
   final path that no manifest row names is an orphan of a crashed run: it is replaced, never
   trusted; on failure only files that are still ours (same inode) and still unnamed by the
-  manifest are unlinked. A `WrittenPart` (a file
+  manifest are unlinked. From its first file to the end of its transaction a commit holds the
+  writers' lock shared (`writelock`), so `gc` never takes a linked, not yet committed file for
+  an orphan. A `WrittenPart` (a file
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
@@ -25,10 +27,11 @@ import pyarrow.compute as pc
 
 from .errors import RollstoreError, ValidationError
 from .manifest import Manifest, NewShard, Shard
-from .schema import TABLES, stored_schema
+from .schema import stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file
 from .snapshot import Snapshot
 from .validate import validate_rollouts
+from .writelock import writing
 
 SUBDIRS = ("rollouts", "curated", "audit", "meta", "checkpoints", "tmp")
 TABLE_DIRS = {
@@ -42,7 +45,8 @@ TABLE_DIRS = {
 }
 
 
-MANAGED_FILES = ("manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "manifest.sqlite-journal")
+MANAGED_FILES = ("manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "manifest.sqlite-journal",
+                 "writers.lock")
 
 
 def managed_by(path: str) -> str | None:
@@ -132,7 +136,10 @@ class Buffer:
     def open(cls, root: str) -> "Buffer":
         root = os.path.abspath(root)
         buf = cls(root, Manifest(root))
-        os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+        except OSError:
+            pass  # a read-only buffer: reads need no tmp/, and writes refuse with their own line
         return buf
 
     def close(self) -> None:
@@ -159,46 +166,49 @@ class Buffer:
     ) -> tuple[int, list[Shard]]:
         """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
 
-        Returns (seq, shards). On any failure every file written so far is removed.
+        Returns (seq, shards). On any failure every file written so far is removed. A manifest
+        opened read-only (full disk, read-only mount) refuses before any file is written.
         """
-        written: list[NewShard] = []
-        inodes: list[int] = []
-        ids: list[int] = []
-        is_orphan = self.manifest.is_unnamed
-        try:
-            for part in parts:
-                if isinstance(part, WrittenPart):
-                    folder = TABLE_DIRS[part.table_name] + "/"
-                    if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
-                        raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
-                    link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan)
-                    written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
-                                            part.bytes, part.sha256, part.key))
-                else:
-                    schema = stored_schema(part.table_name, part.table.schema)
-                    table = part.table.select(schema.names).cast(schema)
-                    if part.metadata:
-                        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
-                    rel = part.relpath()
-                    nbytes, digest = publish_file(table, self.root, rel, is_orphan)
-                    written.append(
-                        NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
-                    )
-                inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
-            with self.manifest.transaction() as con:
-                seq = self.manifest.new_commit(con, kind, detail)
-                ids = self.manifest.add_shards(con, seq, written)
-                if on_commit is not None:
-                    on_commit(con, seq, ids)
-        except BaseException:
-            for w, inode in zip(written, inodes):
-                full = os.path.join(self.root, w.path)
-                try:
-                    if os.stat(full).st_ino == inode and self.manifest.is_unnamed(w.path):
-                        os.unlink(full)
-                except (FileNotFoundError, sqlite3.Error):
-                    pass
-            raise
+        self.manifest.require_writable()
+        with writing(self.root):  # gc collects no unnamed file while we are between link and commit
+            written: list[NewShard] = []
+            inodes: list[int] = []
+            ids: list[int] = []
+            is_orphan = self.manifest.is_unnamed
+            try:
+                for part in parts:
+                    if isinstance(part, WrittenPart):
+                        folder = TABLE_DIRS[part.table_name] + "/"
+                        if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
+                            raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
+                        link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan)
+                        written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
+                                                part.bytes, part.sha256, part.key))
+                    else:
+                        schema = stored_schema(part.table_name, part.table.schema)
+                        table = part.table.select(schema.names).cast(schema)
+                        if part.metadata:
+                            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
+                        rel = part.relpath()
+                        nbytes, digest = publish_file(table, self.root, rel, is_orphan)
+                        written.append(
+                            NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
+                        )
+                    inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
+                with self.manifest.transaction() as con:
+                    seq = self.manifest.new_commit(con, kind, detail)
+                    ids = self.manifest.add_shards(con, seq, written)
+                    if on_commit is not None:
+                        on_commit(con, seq, ids)
+            except BaseException:
+                for w, inode in zip(written, inodes):
+                    full = os.path.join(self.root, w.path)
+                    try:
+                        if os.stat(full).st_ino == inode and self.manifest.is_unnamed(w.path):
+                            os.unlink(full)
+                    except (FileNotFoundError, sqlite3.Error):
+                        pass
+                raise
         return seq, self.manifest.shards_by_id(ids)
 
     def append_rollouts(
@@ -211,19 +221,29 @@ class Buffer:
         table = validate_rollouts(table, source, self.manifest.existing_ids)
         if compact:
             table = compact_entropies(table)
-        rids = table.column("rollout_id").to_pylist()
-        gids = table.column("group_id").to_pylist()
+        ids_only = table.select(["rollout_id", "group_id"])
+
+        def pairs():
+            for batch in ids_only.to_batches(max_chunksize=10_000):
+                yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
+
+        def groups():
+            distinct = pc.unique(ids_only.column("group_id"))  # in order of first appearance
+            for start in range(0, len(distinct), 10_000):
+                yield from distinct.slice(start, 10_000).to_pylist()
 
         def register(con: sqlite3.Connection, seq: int, ids: list[int]) -> None:
             try:
-                self.manifest.register_rollouts(con, ids[0], rids, gids)
+                self.manifest.register_rollouts(con, ids[0], pairs(), groups())
             except sqlite3.IntegrityError:
                 # A concurrent append won the race for an id: report it like validation would.
-                taken, groups = self.manifest.existing_ids(rids, sorted(set(gids)))
+                rids = ids_only.column("rollout_id").to_pylist()
+                gids = ids_only.column("group_id").to_pylist()
+                taken, groups_taken = self.manifest.existing_ids(rids, sorted(set(gids)))
                 rid = next((r for r in rids if r in taken), None)
                 if rid is not None:
                     raise ValidationError(source, rid, "rollout_id", "rollout_id already in the buffer") from None
-                rid = next(r for r, g in zip(rids, gids) if g in groups)
+                rid = next(r for r, g in zip(rids, gids) if g in groups_taken)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
         _, shards = self.commit([Part("rollouts", table, metadata=metadata)], "append", {"source": source}, register)

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import ValidationError
 from .schema import ROLLOUTS
+
+JSONL_CHUNK_ROWS = 20_000  # lines decoded into Python objects at a time, at most ...
+JSONL_CHUNK_BYTES = 4 << 20  # ... and about this much JSON text (Python objects take ~5-10x)
 
 
 def read_rows_file(path: str) -> pa.Table:
@@ -71,7 +75,12 @@ def _json_kind(value) -> str:
 def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
     """(line number, decoded object) for every non-blank line of a JSONL file; one error line
     naming the file and the line for unreadable bytes, invalid JSON or a line that is not an object."""
-    rows: list[tuple[int, dict]] = []
+    return list(iter_jsonl_objects(path))
+
+
+def iter_jsonl_objects(path: str, sizes: bool = False) -> Iterator[tuple]:
+    """`read_jsonl_objects`, one line at a time (memory: one line); with `sizes`, each item also
+    carries the line's length in bytes."""
     try:
         fh = open(path, "rb")
     except OSError as exc:
@@ -92,18 +101,54 @@ def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
                 raise ValidationError(path, None, None, f"line {lineno}: JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise ValidationError(path, None, None, f"line {lineno}: expected a JSON object")
-            rows.append((lineno, row))
-    return rows
+            yield (lineno, row, len(raw)) if sizes else (lineno, row)
 
 
-def read_jsonl(path: str) -> pa.Table:
-    rows = [row for _, row in read_jsonl_objects(path)]
+def read_jsonl(path: str, chunk_rows: int = JSONL_CHUNK_ROWS, chunk_bytes: int = JSONL_CHUNK_BYTES) -> pa.Table:
+    """The rows of a JSONL file as one Arrow table, parsed a chunk at a time (`chunk_rows` lines or
+    about `chunk_bytes` of text): only one chunk is ever held as Python objects, the rest as Arrow
+    arrays, so memory is about the Arrow size of the rows. Columns of the rollouts schema get its
+    types; a column that is not in the schema is kept as nulls under its name (validation refuses
+    it by name)."""
+    chunks: list[dict[str, pa.Array]] = []
+    lengths: list[int] = []
+    names: dict[str, None] = {}
+    batch: list[dict] = []
+    size = 0
+    for _, row, nbytes in iter_jsonl_objects(path, sizes=True):
+        batch.append(row)
+        size += nbytes
+        if len(batch) == chunk_rows or size >= chunk_bytes:
+            chunks.append(_chunk_arrays(batch, path, names))
+            lengths.append(len(batch))
+            batch, size = [], 0
+    if batch or not chunks:
+        chunks.append(_chunk_arrays(batch, path, names))
+        lengths.append(len(batch))
+    types = {f.name: f.type for f in ROLLOUTS}
+    columns, fields = [], []
+    for name in names:
+        kind = types.get(name, pa.null())
+        parts = [chunk.get(name) if name in chunk else pa.nulls(n, kind) for chunk, n in zip(chunks, lengths)]
+        columns.append(pa.chunked_array(parts, type=kind))
+        fields.append(pa.field(name, kind))
+    del batch
+    pa.default_memory_pool().release_unused()  # hand the chunks' scratch memory back
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def _chunk_arrays(rows: list[dict], path: str, all_names: dict[str, None]) -> dict[str, pa.Array]:
+    """One chunk of decoded rows as Arrow arrays, the type rule checked value by value."""
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row))
+    all_names.update(names)
     types = {f.name: f.type for f in ROLLOUTS}
-    arrays, fields = [], []
+    arrays: dict[str, pa.Array] = {}
     for name in names:
+        if name not in types:  # not in the schema: refused by name in validation
+            arrays[name] = pa.nulls(len(rows))
+            continue
         values = [row.get(name) for row in rows]
         target = types.get(name)
         if target is not None and pa.types.is_timestamp(target):
@@ -123,9 +168,8 @@ def read_jsonl(path: str) -> pa.Table:
                 path, None if rid is None else str(rid), name,
                 f"expected {target}, got {values[bad]!r:.60}" if bad is not None else str(exc),
             ) from None
-        arrays.append(arr)
-        fields.append(pa.field(name, arr.type))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+        arrays[name] = arr
+    return arrays
 
 
 def _first_bad(values: list, target) -> int | None:

@@ -1,12 +1,20 @@
 """Maintenance: garbage collection of unreferenced files, and compaction of small shards.
 
 Invariants:
-- `gc` deletes only (a) files that no manifest row names and that are older than the grace period
-  (orphans of crashed writes), and (b) files of shards retired by compaction that no pinned
-  snapshot can still read. It never touches a live shard. It records the highest `removed_seq` it
-  collected, and snapshots older than that are refused from then on (they would miss shards).
-  It also removes DuckDB spill folders (`tmp/duckdb-<host>-<pid>-*`) of this host whose process is
-  gone, whatever the grace period.
+- `gc` never removes a file that is, or may become, committed:
+  - under the data folders (rollouts/, curated/, audit/, meta/) it removes `.parquet` files that no
+    manifest row names and that are older than the grace period, and only while it holds the
+    writers' lock exclusively (`writelock`): a writer holds it shared from its first file to the
+    end of its commit, so a linked, not yet committed file is never taken for an orphan;
+  - under tmp/ every entry a writer makes is named for its owner (`storage.owners`:
+    `<kind>-<host>-<pid>-<hex>`). An entry of this host is never removed while its process lives;
+    once it is gone, the entry is removed when its whole tree is older than the grace period (a
+    DuckDB spill folder whatever its age). An entry of another host (but its spill folders, left to
+    that host) or of an older version's naming is judged by the grace period alone;
+  - files of shards retired by compaction or quarantine are removed once no pinned snapshot can
+    read them: the manifest row goes first (recording the highest `removed_seq` collected;
+    snapshots older than that are refused from then on), then the file.
+- Concurrent gcs (and a file vanishing under one) are fine: a file already gone is skipped.
 - `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
   merged rows are the old rows in commit order, so every query's result is unchanged; the old
   files stay on disk until `gc` finds no snapshot that needs them. Shards that any consumer has
@@ -17,10 +25,9 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
-import re
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 
@@ -29,11 +36,14 @@ import pyarrow.parquet as pq
 
 from .buffer import TABLE_DIRS, Buffer, Part
 from .errors import ManifestError, RollstoreError
+from .owners import host, owner_gone, owner_prefix, parse
 from .references import referenced_shards
 from .verify import verify_shards
+from .writelock import collecting
 
-SHARD_DIRS = ("rollouts", "curated", "audit", "meta", "tmp")
+DATA_DIRS = ("rollouts", "curated", "audit", "meta")  # where committed shards (and orphans) live
 DEFAULT_GRACE_S = 3600.0
+GC_LOCK_WAIT_S = 30.0  # how long gc waits for writers to let it scan the data folders
 COMPACT_TARGET_BYTES = 128 * 1024 * 1024
 COMPACTABLE = ("rollouts", "selections")
 
@@ -44,92 +54,137 @@ class GcReport:
     retired_removed: int = 0
     bytes_freed: int = 0
     spill_dirs_removed: int = 0
+    data_dirs_skipped: bool = False  # writers held the writers' lock past GC_LOCK_WAIT_S
+    retired_skipped: str | None = None  # why retired shards were left (the manifest could not be written)
 
 
-_SPILL = re.compile(r"duckdb-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]+")
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def spill_prefix() -> str:
     """The name prefix of this process's DuckDB spill folders under tmp/: `duckdb-<host>-<pid>-`."""
-    return f"duckdb-{_host()}-{os.getpid()}-"
+    return owner_prefix("duckdb")
 
 
-def _alive(pid: int) -> bool:
+def _size_and_age(path: str, now: float) -> tuple[int, float]:
+    """(bytes, seconds since the newest modification) of a file, or of a folder's whole tree."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0, 0.0
+    if not os.path.isdir(path) or os.path.islink(path):
+        return st.st_size, now - st.st_mtime
+    size, newest = 0, st.st_mtime
+    for dirpath, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                sub = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            newest = max(newest, sub.st_mtime)
+            size += sub.st_size if name in files else 0
+    return size, now - newest
+
+
+def _remove(path: str) -> bool:
+    """Remove a file or a folder tree; False when it was already gone (a concurrent gc)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
         return True
-    return True
+    except FileNotFoundError:
+        return False
 
 
-def remove_dead_spill_dirs(tmp: str) -> int:
-    """Remove `tmp/duckdb-<host>-<pid>-*` spill folders of this host whose process is gone (a killed
-    query leaves them). Folders of other hosts or of live processes are kept."""
-    removed = 0
+def collect_tmp(tmp: str, grace_s: float, now: float | None = None) -> GcReport:
+    """Remove the entries of `tmp/` that no live writer owns (see the module invariants)."""
+    report = GcReport()
+    now = time.time() if now is None else now
     try:
         names = os.listdir(tmp)
     except FileNotFoundError:
-        return 0
+        return report
     for name in names:
-        m = _SPILL.fullmatch(name)
-        if m is None or not os.path.isdir(os.path.join(tmp, name)):
-            continue
-        if m.group("host") != _host() or _alive(int(m.group("pid"))):
-            continue
-        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-        removed += 1
-    return removed
+        owner = parse(name)
+        mine = owner is not None and owner[1] == host()
+        if mine and not owner_gone(name):
+            continue  # its writer lives: work in progress, whatever its age
+        if owner is not None and not mine and owner[0] == "duckdb":
+            continue  # another host's spill folder: only that host can tell
+        path = os.path.join(tmp, name)
+        size, age = _size_and_age(path, now)
+        spill = owner is not None and owner[0] == "duckdb"
+        if age < grace_s and not (mine and spill):
+            continue  # the grace period applies to all but this host's dead spill folders
+        if _remove(path):
+            if owner is not None and owner[0] == "duckdb":
+                report.spill_dirs_removed += 1
+            else:
+                report.orphans_removed += 1
+                report.bytes_freed += size
+    return report
+
+
+def _collect_data(buf: Buffer, grace_s: float, now: float, report: GcReport) -> None:
+    """Under the writers' lock held exclusively: remove unnamed .parquet files of the data folders."""
+    with collecting(buf.root, GC_LOCK_WAIT_S) as held:
+        if not held:
+            report.data_dirs_skipped = True
+            return
+        known = buf.manifest.all_paths()  # read under the lock: no commit is half-way now
+        for top in DATA_DIRS:
+            for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
+                for name in files:
+                    full = os.path.join(dirpath, name)
+                    rel = os.path.relpath(full, buf.root)
+                    if rel in known or not name.endswith(".parquet"):
+                        continue
+                    try:
+                        st = os.lstat(full)
+                    except FileNotFoundError:
+                        continue
+                    if now - st.st_mtime >= grace_s and _remove(full):
+                        report.orphans_removed += 1
+                        report.bytes_freed += st.st_size
 
 
 def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
-    report = GcReport()
+    """Collect orphans under tmp/ and the data folders, then the files of retired shards that no
+    pinned snapshot needs (see the module invariants)."""
+    if not (grace_s >= 0 and math.isfinite(grace_s)):
+        raise RollstoreError(f"gc: grace {grace_s!r} must be a finite number of seconds ≥ 0")
     man = buf.manifest
-    known = man.all_paths()
+    if man.read_only is not None and (_read_only_mount(buf.root) or not os.access(buf.root, os.W_OK)):
+        man.require_writable()  # nothing can be removed from a read-only buffer: one line
     now = time.time()
-    for top in SHARD_DIRS:
-        base = os.path.join(buf.root, top)
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                full = os.path.join(dirpath, name)
-                rel = os.path.relpath(full, buf.root)
-                if rel in known:
-                    continue
-                if not (name.endswith(".parquet") or top == "tmp"):
-                    continue
-                if top == "tmp" and "duckdb-" in rel:
-                    continue  # spill directories: whole, below
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:
-                    continue
-                if now - st.st_mtime >= grace_s:
-                    os.unlink(full)
-                    report.orphans_removed += 1
-                    report.bytes_freed += st.st_size
-    report.spill_dirs_removed = remove_dead_spill_dirs(os.path.join(buf.root, "tmp"))
+    report = collect_tmp(os.path.join(buf.root, "tmp"), grace_s, now)
+    _collect_data(buf, grace_s, now, report)
+    if man.read_only is not None:  # a full disk: orphans are gone (space freed), the manifest waits
+        report.retired_skipped = man.read_only
+        return report
     oldest_pin = man.oldest_pinned_seq()
     rows = man.con.execute("SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()
     for shard_id, path, removed_seq in rows:
         if oldest_pin is not None and oldest_pin < removed_seq:
             continue  # a pinned snapshot still reads it
-        full = os.path.join(buf.root, path)
-        if os.path.exists(full):
-            report.bytes_freed += os.path.getsize(full)
-            os.unlink(full)
-            report.retired_removed += 1
-        with man.transaction() as con:
+        with man.transaction() as con:  # the row first: a file left behind is an orphan, never a shard
             con.execute("DELETE FROM shards WHERE shard_id = ?", (shard_id,))
             con.execute(
                 "INSERT INTO meta VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
                 "SET value = max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
                 (str(removed_seq),),
             )
+        full = os.path.join(buf.root, path)
+        size, _ = _size_and_age(full, now)
+        if _remove(full):
+            report.bytes_freed += size
+            report.retired_removed += 1
     return report
 
 
@@ -158,6 +213,7 @@ def compact(
     if table not in COMPACTABLE:
         raise RollstoreError(f"table {table!r} cannot be compacted (only {', '.join(COMPACTABLE)})")
     man = buf.manifest
+    man.require_writable()  # a write command: refused up front, also when nothing is left to merge
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
     seen_seq = man.latest_seq()
     referenced = _referenced(buf) if table == "rollouts" else set()

@@ -13,14 +13,16 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
 import time
+import urllib.parse
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import ManifestError
 
@@ -96,29 +98,154 @@ class NewShard:
 _SHARD_COLS = "shard_id, table_name, path, rows, tokens, bytes, sha256, key, added_seq, removed_seq"
 
 
+REQUIRED_TABLES = ("meta", "commits", "shards", "rollout_ids", "group_ids", "leases", "pins")
+
+# SQLite errors that mean "cannot write here" (a full disk, a read-only mount or files one may not
+# write): a reader then opens the manifest read-only instead. Errors that mean "this is not a
+# database" or "it is damaged" are reported as such, never retried.
+_CANNOT_WRITE = ("SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_READONLY", "SQLITE_FULL", "SQLITE_PERM")
+_DAMAGED = ("SQLITE_NOTADB", "SQLITE_CORRUPT")
+
+DAMAGED_ADVICE = ("restore manifest.sqlite from a backup (it alone records what is committed; the "
+                  "shards cannot rebuild it)")
+
+
+def _errorname(exc: BaseException) -> str:
+    return getattr(exc, "sqlite_errorname", "") or ""
+
+
+def damaged(path: str, exc: BaseException | str) -> ManifestError:
+    """The one-line error for a manifest that is not a rollstore manifest, or is damaged."""
+    return ManifestError(f"{path}: not a rollstore manifest or damaged ({str(exc).strip() or 'unreadable'}); "
+                         f"{DAMAGED_ADVICE}")
+
+
+def _why_not_writable(root: str, exc: BaseException) -> str:
+    """The reason a manifest could not be opened for writing, in the words of the disk."""
+    try:
+        st = os.statvfs(root)
+        if st.f_flag & os.ST_RDONLY:
+            return "read-only file system"
+        if st.f_bavail == 0 or _errorname(exc).startswith("SQLITE_FULL"):
+            return f"no space left on device; {exc}"
+    except OSError:
+        pass
+    if not os.access(root, os.W_OK) or not os.access(os.path.join(root, MANIFEST), os.W_OK):
+        return f"no permission to write; {exc}"
+    return str(exc)
+
+
+class ManifestReadOnly(ManifestError):
+    """A write was asked of a manifest that could only be opened read-only."""
+
+
 class Manifest:
-    """A connection to one buffer's manifest. One per thread; cheap to open."""
+    """A connection to one buffer's manifest. One per thread; cheap to open.
+
+    Opening tries read-write (WAL, synchronous=FULL). When the disk is full, the mount read-only or
+    the files not writable by this user, it opens the manifest read-only (`read_only` is then the
+    reason): reads work, and any write raises `ManifestReadOnly` naming the reason. A file that is
+    not a rollstore manifest, or is damaged, is one `ManifestError` saying so and what to do."""
 
     def __init__(self, root: str, create: bool = False):
         path = os.path.join(root, MANIFEST)
         if not create and not os.path.exists(path):
             raise ManifestError(f"{root}: not a rollstore buffer (no {MANIFEST}); run `rollstore init {root}`")
         self.root = root
-        self.con = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
-        self.con.execute("PRAGMA journal_mode=WAL")
-        self.con.execute("PRAGMA synchronous=FULL")
-        self.con.execute("PRAGMA busy_timeout=60000")
+        self.path = path
+        self.read_only: str | None = None
+        if os.path.exists(path) and os.path.getsize(path) == 0:
+            raise damaged(path, "an empty file")  # never made into a new, empty manifest over shards
+        try:
+            self.con = self._open_read_write(path, create)
+        except sqlite3.DatabaseError as exc:
+            if _errorname(exc).startswith(_DAMAGED) or not _errorname(exc).startswith(_CANNOT_WRITE) or create:
+                if _errorname(exc).startswith(_DAMAGED) or not isinstance(exc, sqlite3.OperationalError):
+                    raise damaged(path, exc) from None
+                raise
+            self.con = self._open_read_only(path, exc)
+            self.read_only = _why_not_writable(root, exc)
         if create:
             with self.transaction():
                 for statement in filter(str.strip, _DDL.split(";")):
                     self.con.execute(statement)
                 self.con.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', '1')")
+        elif self.read_only is not None:
+            self._check_is_rollstore(self.con)
+
+    def _open_read_write(self, path: str, create: bool) -> sqlite3.Connection:
+        """Connect, check that this is a rollstore manifest (before anything is written to the
+        file: a foreign database is never switched to WAL), then set WAL and synchronous=FULL."""
+        con = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        try:
+            con.execute("PRAGMA busy_timeout=60000")
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # opens the WAL index
+            self._check_is_rollstore(con, new_ok=create)
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("PRAGMA synchronous=FULL")
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    @staticmethod
+    def _open_read_only(path: str, why: BaseException) -> sqlite3.Connection:
+        """`mode=ro`; when SQLite cannot even create its WAL index (a read-only folder, a full
+        disk), `immutable=1`, which reads the database file alone: only correct when no WAL holds
+        commits not yet in it, so that case is refused rather than read stale."""
+        uri = "file:" + urllib.parse.quote(os.path.abspath(path))
+        for mode in ("mode=ro", "immutable=1"):
+            if mode == "immutable=1":
+                wal = path + "-wal"
+                if os.path.exists(wal) and os.path.getsize(wal) > 0:
+                    raise ManifestError(
+                        f"{path}: cannot be read without writing ({why}), and {wal} holds commits not yet "
+                        "in the manifest file; free space or make the folder writable, then read again")
+            try:
+                con = sqlite3.connect(f"{uri}?{mode}", uri=True, timeout=60.0, isolation_level=None,
+                                      check_same_thread=False)
+            except sqlite3.DatabaseError:
+                continue
+            try:
+                con.execute("PRAGMA busy_timeout=60000")
+                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return con
+            except sqlite3.DatabaseError as exc:
+                con.close()
+                if _errorname(exc).startswith(_DAMAGED):
+                    raise damaged(path, exc) from None
+        raise ManifestError(f"{path}: cannot be opened, not even read-only ({why})")
+
+    def _check_is_rollstore(self, con: sqlite3.Connection, new_ok: bool = False) -> None:
+        """Raise one line unless this is a rollstore manifest (`new_ok`: or a database with no table)."""
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if new_ok and not tables:
+                return
+            missing = [t for t in REQUIRED_TABLES if t not in tables]
+            if missing:
+                raise damaged(self.path, f"no table {missing[0]!r}")
+            row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise damaged(self.path, exc) from None
+        if row is None:
+            raise damaged(self.path, "no schema_version")
+        if row[0] != "1":
+            raise ManifestError(f"{self.path}: manifest schema version {row[0]!r}, this rollstore reads version 1; "
+                                "use the rollstore that wrote it")
 
     def close(self) -> None:
         self.con.close()
 
+    def require_writable(self) -> None:
+        """Raise `ManifestReadOnly` (one line) when this manifest could only be opened read-only."""
+        if self.read_only is not None:
+            raise ManifestReadOnly(f"{self.path}: cannot be written ({self.read_only}; opened read-only); "
+                                   "nothing was written")
+
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
+        self.require_writable()
         self.con.execute("BEGIN IMMEDIATE")
         try:
             yield self.con
@@ -141,13 +268,22 @@ class Manifest:
         return int(row[0])
 
     def add_shards(self, con: sqlite3.Connection, seq: int, shards: list[NewShard]) -> list[int]:
+        """Insert the rows of `shards` inside the transaction `con`. A path that another writer
+        committed first (two identical runs racing) raises FileExistsError naming it, the error a
+        link onto a committed file raises, so callers handle both races the same way."""
         ids = []
         for s in shards:
-            cur = con.execute(
-                "INSERT INTO shards (table_name, path, rows, tokens, bytes, sha256, key, added_seq)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq),
-            )
+            try:
+                cur = con.execute(
+                    "INSERT INTO shards (table_name, path, rows, tokens, bytes, sha256, key, added_seq)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq),
+                )
+            except sqlite3.IntegrityError:
+                if self.is_unnamed(s.path):
+                    raise
+                raise FileExistsError(errno.EEXIST, "already committed by another writer",
+                                      os.path.join(self.root, s.path)) from None
             ids.append(int(cur.lastrowid))
         return ids
 
@@ -218,17 +354,20 @@ class Manifest:
             found_g.update(r[0] for r in self.con.execute(q, chunk))
         return found_r, found_g
 
-    def register_rollouts(self, con: sqlite3.Connection, shard_id: int, rids: list[str], gids: list[str]) -> None:
-        """Claim the ids; on a conflict undo the partial claim (so a lookup sees only others' ids) and raise."""
+    def register_rollouts(self, con: sqlite3.Connection, shard_id: int, pairs: Iterable[tuple[str, str]],
+                          groups: Iterable[str]) -> None:
+        """Claim the ids: `pairs` of (rollout_id, group_id) and the distinct `groups`, both consumed
+        lazily (a big append never holds all its ids as Python objects). On a conflict undo the
+        partial claim (so a lookup sees only others' ids) and raise."""
         con.execute("SAVEPOINT register")
         try:
             con.executemany(
                 "INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
-                zip(rids, gids, [shard_id] * len(rids)),
+                ((r, g, shard_id) for r, g in pairs),
             )
             con.executemany(
                 "INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)",
-                [(g, shard_id) for g in dict.fromkeys(gids)],
+                ((g, shard_id) for g in groups),
             )
         except sqlite3.IntegrityError:
             con.execute("ROLLBACK TO register")

@@ -1,7 +1,8 @@
 """Crash-safe Parquet shard files.
 
 Invariants:
-- A shard file appears at its final path only complete and fsynced: it is written under `tmp/`,
+- A shard file appears at its final path only complete and fsynced: it is written under `tmp/`
+  (as `tmp-<host>-<pid>-<hex>.parquet`, so gc can tell that its writer lives: `storage.owners`),
   fsynced, hard-linked into place (a link never overwrites), the temp name unlinked and the
   directory fsynced. Until the manifest row is committed the file is an orphan that `gc` removes.
 - A file already at the final path is replaced only when the caller's `is_orphan(relpath)` says no
@@ -23,6 +24,8 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from .owners import owned_name
 
 ROW_GROUP_BYTES = 96 * 1024 * 1024
 MIN_GROUP_BYTES = 8 * 1024 * 1024
@@ -111,7 +114,7 @@ def publish_file(table: pa.Table, root: str, relpath: str,
                  is_orphan: Callable[[str], bool] | None = None) -> tuple[int, str]:
     """Write `table` atomically to root/relpath; return (bytes, sha256). Never overwrites, except
     an orphan (see the module's invariants)."""
-    tmp = os.path.join(root, "tmp", f"{uuid.uuid4().hex}.parquet")
+    tmp = os.path.join(root, "tmp", owned_name("tmp", ".parquet"))
     final = os.path.join(root, relpath)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     try:
@@ -132,7 +135,7 @@ def write_tmp(table: pa.Table, root: str, folder: str = "tmp", threads: int | No
     file); return (path relative to root, bytes, sha256). The file stays an orphan (never read,
     collected by `gc`) until `link_into_place` publishes it and its manifest row commits. Used when
     the writer is another process than the committer (a Dask worker writes, the client commits)."""
-    rel = os.path.join(folder, f"{uuid.uuid4().hex}.parquet")
+    rel = os.path.join(folder, owned_name("tmp", ".parquet"))
     _check_inside(root, rel, "tmp")
     path = os.path.join(root, rel)
     write_parquet(table, path, threads)

@@ -25,7 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ManifestError
-from .manifest import Manifest, Shard
+from .manifest import Manifest, ManifestReadOnly, Shard
 from .references import is_thin, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, TABLES
 from .verify import check_present, verify_shards
@@ -44,7 +44,7 @@ def _try_pin(manifest: Manifest, seq: int) -> str | None:
     reads must keep working, and a gc meanwhile is the only (rare) risk."""
     try:
         return manifest.pin(seq)
-    except sqlite3.OperationalError:
+    except (sqlite3.OperationalError, ManifestReadOnly):
         return None
 
 
@@ -74,7 +74,7 @@ class Snapshot:
         if self._pin is not None:
             try:
                 self._manifest.unpin(self._pin)
-            except sqlite3.OperationalError:
+            except (sqlite3.OperationalError, ManifestReadOnly):
                 pass  # the pin expires by itself
             self._pin = None
 

@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Callable
 
 import numpy as np
@@ -18,9 +19,18 @@ import pyarrow.compute as pc
 from .errors import ValidationError
 from .schema import FINISH_REASONS, ROLLOUTS, TOKEN_LIST_COLUMNS
 
-# String ids that must not be empty, and timestamps that must lie in years 1-9999 UTC (what Python,
-# Arrow and DuckDB all represent).
+# String ids that must not be empty, blank or hold invisible characters, and timestamps that must
+# lie in years 1-9999 UTC (what Python, Arrow and DuckDB all represent).
 ID_COLUMNS = ("rollout_id", "group_id", "prompt_id", "run_id")
+# Integer columns that count from 0: a negative value is a sentinel or a bug, never data.
+NON_NEGATIVE = ("sample_idx", "step", "policy_version")
+# In an id: control characters (Cc), format characters (Cf: bidi embeddings, overrides and
+# isolates, zero-width spaces and joiners, the BOM, soft hyphens) and line/paragraph separators.
+# They make two different ids print the same, or reorder the text of the line that shows them.
+INVISIBLE = r"[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]"
+BLANK = r"^[\s\p{Z}]*$"  # only whitespace (any Unicode space)
+# Rows handed to the buffer's id lookup at a time (bounded memory for big appends).
+LOOKUP_CHUNK = 50_000
 TIMESTAMP_COLUMNS = ("created_at",)
 MIN_MICROS = -62135596800 * 10**6  # 0001-01-01T00:00:00Z
 MAX_MICROS = 253402300800 * 10**6 - 1  # 9999-12-31T23:59:59.999999Z
@@ -92,12 +102,9 @@ def conform(table: pa.Table, file: str) -> pa.Table:
             row = _first_true(pc.is_null(col))
             raise ValidationError(file, _rid(table, row), field.name, "null in a non-nullable column")
         if pa.types.is_list(field.type):  # also in nullable list columns that hold null lists
-            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-            flat = pc.list_flatten(col)
-            if flat.null_count:
-                parents = pc.list_parent_indices(col)
-                bad = _first_true(pc.is_null(flat))
-                row = int(parents[bad].as_py())
+            col = col if isinstance(col, pa.ChunkedArray) else pa.chunked_array([col])
+            row = first_row_where(col, pc.is_null)  # chunk by chunk: no copy of the column
+            if row is not None:
                 raise ValidationError(file, _rid(table, row), field.name, "null element in a list")
         columns.append(col)
     extra = [c for c in table.column_names if c not in ROLLOUTS.names]
@@ -137,20 +144,31 @@ def _check_lengths(table: pa.Table, file: str) -> None:
     _raise_first(table, file, faults)
 
 
-def _float_rows(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Values of a float column (flattened for lists) and the row each value belongs to."""
-    col = table.column(name)
-    if pa.types.is_list(col.type):
-        col = col.combine_chunks()
-        values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
-        rows = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-        return np.asarray(values, dtype=np.float32), np.asarray(rows)
-    values = pc.fill_null(col, 0.0).to_numpy(zero_copy_only=False)
-    return np.asarray(values, dtype=np.float32), np.arange(len(values))
+SLICE_ROWS = 65_536  # rows checked at a time: temporaries stay small whatever the append's size
 
 
-def _first_fault(name: str, bad: np.ndarray, rows: np.ndarray, msg: str) -> list[tuple[int, str, str]]:
-    return [(int(rows[np.flatnonzero(bad)].min()), name, msg)] if bad.any() else []
+def first_row_where(col: pa.ChunkedArray, test) -> int | None:
+    """The first row (file order) of a scalar or list column holding a value for which `test`
+    (an Arrow compute function over values) is true, looking at SLICE_ROWS rows at a time."""
+    offset = 0
+    for chunk in col.chunks:
+        for start in range(0, len(chunk), SLICE_ROWS):
+            part = chunk.slice(start, SLICE_ROWS)
+            if pa.types.is_list(part.type):
+                at = _first_true(test(pc.list_flatten(part)))
+                if at is not None:
+                    return offset + start + int(pc.list_parent_indices(part)[at].as_py())
+            else:
+                at = _first_true(test(part))
+                if at is not None:
+                    return offset + start + at
+        offset += len(chunk)
+    return None
+
+
+def _fault(table: pa.Table, name: str, test, msg: str) -> list[tuple[int, str, str]]:
+    row = first_row_where(table.column(name), test)
+    return [] if row is None else [(row, name, msg)]
 
 
 def validate_rollouts(
@@ -161,28 +179,33 @@ def validate_rollouts(
     if table.num_rows == 0:
         raise ValidationError(file, None, None, "no rows to append")
     _check_lengths(table, file)
-    float_cols = ("reward",) + TOKEN_LIST_COLUMNS
-    values = {name: _float_rows(table, name) for name in float_cols}
-    faults = []  # no NaN or infinity
-    for name in float_cols:
-        vals, rows = values[name]
-        faults += _first_fault(name, ~np.isfinite(vals), rows, "NaN or infinity")
+    faults = []  # no NaN or infinity (the values are float32 already: checked after the narrowing)
+    for name in ("reward",) + TOKEN_LIST_COLUMNS:
+        faults += _fault(table, name, lambda v: pc.invert(pc.is_finite(v)), "NaN or infinity")
     _raise_first(table, file, faults)
     faults = []  # bounds
     for name in ("gen_logprobs", "old_logprobs"):
-        vals, rows = values[name]
-        faults += _first_fault(name, vals > 0, rows, "log-probability above 0")
-    vals, rows = values["entropies"]
-    faults += _first_fault("entropies", vals < 0, rows, "negative entropy")
+        faults += _fault(table, name, lambda v: pc.greater(v, 0), "log-probability above 0")
+    faults += _fault(table, "entropies", lambda v: pc.less(v, 0), "negative entropy")  # -0.0 is 0
     for name in ("prompt_token_ids", "response_token_ids"):
-        col = table.column(name).combine_chunks()
-        ids = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
-        rows = np.asarray(pc.list_parent_indices(col).to_numpy(zero_copy_only=False))
-        faults += _first_fault(name, ids < 0, rows, "negative token id")
+        faults += _fault(table, name, lambda v: pc.less(v, 0), "negative token id")
+    for name in NON_NEGATIVE:
+        row = _first_true(pc.less(table.column(name), 0))
+        if row is not None:
+            faults.append((row, name, f"{table.column(name)[row].as_py()} is negative (must be ≥ 0)"))
     for name in ID_COLUMNS:
-        row = _first_true(pc.equal(pc.utf8_length(table.column(name)), 0))
+        col = table.column(name)
+        row = _first_true(pc.equal(pc.utf8_length(col), 0))
         if row is not None:
             faults.append((row, name, "empty id"))
+        row = _first_true(pc.match_substring_regex(col, BLANK))
+        if row is not None:
+            faults.append((row, name, "blank id (only whitespace)"))
+        row = _first_true(pc.match_substring_regex(col, INVISIBLE))
+        if row is not None:
+            bad = next(ch for ch in col[row].as_py() if _invisible(ch))
+            faults.append((row, name, f"id holds an invisible or control character U+{ord(bad):04X} "
+                                      f"({unicodedata.name(bad, 'unnamed')})"))
     for name in TIMESTAMP_COLUMNS:
         micros = pc.cast(table.column(name), pa.int64())
         row = _first_true(pc.or_(pc.less(micros, MIN_MICROS), pc.greater(micros, MAX_MICROS)))
@@ -199,41 +222,88 @@ def validate_rollouts(
     return table
 
 
+def _invisible(ch: str) -> bool:
+    return unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")
+
+
+def _codes(col) -> tuple[np.ndarray, pa.Array]:
+    """(a dense integer code per row, the distinct values): equal values, equal codes."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    enc = pc.dictionary_encode(arr)
+    return np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64), enc.dictionary
+
+
+def _first_rows(codes: np.ndarray, n_codes: int) -> np.ndarray:
+    """For each code, the first row (in file order) that has it."""
+    first = np.full(n_codes, len(codes), dtype=np.int64)
+    uniq, idx = np.unique(codes, return_index=True)
+    first[uniq] = idx
+    return first
+
+
+def _first(mask: np.ndarray) -> int | None:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
+def _in_buffer(values: pa.Array, existing: ExistingLookup, which: int) -> np.ndarray:
+    """Rows whose value (distinct `values` asked LOOKUP_CHUNK at a time) the buffer already holds;
+    `which`: 0 for rollout ids, 1 for group ids."""
+    found: set[str] = set()
+    for start in range(0, len(values), LOOKUP_CHUNK):
+        chunk = values.slice(start, LOOKUP_CHUNK).to_pylist()
+        found |= existing(chunk, [])[0] if which == 0 else existing([], chunk)[1]
+    return np.array([v in found for v in values.to_pylist()], dtype=bool) if found else np.zeros(len(values), bool)
+
+
 def _check_unique(table: pa.Table, file: str, existing: ExistingLookup | None) -> None:
     """rollout_id and (group_id, sample_idx) unique in the append and the buffer; groups are new.
 
-    Reports the first row (in file order) that breaks any of them."""
-    rids = table.column("rollout_id").to_pylist()
-    gids = table.column("group_id").to_pylist()
-    idxs = table.column("sample_idx").to_pylist()
-    old_rids, old_gids = existing(rids, sorted(set(gids))) if existing is not None else (set(), set())
-    seen: set[str] = set()
-    pairs: set[tuple[str, int]] = set()
-    for rid, gid, idx in zip(rids, gids, idxs):
-        if rid in seen:
-            raise ValidationError(file, rid, "rollout_id", "duplicate rollout_id in this append")
-        if rid in old_rids:
-            raise ValidationError(file, rid, "rollout_id", "rollout_id already in the buffer")
-        if (gid, idx) in pairs:
-            raise ValidationError(file, rid, "sample_idx", f"(group_id, sample_idx) = ({gid!r}, {idx}) repeated")
-        if gid in old_gids:
-            raise ValidationError(
-                file, rid, "group_id",
-                f"group {gid!r} is already in the buffer (a group's rows arrive in one append)",
-            )
-        seen.add(rid)
-        pairs.add((gid, idx))
+    Reports the first row (in file order) that breaks any of them; for one row, in that order.
+    Vectorised (integer codes per value): memory stays a few arrays of integers per row."""
+    n = table.num_rows
+    rows = np.arange(n, dtype=np.int64)
+    rcode, rvalues = _codes(table.column("rollout_id"))
+    gcode, gvalues = _codes(table.column("group_id"))
+    idx = np.asarray(table.column("sample_idx").to_numpy(), dtype=np.int64)  # ≥ 0 (checked above)
+    dup_rid = _first_rows(rcode, len(rvalues))[rcode] != rows
+    old_rid = _in_buffer(rvalues, existing, 0)[rcode] if existing is not None else np.zeros(n, bool)
+    pair = gcode * (int(idx.max()) + 1) + idx
+    _, pair_code = np.unique(pair, return_inverse=True)
+    dup_pair = _first_rows(pair_code, int(pair_code.max()) + 1)[pair_code] != rows
+    old_gid = _in_buffer(gvalues, existing, 1)[gcode] if existing is not None else np.zeros(n, bool)
+    row = _first(dup_rid | old_rid | dup_pair | old_gid)
+    if row is None:
+        return
+    rid, gid = rvalues[rcode[row]].as_py(), gvalues[gcode[row]].as_py()
+    if dup_rid[row]:
+        raise ValidationError(file, rid, "rollout_id", "duplicate rollout_id in this append")
+    if old_rid[row]:
+        raise ValidationError(file, rid, "rollout_id", "rollout_id already in the buffer")
+    if dup_pair[row]:
+        raise ValidationError(file, rid, "sample_idx", f"(group_id, sample_idx) = ({gid!r}, {int(idx[row])}) repeated")
+    raise ValidationError(file, rid, "group_id",
+                          f"group {gid!r} is already in the buffer (a group's rows arrive in one append)")
 
 
 def _check_agreement(table: pa.Table, file: str) -> None:
+    """Every row of a group agrees with the group's first row on these columns; the first row in
+    file order that does not is reported (ties: column order)."""
     cols = ("prompt_id", "prompt", "run_id", "step", "policy_version")
-    data = {c: table.column(c).to_pylist() for c in ("rollout_id", "group_id") + cols}
-    first: dict[str, int] = {}
-    for i, gid in enumerate(data["group_id"]):
-        j = first.setdefault(gid, i)
-        for c in cols:
-            if data[c][i] != data[c][j]:
-                raise ValidationError(
-                    file, data["rollout_id"][i], c,
-                    f"group {gid!r} disagrees on {c}: {data[c][i]!r:.60} vs {data[c][j]!r:.60}",
-                )
+    gcode, gvalues = _codes(table.column("group_id"))
+    head = _first_rows(gcode, len(gvalues))[gcode]  # each row's group's first row
+    best: tuple[int, str] | None = None
+    for c in cols:
+        codes, _ = _codes(table.column(c))
+        row = _first(codes != codes[head])
+        if row is not None and (best is None or row < best[0]):
+            best = (row, c)
+    if best is None:
+        return
+    row, c = best
+    j = int(head[row])
+    mine, theirs = table.column(c)[row].as_py(), table.column(c)[j].as_py()
+    raise ValidationError(
+        file, table.column("rollout_id")[row].as_py(), c,
+        f"group {gvalues[gcode[row]].as_py()!r} disagrees on {c}: {mine!r:.60} vs {theirs!r:.60}",
+    )

@@ -2,7 +2,8 @@
 the manifest recorded (same size, same sha256).
 
 Invariants:
-- `check_present` is cheap (one stat per file) and catches deleted, emptied and truncated shards;
+- `check_present` is cheap (one lstat and a realpath per file) and catches deleted, emptied,
+  truncated shards and shards that are not regular files inside the buffer (a symbolic link);
   `verify_shards` also hashes, and caches a good result per process by (path, size, mtime_ns, inode),
   so a file is hashed once per process unless it changes; several files are hashed in parallel, and
   the error names the first bad shard in manifest order, as a serial check would.
@@ -16,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,12 +38,13 @@ class ShardError(RollstoreError):
 @dataclass(frozen=True)
 class Problem:
     shard: Shard
-    reason: str  # "missing", "size", "sha256"
+    reason: str  # "missing", "link", "size", "sha256"
 
     def describe(self, root: str) -> str:
         path = os.path.join(root, self.shard.path)
         what = {
             "missing": "missing",
+            "link": "not a regular file inside the buffer (a symbolic link, or under a linked folder)",
             "size": "size differs from the manifest (truncated or changed)",
             "sha256": "sha256 differs from the manifest (corrupted)",
         }[self.reason]
@@ -54,17 +57,22 @@ def advice(root: str) -> str:
 
 def _stat(path: str):
     try:
-        return os.stat(path)
-    except FileNotFoundError:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
 def check_shard(root: str, shard: Shard, full: bool = True) -> Problem | None:
-    """The problem of one shard, or None. `full=False` checks existence and size only."""
+    """The problem of one shard, or None. `full=False` checks existence, place and size only:
+    the rule every reader applies before it opens a file, and `verify` applies too. A shard is a
+    regular file at its own path inside the buffer: never a symbolic link, nor reached through a
+    linked folder (whatever the bytes it leads to)."""
     path = os.path.join(root, shard.path)
     st = _stat(path)
     if st is None:
         return Problem(shard, "missing")
+    if not stat.S_ISREG(st.st_mode) or os.path.realpath(path) != os.path.join(os.path.realpath(root), shard.path):
+        return Problem(shard, "link")
     if st.st_size != shard.bytes:
         return Problem(shard, "size")
     if not full:

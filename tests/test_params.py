@@ -12,7 +12,7 @@ from curate.params import (
 )
 
 ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "grpo", "pods",
-       "replay-d3s", "replay-groups", "replay-rollouts", "replay-window"]
+       "replay-d3s", "replay-groups", "replay-rollouts", "replay-rollouts-x3", "replay-window"]
 
 
 def test_builtin_recipes_are_the_spec_table():
@@ -33,6 +33,8 @@ def test_builtin_recipes_are_the_spec_table():
     assert presets["replay-rollouts"] == {"replay": "rollouts", **replay}
     assert presets["replay-d3s"] == {**presets["d3s"], "replay": "rollouts", **replay}
     assert presets["replay-window"] == {"replay": "window", "replay_window": 1, "replay_max_uses": 2}
+    assert presets["replay-rollouts-x3"] == {"replay": "rollouts", "replay_window": 3, "replay_max_uses": 3,
+                                            "replay_count": 1024}
     assert all("replay" in name for name in ALL if load_recipe(name).presets.get("replay"))
 
 

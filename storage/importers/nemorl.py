@@ -16,8 +16,9 @@ Invariants:
   the field: the importer reads the layout NeMo-RL writes, not a flattened one.
 - The response is the loss-masked span within `input_lengths` (`tokens.response_span`);
   `gen_logprobs` is `generation_logprobs`, `old_logprobs` `prev_logprobs`, cut to it.
-- `rollout_id` is a hash of the file's bytes and the line number; importing a file again adds
-  nothing. The step is the N of the file name.
+- `rollout_id` is a hash of the file's bytes, the step (the N of the file name: it is not in the
+  bytes, so two byte-identical dumps of different steps are different rows) and the line number;
+  importing a file again adds nothing.
 - Groups are rebuilt from order (consecutive rows with the same prompt tokens: NeMo-RL repeats
   each prompt `num_generations_per_prompt` times in a row, `repeat_interleave`),
   `policy_version` is the step, `finish_reason` is inferred from the tokenizer's eos, text is
@@ -77,7 +78,7 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
     for lineno, raw in lines:
         obj = _unwrap(raw, path, lineno)
         at = f"line {lineno}"
-        rid = stable_id(FORMAT, digest, lineno)
+        rid = stable_id(FORMAT, digest, step, lineno)
         ids = int_list(FORMAT, path, at, "token_ids", obj["token_ids"])
         length = obj.get("input_lengths", len(ids))
         if isinstance(length, bool) or not isinstance(length, int) or not 0 < length <= len(ids):

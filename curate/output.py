@@ -7,6 +7,10 @@ Invariants:
 - Curated rows are cut input shard after input shard (the snapshot's order), each shard's rows
   sorted by rollout_id, into shards of `rows_per_shard` rows (`part_layout`): both engines cut the
   same way, so they write the same bytes.
+- A curated row refers to its rollouts row (the shard's manifest path, its position in the file,
+  its rollout_id) and copies no token list (schema `CURATED_REFS`); the commit refuses when a
+  referenced rollouts shard was retired while the curation ran, so a committed curation's
+  references name live shards.
 - Curated shards, the audit and the record are published in ONE manifest commit; a failure before
   it leaves nothing visible, and an identical curation already committed is never written twice.
 - `ahead` builds the next part on a second thread while the committer writes the current one; the

@@ -110,9 +110,6 @@ class _Ctx:
     def shard(self, i: int) -> str:
         return self.files.listing["rollouts"][i]
 
-    def step(self, sql: str) -> Step:
-        return self.plan.step(sql)
-
 
 def _start(ctx: _Ctx, kind: str) -> None:
     hook = ctx.hooks.get(kind)
@@ -590,10 +587,6 @@ def _audit(job: _Run, collected, states: list, values: dict) -> pa.Table:
               "kept_counts": _concat(kept) if kept else pa.table(
                   {"rollout_id": pa.array([], pa.string()), "tokens_kept": pa.array([], pa.int32())})}
     return job.submit(_whole, job.ctx, idx, dict(values), tables).result()
-
-
-def _rows(state: _State) -> int:
-    return state.tables["work"].num_rows
 
 
 def _existing(buf: Buffer, curation_id: str, snapshot_seq: int) -> CurationResult:

@@ -15,7 +15,9 @@ Invariants:
 - Every combination is exact: integer counts add, the first missing id is the minimum, the token
   threshold is taken from the heads of its bucket (`curate.tokens`). So any split of the batch into
   parts gives the same values.
-- `MERGES` names every merge a plan may use; both engines dispatch through it.
+- `MERGES` names every merge a plan may use; both engines dispatch through it. Besides these
+  combinations, merges that find a refusal (`one_run`, `first_missing`, `first_without_behaviour`)
+  raise the run's one-line error; nothing is committed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def _one_run(partials: list, values: dict) -> dict:
         shown = ", ".join(repr(r) for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
         raise CurationError(f"parameter replay: the batch holds rows of {len(runs)} runs ({shown}); replay draws "
                             "on the batch's own run, so narrow `where` to one run_id")
+    return {}
+
+
+def _first_without_behaviour(partials: list, values: dict) -> dict:
+    missing = sorted(str(r[0]) for r in _rows(partials))
+    if missing:
+        raise CurationError(
+            f"rollout_id={missing[0]!r}: column 'old_logprobs' is null and 'gen_logprobs' were recomputed at import "
+            "by another model, so the row has no behaviour log-probs to replay it with; curate it without replay "
+            "(--set replay=none) or import the trainer's log-probs")
     return {}
 
 
@@ -95,6 +107,7 @@ class Merge:
 MERGES: dict[str, Merge] = {
     "nonempty": Merge(_nonempty),
     "one_run": Merge(_one_run),
+    "first_without_behaviour": Merge(_first_without_behaviour),
     "mu": Merge(_mu),
     "first_missing": Merge(_first_missing),
     "histogram": Merge(_histogram),

@@ -43,6 +43,10 @@ HISTORY_ROWS = ("(SELECT * FROM rollouts WHERE prompt_id IN "
 # With replay, a window row at its use cap still counts in its group's statistics: a replayed row
 # keeps the advantage of its group as generated (docs/replay.md).
 AS_GENERATED = "(SELECT * FROM work WHERE reason IS NULL OR (replayed AND reason = 'reused'))"
+# A row carries its sampling policy's log-probs unless its only ones were recomputed at import
+# (`rollstore import --score-model`, recorded in meta.import.lossy).
+BEHAVIOUR = ("(old_logprobs IS NOT NULL OR coalesce(json_extract_string(meta, '$.import.lossy'), '') "
+             "NOT LIKE '%gen_logprobs recomputed%')")
 MISSING_LENGTHS = "SELECT count(*) > 0 FROM work WHERE tokens_total IS NULL"
 
 
@@ -84,9 +88,6 @@ class Plan:
 
     def phase(self, name: str) -> list[Step]:
         return [s for s in self.steps if s.phase == name]
-
-    def step(self, sql: str) -> Step | None:
-        return next((s for s in self.steps if s.sql == sql), None)
 
     @property
     def token_stage(self) -> bool:
@@ -180,7 +181,7 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
     replay = p["replay"] != "none"
     add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
         relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
-        window=replay_window(p["where"]) if replay else "false",
+        window=replay_window(p["where"]) if replay else "false", behaviour=BEHAVIOUR if replay else "true",
         length="len(entropies)" if token != "none" else "len(response_token_ids)")
     if token != "none":
         add("curate_lengths", "candidates", ROW, ("work", "rollouts"), ("work",), relations=("rollouts",),
@@ -191,6 +192,8 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
     add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",), merge="nonempty")
     if replay:
         add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",), merge="one_run")
+        add("curate_replay_behaviour", "candidates", GLOBAL, ("work",), ("error if no behaviour log-probs",),
+            merge="first_without_behaviour")
 
     stats_rows = AS_GENERATED if replay else ELIGIBLE
     add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=stats_rows, out="full_groups")

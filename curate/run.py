@@ -44,7 +44,6 @@ from .output import (
     publish,
     referenced_paths,
     rows_per_shard,
-    sorted_by_rollout,
     summarise,
     token_values,
 )

@@ -9,11 +9,13 @@
 -- of the batch's own run sampled 1..$replay_window policy versions before $current_version and not
 -- matched by `where` (`replayed`); a row already selected $replay_max_uses times is `reused`.
 -- `age` = current_version − policy_version; `uses` = committed curations that selected it before.
+-- `has_behaviour`: the row carries its sampling policy's log-probs ({behaviour}; always true without replay).
 CREATE OR REPLACE TEMP TABLE work AS
 WITH batch AS (
     SELECT rollout_id, group_id, prompt_id, run_id, policy_version, reward, correct, verify_error,
            finish_reason, ({length})::INTEGER AS tokens_total, filename,
-           NOT coalesce(({where}), false) AS replayed
+           NOT coalesce(({where}), false) AS replayed,
+           ({behaviour}) AS has_behaviour
     FROM {rollouts} AS rollouts
     WHERE ({where}) OR ({window})
 ),

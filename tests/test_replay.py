@@ -235,3 +235,20 @@ def test_a_replay_curation_killed_at_every_write_point_counts_no_use_twice(tmp_p
     seen = {r["rollout_id"]: r["uses"] for r in again.audit.to_pylist()}
     assert all(seen[rid] == 1 for rid in first if rid in seen) and all(
         u == 0 for rid, u in seen.items() if rid not in first)
+
+
+def test_replay_refuses_rows_without_behaviour_log_probs():
+    """A window row whose only log-probs were recomputed at import by a score model cannot be
+    replayed (its behaviour policy is unknown): one line naming the row; fresh-only curation works."""
+    meta = json.dumps({"import": {"format": "verl-jsonl", "lossy": ["gen_logprobs recomputed by teacher forcing with m"]}})
+    rows = [_row("run", 0, 0, 0, i, i % 2 == 0, float(i % 2 == 0), 2, 0) for i in range(4)]
+    rows += [_row("run", 1, 1, 0, i, i % 2 == 0, float(i % 2 == 0), 2, 0) for i in range(4)]
+    for r in rows[:4]:
+        r["old_logprobs"], r["meta"] = None, meta
+    with _buffer(rows) as buf:
+        seq = buf.manifest.latest_seq()
+        with pytest.raises(CurationError, match=r"rollout_id='run-s0g0a0': column 'old_logprobs' is null and "
+                                                r"'gen_logprobs' were recomputed at import"):
+            curate(buf, load_recipe("replay-window"), {"where": "step = 1"})
+        assert buf.manifest.latest_seq() == seq
+        assert curate(buf, load_recipe("grpo"), {"where": "step = 1"}).record["n_selected"] == 4

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.buffer import Buffer
+from storage.references import null_lists
 from storage.schema import CURATED_REFS
 from storage.shardio import ROW_GROUP_BYTES
 
@@ -157,10 +158,14 @@ def sorted_by_rollout(table: pa.Table) -> pa.Table:
 
 def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[pa.Table, int]:
     """One curated shard's table (references, schema CURATED_REFS) from consecutive slices of
-    materialised input shards, and how many of its rows fell back to gen_logprobs. `root`: the
-    buffer root; each row's input shard is stored as the manifest's path under it."""
+    materialised input shards, and how many of its rows fell back to gen_logprobs (`fallback`: no
+    old_logprobs, told by the rollouts shards' column statistics, `storage.references.null_lists`,
+    without reading the column where they rule nulls out). `root`: the buffer root; each row's
+    input shard is stored as the manifest's path under it."""
     table = pa.concat_tables(pieces)
-    fallback = int(pc.sum(table.column("fallback")).as_py() or 0)
+    flags = null_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(), "old_logprobs")
+    fallback = int(flags.sum())
+    table = table.append_column("fallback", pa.array(flags, pa.bool_()))
     table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
     table = table.append_column("rollouts_shard", manifest_paths(table.column("shard_file"), root))
     return table.select(CURATED_REFS.names).cast(CURATED_REFS), fallback

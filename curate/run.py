@@ -9,7 +9,8 @@ Invariants:
   materialisation steps, only the shards that hold a selected row).
 - Token data is read at most once: the selected rows' entropies once (curate_token_entropies.sql).
   Materialisation writes references (shard, row position, rollout_id) and kept runs, never token
-  ids or log-probs (only `old_logprobs IS NULL`, the fallback flag). A dry run materialises nothing.
+  ids or log-probs (the fallback flag comes from the shards' column statistics, reading
+  `old_logprobs` only in row groups that may hold a null). A dry run materialises nothing.
 - The commit refuses when a rollouts shard the curated rows refer to was retired meanwhile.
 - Every candidate gets exactly one audit row with exactly one reason.
 - Curated shards, audit rows and the record are published in ONE manifest commit (`output.publish`);

@@ -2,18 +2,17 @@
 -- without curation_id and with the row's input shard as a full path): for the selected rows of one
 -- input shard ({rollouts}, read with `file_row_number`; the caller sorts them by rollout_id), a
 -- reference to the rollouts row (`shard_file`, `rollouts_row`, rollout_id), advantage_final,
--- weight, the response length, whether the row falls back to the sampler's log-probs (`fallback`:
--- no old_logprobs) and the loss mask {loss_mask} as kept runs [start, end, start, end, ...] (end
+-- weight, the response length and the loss mask {loss_mask} as kept runs [start, end, start, end, ...] (end
 -- exclusive): a token is kept when its (score desc, rollout_id asc, position asc) order is not after
 -- the K-th token's ($thr, $thr_rollout, $thr_pos), computed from `selected_entropies` (no second
 -- read of the entropies); with no token stage every token is kept. No token list is read or copied:
--- readers resolve the reference (storage/references.py). Run over a few input shards at a time (as
+-- readers resolve the reference (storage/references.py); the engine adds `fallback` (no
+-- old_logprobs) from the shards' column statistics (curate/output.py). Run over a few input shards at a time (as
 -- many as the session has threads; one per Dask task): memory stays bounded by their selected rows.
 WITH masked AS (
     SELECT
         r.rollout_id, r.group_id, r.prompt_id, r.policy_version,
         r.file_row_number                                 AS rollouts_row,
-        r.old_logprobs IS NULL                            AS fallback,
         w.advantage_final                                 AS advantage,
         w.weight,
         w.tokens_total                                    AS tokens,

@@ -195,3 +195,31 @@ def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str
             return (f"{source}: row {int(positions[where[i]])} of rollouts shard {rel} holds rollout_id="
                     f"{found[i].as_py()!r}, the reference says {wanted[int(where[i])].as_py()!r}")
     return None
+
+
+def null_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, column: str = "old_logprobs") -> np.ndarray:
+    """Whether `column` is null at each (file, row position): from the column statistics of the row
+    group holding the row (a null count of 0 there: no row of it is null), reading the column only
+    for the row groups whose statistics do not rule nulls out. Exact either way."""
+    files = files.combine_chunks() if isinstance(files, pa.ChunkedArray) else files
+    encoded = files.dictionary_encode()
+    codes = encoded.indices.to_numpy(zero_copy_only=False)
+    rows = np.asarray(rows, np.int64)
+    out = np.zeros(len(rows), np.bool_)
+    for k, path in enumerate(encoded.dictionary.to_pylist()):
+        where = np.flatnonzero(codes == k)
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        leaf = next(i for i in range(md.num_columns) if md.schema.column(i).path.split(".")[0] == column)
+        sizes = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], np.int64)
+        ends = np.cumsum(sizes)
+        groups = np.searchsorted(ends, rows[where], side="right")
+        for g in np.unique(groups):
+            chunk = md.row_group(int(g)).column(leaf)
+            stats = chunk.statistics if chunk.is_stats_set else None
+            if stats is not None and stats.has_null_count and stats.null_count == 0:
+                continue  # no null value at any level of this row group: no null list
+            nulls = pf.read_row_group(int(g), columns=[column]).column(0).is_null().to_numpy(zero_copy_only=False)
+            mine = where[groups == g]
+            out[mine] = nulls[rows[mine] - (ends[g] - sizes[g])]
+    return out

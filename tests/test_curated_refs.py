@@ -253,3 +253,18 @@ def test_export_materialises_curated_rows(curated_buffer, cli, tmp_path):
     direct = read_curated(_paths(root, result))
     assert exported.sort_by("rollout_id").equals(direct.sort_by("rollout_id"))
     assert read_curated_file(str(out / "curated" / "data-00000.parquet")).num_rows == direct.num_rows
+
+
+def test_null_lists_from_statistics_or_the_column(tmp_path):
+    from storage.references import null_lists
+
+    table = rollouts_table(n_groups=8, group_size=4, mean_tokens=6, seed=4).cast(ROLLOUTS)
+    old = table.column("old_logprobs").to_pylist()
+    old = [None if 10 <= i < 13 or i == 30 else v for i, v in enumerate(old)]  # row groups 2 and 6 hold nulls
+    table = table.set_column(table.schema.get_field_index("old_logprobs"), "old_logprobs",
+                             pa.array(old, ROLLOUTS.field("old_logprobs").type))
+    path = str(tmp_path / "r.parquet")
+    pq.write_table(table, path, row_group_size=5)
+    picks = np.array([31, 30, 0, 12, 9, 10, 22, 13])
+    got = null_lists(pa.array([path] * len(picks)), picks)
+    assert got.tolist() == [old[i] is None for i in picks]

@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part, WrittenPart, token_count
 from storage.owners import owned_name
-from storage.schema import CURATED, CURATIONS, SELECTIONS, TABLES
+from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS, TABLES
 from storage.shardio import READ_THREADS, write_tmp
 from storage.snapshot import SnapshotFiles, sql_string
 
@@ -65,6 +65,7 @@ from .output import (
     part_layout,
     part_name,
     publish,
+    referenced_paths,
     rows_per_shard,
     sorted_by_rollout,
     summarise,
@@ -328,9 +329,9 @@ def _materialise_part(ctx: _Ctx, curation_id: str, k: int, slices: list, values:
         with _session(ctx) as s:
             for name, table in state.tables.items():
                 s.load(name, table)
-            table = Runner(s, values).table(step, {"rollouts": parquet([ctx.shard(i)])})
+            table = Runner(s, values).table(step, {"rollouts": parquet([ctx.shard(i)], numbered=True)})
             pieces.append(sorted_by_rollout(table).slice(start, rows))
-    table, fallback = curated_table(pieces, curation_id)
+    table, fallback = curated_table(pieces, curation_id, ctx.files.root)
     name, path = part_name(curation_id, k)
     return _Written(_write(ctx, "curated", table, path, curation_id), fallback)
 
@@ -529,10 +530,11 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     record["output_files"] = json.dumps(out.output_files)
     if not commit:
         curated = [pq.read_table(os.path.join(buf.root, w.part.tmp_relpath)) for w in parts]
-        out.curated = pa.concat_tables(curated).cast(CURATED) if curated else CURATED.empty_table()
+        out.curated = pa.concat_tables(curated).cast(CURATED_REFS) if curated else CURATED_REFS.empty_table()
         return out
     record_part = Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), curation_id)
-    return publish(buf, lambda: [w.part for w in parts] + [audit_part, record_part], curation_id, out)
+    referenced = referenced_paths([ctx.shard(i) for i in shards], buf.root)
+    return publish(buf, lambda: [w.part for w in parts] + [audit_part, record_part], curation_id, out, referenced)
 
 
 def _partition_resume(ctx: _Ctx, state: _State, values: dict, shipped: dict) -> _State:

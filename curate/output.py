@@ -7,6 +7,10 @@ Invariants:
 - Curated rows are cut input shard after input shard (the snapshot's order), each shard's rows
   sorted by rollout_id, into shards of `rows_per_shard` rows (`part_layout`): both engines cut the
   same way, so they write the same bytes.
+- A curated row refers to its rollouts row (the shard's manifest path, its position in the file,
+  its rollout_id) and copies no token list (schema `CURATED_REFS`); the commit refuses when a
+  referenced rollouts shard was retired while the curation ran, so a committed curation's
+  references name live shards.
 - Curated shards, the audit and the record are published in ONE manifest commit; a failure before
   it leaves nothing visible, and an identical curation already committed is never written twice.
 - `ahead` builds the next part on a second thread while the committer writes the current one; the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -26,10 +31,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.buffer import Buffer
-from storage.schema import CURATED
+from storage.references import null_lists
+from storage.schema import CURATED_REFS
 from storage.shardio import ROW_GROUP_BYTES
 
-from .params import token_budget
+from .params import CurationError, token_budget
 from .plan import Plan
 
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
@@ -150,19 +156,49 @@ def sorted_by_rollout(table: pa.Table) -> pa.Table:
     return table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
 
 
-def curated_table(pieces: list[pa.Table], curation_id: str) -> tuple[pa.Table, int]:
-    """One curated shard's table from consecutive slices of materialised input shards, and how
-    many of its rows fell back to gen_logprobs."""
+def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[pa.Table, int]:
+    """One curated shard's table (references, schema CURATED_REFS) from consecutive slices of
+    materialised input shards, and how many of its rows fell back to gen_logprobs (`fallback`: no
+    old_logprobs, told by the rollouts shards' column statistics, `storage.references.null_lists`,
+    without reading the column where they rule nulls out). `root`: the buffer root; each row's
+    input shard is stored as the manifest's path under it."""
     table = pa.concat_tables(pieces)
-    fallback = int(pc.sum(table.column("fallback")).as_py() or 0)
+    flags = null_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(), "old_logprobs")
+    fallback = int(flags.sum())
+    table = table.append_column("fallback", pa.array(flags, pa.bool_()))
     table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
-    return table.select(CURATED.names).cast(CURATED), fallback
+    table = table.append_column("rollouts_shard", manifest_paths(table.column("shard_file"), root))
+    return table.select(CURATED_REFS.names).cast(CURATED_REFS), fallback
+
+
+def manifest_paths(files: pa.ChunkedArray, root: str) -> pa.Array:
+    """Full paths of shards under `root` → their paths as the manifest records them."""
+    encoded = files.combine_chunks().dictionary_encode()
+    prefix = os.path.join(root, "")
+    names = []
+    for name in encoded.dictionary.to_pylist():
+        if not name.startswith(prefix):
+            raise ValueError(f"{name}: a curated row refers to a shard outside the buffer {root}")
+        names.append(name[len(prefix):])
+    return pa.array(names, pa.string()).take(encoded.indices)
+
+
+def referenced_paths(files: list[str], root: str) -> list[str]:
+    """The manifest paths of the input shards a curation's rows refer to."""
+    return manifest_paths(pa.chunked_array([pa.array(files, pa.string())]), root).to_pylist()
 
 
 def already_committed(buf: Buffer, curation_id: str) -> bool:
     """Whether the manifest holds a live record of this curation: the only test of "committed"
     (files on disk without a manifest row are orphans of a crashed run, never trusted)."""
     return buf.manifest.live_key_count("curations", curation_id) > 0
+
+
+def retired_paths(con, paths) -> list[str]:
+    """Of the rollouts shard `paths`, those no live manifest row names (inside `con`'s transaction)."""
+    live = {r[0] for r in con.execute(
+        "SELECT path FROM shards WHERE table_name = 'rollouts' AND removed_seq IS NULL")}
+    return [p for p in paths if p not in live]
 
 
 class _AlreadyCommitted(Exception):
@@ -217,14 +253,20 @@ def ahead(items):
         worker.join()
 
 
-def publish(buf: Buffer, parts, curation_id: str, out: CurationResult) -> CurationResult:
+def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = ()) -> CurationResult:
     """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
     the manifest says this curation is already committed (then nothing is written: the run is
-    idempotent). A concurrent identical run that commits first makes this one roll back."""
+    idempotent). A concurrent identical run that commits first makes this one roll back, and so
+    does a rollouts shard of `referenced` (manifest paths the curated rows refer to) that was
+    retired meanwhile (compacted or quarantined): the references would not resolve."""
 
     def refuse_duplicate(con, _seq, _ids):
         if buf.manifest.live_key_count("curations", curation_id, con) > 1:
             raise _AlreadyCommitted()
+        gone = retired_paths(con, referenced)
+        if gone:
+            raise CurationError(f"rollouts shard {gone[0]} was retired while this curation ran (compaction or "
+                                "quarantine); nothing was committed: curate again")
 
     out.committed = True
     if already_committed(buf, curation_id):

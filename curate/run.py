@@ -7,9 +7,11 @@ Invariants:
 - The run executes the plan it hashes: each step's text as built by `curate.plan.build`, with only
   its declared relations bound to files (all rollouts shards for the candidates; for the token and
   materialisation steps, only the shards that hold a selected row).
-- Token data is read at most once: the selected rows' entropies once (curate_token_entropies.sql),
-  their token ids and log-probs once, by materialisation. A dry run materialises nothing, so it
-  never reads token ids or log-probs.
+- Token data is read at most once: the selected rows' entropies once (curate_token_entropies.sql).
+  Materialisation writes references (shard, row position, rollout_id) and kept runs, never token
+  ids or log-probs (the fallback flag comes from the shards' column statistics, reading
+  `old_logprobs` only in row groups that may hold a null). A dry run materialises nothing.
+- The commit refuses when a rollouts shard the curated rows refer to was retired meanwhile.
 - Every candidate gets exactly one audit row with exactly one reason.
 - Curated shards, audit rows and the record are published in ONE manifest commit (`output.publish`);
   a failure before it leaves nothing visible. Re-running the same curation (same id, on either
@@ -28,7 +30,7 @@ import pyarrow.compute as pc
 
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part
-from storage.schema import CURATED, CURATIONS, SELECTIONS
+from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 
 from .custom import choose_custom
 from .merges import MERGES
@@ -41,6 +43,7 @@ from .output import (
     part_layout,
     part_name,
     publish,
+    referenced_paths,
     rows_per_shard,
     summarise,
     token_values,
@@ -95,7 +98,7 @@ def curate(
 
     `dry_run`: the what-if audit: the record and every candidate's audit row (tokens kept
     included), no curated shards, nothing committed. `commit=False`: the full curation, returned in
-    memory (`result.curated`) and not committed.
+    memory (`result.curated`: the curated shards' rows as stored, references) and not committed.
 
     `session`: an open `Session` of this buffer to reuse (a loop pays the connection once per run);
     it is rebound to the snapshot (`Session.rebind`: nothing of an earlier job stays visible), its
@@ -202,7 +205,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
                 if current[0] != i:  # input shards come in order: each is materialised once
                     current = (i, next(shards))
                 pieces.append(current[1].slice(start, rows))
-            table, fallback = curated_table(pieces, curation_id)
+            table, fallback = curated_table(pieces, curation_id, buf.root)
             record["old_logprobs_fallback"] += fallback
             name, path = part_name(curation_id, k)
             output_files.append(path)
@@ -215,9 +218,9 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
 
     if not commit:
         curated = [part.table for part in parts() if part.table_name == "curated"]
-        out.curated = pa.concat_tables(curated) if curated else CURATED.empty_table()
+        out.curated = pa.concat_tables(curated) if curated else CURATED_REFS.empty_table()
         return out
-    return publish(buf, lambda: ahead(parts()), curation_id, out)
+    return publish(buf, lambda: ahead(parts()), curation_id, out, referenced_paths(opened, buf.root))
 
 
 def _materialised(runner: Runner, materialise: Step, opened: list[str], expected: dict[str, int]):
@@ -227,7 +230,7 @@ def _materialised(runner: Runner, materialise: Step, opened: list[str], expected
     group, and a small shard is one row group, so shard-by-shard reads ran on one thread. Memory
     stays bounded by one group's selected rows."""
     for group in _shard_groups(opened, max(1, runner.session.threads())):
-        table = runner.table(materialise, {"rollouts": parquet(group)})
+        table = runner.table(materialise, {"rollouts": parquet(group, numbered=True)})
         where = pc.index_in(table.column("shard_file"), value_set=pa.array(group, pa.string()))
         if where.null_count:
             raise CurationError(f"materialisation read a row of a shard outside {len(group)} opened shards; "

@@ -62,10 +62,11 @@ class Runner:
         return self.table(step, bound) if arrow else self.rows(step, bound)
 
 
-def parquet(paths: list[str], located: bool = False) -> str:
-    """A relation over these Parquet files (with their `filename` when `located`)."""
+def parquet(paths: list[str], located: bool = False, numbered: bool = False) -> str:
+    """A relation over these Parquet files (with their `filename` when `located`, and each row's
+    position in its file, `file_row_number`, when `numbered`: what a curated row refers to)."""
     listing = ", ".join(sql_string(p) for p in paths)
-    extra = ", filename = true" if located else ""
+    extra = (", filename = true" if located else "") + (", file_row_number = true" if numbered else "")
     return f"read_parquet([{listing}]{extra}, hive_partitioning = false)"
 
 

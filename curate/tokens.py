@@ -50,7 +50,7 @@ def mask_expression(token: str) -> str:
     """The loss mask of a selected row (`e` = its selected_entropies row, `r` its rollout): with a
     token stage, each token's order against the K-th token's ($thr, $thr_rollout, $thr_pos)."""
     if token == "none":
-        return "list_transform(r.response_token_ids, lambda t: true)"
+        return "list_transform(range(w.tokens_total), lambda i: true)"
     return _per_row(token, "list_transform(e.entropies, {lam})")
 
 

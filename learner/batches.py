@@ -1,8 +1,9 @@
 """Curated shards → padded torch batches (a trivial loader: no joins, no business logic).
 
-A curated shard (schema `curated`) already holds everything the learner needs; this module only
-reads the given Parquet files (a snapshot's or a lease's list), checks the per-token lengths, and
-pads rows into tensors.
+A curated shard refers to its rollouts rows (schema `curated`, docs/schema.md); this module reads
+the given Parquet files (a snapshot's or a lease's list) resolved by `storage.references` (the one
+place that joins references to rollouts rows), checks the per-token lengths, and pads rows into
+tensors.
 
 Invariants:
 - Order is deterministic: files in the order given, rows in stored order; with `shuffle_seed` a
@@ -24,11 +25,11 @@ from typing import Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
 from storage.errors import RollstoreError
+from storage.references import read_curated_file
 from storage.schema import CURATED
 
 from .distributed import passes, rank_block
@@ -78,10 +79,13 @@ class Batch:
 
 
 def read_curated(paths: Sequence[str]) -> pa.Table:
-    """The rows of `paths`, in order, with the `curated` columns; lengths checked per file."""
+    """The rows of `paths`, in order, with the `curated` columns; lengths checked per file. A thin
+    shard's references are resolved against the rollouts shards of its buffer
+    (`storage.references`: only the row groups holding a referenced row are read, each row's
+    rollout_id checked); a reference that does not resolve is one error line."""
     tables = []
     for path in paths:
-        table = pq.read_table(path, columns=CURATED.names).cast(CURATED)
+        table = read_curated_file(str(path))
         _check(table, str(path))
         tables.append(table)
     if not tables:
@@ -98,7 +102,7 @@ def check_vocabulary(paths: Sequence[str], vocab_size: int) -> None:
     vocabulary size, before anything is trained or committed; an embedding lookup would fail
     mid-training with an IndexError that says neither."""
     for path in paths:
-        table = pq.read_table(path, columns=["rollout_id", "prompt_token_ids", "response_token_ids"])
+        table = read_curated_file(str(path)).select(["rollout_id", "prompt_token_ids", "response_token_ids"])
         for name in ("prompt_token_ids", "response_token_ids"):
             col = table.column(name).combine_chunks()
             flat = pc.list_flatten(col)

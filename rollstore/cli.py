@@ -255,8 +255,15 @@ def verify(
         for p in problems:
             err.print(p.describe(buf.root), highlight=False, markup=False)
         if not problems:
-            out.print(f"{len(shards)} shards verified, all match the manifest", highlight=False)
-            return
+            dangling = v.scan_references(buf.root, buf.manifest)
+            for line in dangling:
+                err.print(line, highlight=False, markup=False)
+            if not dangling:
+                out.print(f"{len(shards)} shards verified, all match the manifest; every curated reference "
+                          "resolves", highlight=False)
+                return
+            fail(f"{len(dangling)} curated shards refer to rollouts rows that do not resolve; curate again "
+                 "(their curations cannot be trained)")
         if quarantine:
             seq = v.quarantine(buf.root, buf.manifest, problems)
             out.print(f"quarantined {len(problems)} of {len(shards)} shards (commit {seq}); "

@@ -14,7 +14,11 @@ Invariants:
   sibling partial folder `.<DIR>.partial-<host>-<pid>-<hex>` and renamed into place at the end: a
   failed export leaves no DIR (or the empty one it found); a killed one's partial folder is removed
   by the next export to the same DIR.
-- Rows stream shard by shard (memory bounded by one record batch), in manifest order.
+- Rows stream shard by shard (memory bounded by one record batch; a curated shard: its rows), in
+  manifest order.
+- The export is self-contained: curated rows are materialised (references resolved against the
+  snapshot's live rollouts shards, token lists written out; schema `CURATED`), so nothing outside
+  rollstore resolves references. A reference that does not resolve fails the export (one line).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import pyarrow.parquet as pq
 
 from rollstore.outfile import check_output_dir, partial_dir
 from storage.buffer import Buffer
-from storage.schema import SCHEMA_VERSION, TABLES
+from storage.references import read_curated_file
+from storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES
 
 
 @dataclass
@@ -47,9 +52,15 @@ def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
         with buf.snapshot(seq, pin=True) as snap:
             snap.verify()
             rows = {}
+            live = [s.path for s in snap.shards("rollouts")]
             for name in TABLES:
-                if snap.rows(name):
-                    rows[name] = _write_table(snap.arrow(name), name, os.path.join(tmp, name))
+                if not snap.rows(name):
+                    continue
+                if name == "curated":  # materialised: references resolved, token lists written out
+                    batches = (read_curated_file(f, snap.root, live) for f in snap.files(name))
+                else:
+                    batches = snap.arrow(name).to_batches()
+                rows[name] = _write_table(batches, name, os.path.join(tmp, name))
             with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
                 fh.write(dataset_card(os.path.basename(buf.root.rstrip(os.sep)), snap.seq, rows))
             seq_done = snap.seq
@@ -63,14 +74,19 @@ def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
     return ExportInfo(target, seq_done, rows)
 
 
-def _write_table(dataset, name: str, folder: str) -> int:
+def exported_schema(name: str) -> pa.Schema:
+    """The schema of an exported table: curated rows materialised (`CURATED`), others as stored."""
+    return READ_SCHEMAS[name]
+
+
+def _write_table(batches, name: str, folder: str) -> int:
     os.makedirs(folder)
     path = os.path.join(folder, "data-00000.parquet")
     n = 0
-    with pq.ParquetWriter(path, TABLES[name], compression="zstd") as writer:
-        for batch in dataset.to_batches():
+    with pq.ParquetWriter(path, exported_schema(name), compression="zstd") as writer:
+        for batch in batches:
             if batch.num_rows:
-                writer.write_batch(batch)
+                writer.write(batch) if isinstance(batch, pa.Table) else writer.write_batch(batch)
                 n += batch.num_rows
     return n
 
@@ -107,7 +123,7 @@ def dataset_card(buffer_name: str, seq: int, rows: dict[str, int]) -> str:
               "```", ""]
     for name in names:
         lines += [f"## `{name}` columns", "", "| column | type |", "|---|---|"]
-        lines += [f"| {f.name} | {_type_text(f.type)} |" for f in TABLES[name]]
+        lines += [f"| {f.name} | {_type_text(f.type)} |" for f in exported_schema(name)]
         lines.append("")
     lines += ["Per-token lists (`gen_logprobs`, `old_logprobs`, `entropies`) have the length of "
               "`response_token_ids`. `meta` is JSON text; rows imported from another framework say "

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
-from storage.verify import verify_shards
+from storage.verify import verify_references, verify_shards
 
 
 def check_curations(buffer: str, curations: list[str]) -> None:
@@ -104,6 +104,7 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
                     shards = [s for s in shards if s.key in set(curations)]
                 if shards:
                     verify_shards(buf.root, shards)
+                    verify_references(buf.root, buf.manifest, shards)
             shards = dist.broadcast(shards)
             stop = dist.broadcast(not shards and bool(max_idle) and time.monotonic() - idle_since > max_idle)
             if shards:

@@ -88,6 +88,7 @@ from rollout.prompts import Prompt, prompt_hash
 from rollout.reward import Verdict
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
+from storage.references import runs_to_mask
 
 __all__ = ["RollstoreGRPOTrainer", "TRLPluginError"]
 
@@ -390,9 +391,11 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         result = run_curation(self.rollstore_buffer, self.rollstore_recipe, sets)
         self.rollstore_curations.append(result)
         with self.rollstore_buffer.snapshot() as snap:
-            curated = snap.arrow("curated").to_table(
+            stored = snap.arrow("curated", resolved=False).to_table(  # the stored mask: kept runs
                 filter=ds.field("curation_id") == result.curation_id,
-                columns=["rollout_id", "advantage", "weight", "loss_mask"]).to_pylist()
+                columns=["rollout_id", "advantage", "weight", "keep_runs", "tokens"])
+            curated = stored.append_column("loss_mask", runs_to_mask(
+                stored.column("keep_runs"), stored.column("tokens").to_numpy())).to_pylist()
         no_verdict = sum(1 for i, ok in enumerate(self._rollstore_eligible)
                          if not ok and not math.isnan(float(self._rollstore_trl_rewards[i])))
         if no_verdict and not self._rollstore_warned:

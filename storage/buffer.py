@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from .errors import RollstoreError, ValidationError
 from .manifest import Manifest, NewShard, Shard
-from .schema import TABLES
+from .schema import stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file
 from .snapshot import Snapshot
 from .validate import validate_rollouts
@@ -110,7 +110,12 @@ class WrittenPart:
 
 
 def token_count(table: pa.Table) -> int:
-    if "response_token_ids" not in table.column_names or table.num_rows == 0:
+    """Response tokens of a shard's rows (a thin curated shard: those its references name)."""
+    if table.num_rows == 0:
+        return 0
+    if "response_token_ids" not in table.column_names:
+        if "rollouts_row" in table.column_names:
+            return int(pc.sum(table.column("tokens")).as_py() or 0)
         return 0
     return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
 
@@ -180,7 +185,7 @@ class Buffer:
                         written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
                                                 part.bytes, part.sha256, part.key))
                     else:
-                        schema = TABLES[part.table_name]
+                        schema = stored_schema(part.table_name, part.table.schema)
                         table = part.table.select(schema.names).cast(schema)
                         if part.metadata:
                             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})

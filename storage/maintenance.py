@@ -18,7 +18,9 @@ Invariants:
 - `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
   merged rows are the old rows in commit order, so every query's result is unchanged; the old
   files stay on disk until `gc` finds no snapshot that needs them. Shards that any consumer has
-  leased are never merged (a consumer's ledger refers to shard ids).
+  leased are never merged (a consumer's ledger refers to shard ids), nor are rollouts shards that a
+  live curated shard refers to (by shard path and row position): a referenced rollouts shard is
+  never rewritten or retired by compaction, so `gc` never deletes one either.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import pyarrow.parquet as pq
 from .buffer import TABLE_DIRS, Buffer, Part
 from .errors import ManifestError, RollstoreError
 from .owners import host, owner_gone, owner_prefix, parse
+from .references import referenced_shards
 from .verify import verify_shards
 from .writelock import collecting
 
@@ -192,18 +195,30 @@ class CompactReport:
     rows: int = 0
 
 
+def _referenced(buf: Buffer) -> set[str]:
+    """Rollouts shard paths that live curated shards refer to."""
+    return referenced_shards([os.path.join(buf.root, s.path) for s in buf.manifest.shards("curated")])
+
+
 def compact(
     buf: Buffer, table: str = "rollouts", small_bytes: int = 16 * 1024 * 1024,
     target_bytes: int = COMPACT_TARGET_BYTES,
 ) -> CompactReport:
     """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes.
 
+    A rollouts shard that a live curated shard refers to is never merged (its rows' positions are
+    what the references name); a curation that commits meanwhile makes the compaction roll back.
+
     Only shards with the same key in the same folder (e.g. one curation's) are merged together."""
     if table not in COMPACTABLE:
         raise RollstoreError(f"table {table!r} cannot be compacted (only {', '.join(COMPACTABLE)})")
     man = buf.manifest
+    man.require_writable()  # a write command: refused up front, also when nothing is left to merge
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
-    shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
+    seen_seq = man.latest_seq()
+    referenced = _referenced(buf) if table == "rollouts" else set()
+    shards = [s for s in man.shards(table)
+              if s.bytes < small_bytes and s.shard_id not in leased and s.path not in referenced]
 
     def home(s) -> tuple:  # a merged shard keeps its key and folder (e.g. a curation's)
         return s.key, os.path.dirname(s.path)
@@ -245,6 +260,11 @@ def compact(
                 raise ManifestError("a shard changed during compaction; nothing was committed")
             if con.execute(f"SELECT 1 FROM leases WHERE shard_id IN ({marks}) LIMIT 1", ids).fetchone():
                 raise ManifestError("a shard was leased during compaction; nothing was committed")
+            if table == "rollouts" and con.execute(
+                    "SELECT 1 FROM shards WHERE table_name = 'curated' AND added_seq > ? LIMIT 1",
+                    (seen_seq,)).fetchone():
+                raise ManifestError("a curation committed during compaction (its rows may refer to these "
+                                    "shards); nothing was committed: run compact again")
             if table == "rollouts":
                 con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
                 con.execute(f"UPDATE group_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: curated shards hold references (CURATED_REFS), not token lists
 
 _f32_list = pa.list_(pa.float32())
 _i32_list = pa.list_(pa.int32())
@@ -46,6 +46,7 @@ ROLLOUTS = pa.schema(
 TOKEN_LIST_COLUMNS = ("gen_logprobs", "old_logprobs", "entropies")
 FINISH_REASONS = ("stop", "length", "abort")
 
+# The learner's rows of a curation, resolved (the `curated` view, `export`, `learner.batches`).
 CURATED = pa.schema(
     [
         pa.field("curation_id", pa.string(), nullable=False),
@@ -60,6 +61,30 @@ CURATED = pa.schema(
         pa.field("advantage", pa.float32(), nullable=False),
         pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
         pa.field("weight", pa.float32(), nullable=False),
+    ]
+)
+
+# What a curated shard stores (docs/schema.md §curated): per selected row a reference to its
+# rollouts row (`rollouts_shard`, the shard's path under the buffer root as the manifest records it;
+# `rollouts_row`, the row's position in that file; `rollout_id`, checked on resolution), the
+# curation's numbers, and the loss mask as kept runs: [start0, end0, start1, end1, ...] response
+# positions (end exclusive; [] keeps nothing). `tokens` is the response length (checked on
+# resolution); `fallback` says the row had no old_logprobs (the learner uses gen_logprobs).
+# No token list is copied: readers resolve references into `CURATED` (storage.references).
+CURATED_REFS = pa.schema(
+    [
+        pa.field("curation_id", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("rollouts_shard", pa.string(), nullable=False),
+        pa.field("rollouts_row", pa.int64(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("weight", pa.float32(), nullable=False),
+        pa.field("keep_runs", _i32_list, nullable=False),
+        pa.field("tokens", pa.int32(), nullable=False),
+        pa.field("fallback", pa.bool_(), nullable=False),
     ]
 )
 
@@ -160,10 +185,23 @@ EVALUATIONS = pa.schema(
 # Every table stored as Parquet shards registered in the manifest, by name.
 TABLES: dict[str, pa.Schema] = {
     "rollouts": ROLLOUTS,
-    "curated": CURATED,
+    "curated": CURATED_REFS,  # stored thin; the `curated` view resolves to CURATED
     "selections": SELECTIONS,
     "curations": CURATIONS,
     "checkpoints": CHECKPOINTS,
     "training": TRAINING,
     "evaluations": EVALUATIONS,
 }
+
+# The schema readers see per table (the DuckDB views, `Snapshot.arrow`/`polars`, export): as
+# stored, except `curated`, which reads resolved.
+READ_SCHEMAS: dict[str, pa.Schema] = {**TABLES, "curated": CURATED}
+
+
+def stored_schema(table_name: str, schema: pa.Schema) -> pa.Schema:
+    """The schema a shard of `table_name` is written with, given the table's own `schema`: a curated
+    shard holds references (`CURATED_REFS`) unless it is materialised (token lists inside, `CURATED`:
+    what version 1 wrote, and what a caller may still commit)."""
+    if table_name == "curated" and "rollouts_row" not in schema.names:
+        return CURATED
+    return TABLES[table_name]

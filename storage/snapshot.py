@@ -6,7 +6,8 @@ Invariants:
 - A snapshot older than the last seq whose retired shards `gc` deleted is refused, never read with
   shards missing.
 - Every table of `schema.TABLES` is readable, also when it has no shard yet (an empty relation of
-  the contract's schema).
+  the contract's schema). `curated` reads resolved (schema `CURATED`: thin shards' references
+  joined to the snapshot's live rollouts rows) in the DuckDB view, `arrow` and `polars`.
 - A pin is best-effort: when the manifest cannot be written (disk full) a snapshot still reads.
 - Files are handed to an engine only after a stat shows each exists with its recorded size (a
   deleted or truncated shard is one error line); `verify` also checks sha256 (storage.verify).
@@ -21,10 +22,12 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from .errors import ManifestError
 from .manifest import Manifest, ManifestReadOnly, Shard
-from .schema import TABLES
+from .references import is_thin, read_curated_file
+from .schema import CURATED, READ_SCHEMAS, TABLES
 from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
@@ -90,15 +93,27 @@ class Snapshot:
     def rows(self, table: str) -> int:
         return sum(s.rows for s in self._shards[table])
 
-    def arrow(self, table: str) -> ds.Dataset:
+    def arrow(self, table: str, resolved: bool = True) -> ds.Dataset:
+        """A dataset of `table`'s rows. `curated` comes resolved (schema `CURATED`: references
+        joined to the rollouts rows, in memory) unless `resolved=False` (the stored references)."""
         files = self.files(table)
+        if table == "curated" and resolved:
+            return ds.dataset(self.curated())
         if not files:
             return ds.dataset(pa.Table.from_batches([], schema=TABLES[table]))
         return ds.dataset(files, schema=TABLES[table], format="parquet")
 
+    def curated(self) -> pa.Table:
+        """Every curated row of this snapshot, resolved (schema `CURATED`), in manifest order."""
+        live = [s.path for s in self._shards["rollouts"]]
+        tables = [read_curated_file(f, self.root, live) for f in self.files("curated")]
+        return pa.concat_tables(tables) if tables else CURATED.empty_table()
+
     def polars(self, table: str) -> "pl.LazyFrame":
         import polars as pl
 
+        if table == "curated":  # resolved, as `arrow`
+            return pl.from_arrow(self.curated()).lazy()
         files = self.files(table)
         if not files:
             return pl.from_arrow(pa.Table.from_batches([], schema=TABLES[table])).lazy()
@@ -121,7 +136,7 @@ class Snapshot:
         """Create a view per table (named as the table) over this snapshot's files, after checking
         that every file is there with its recorded size."""
         self.check_present(tables)
-        _register_duckdb(con, self.files, tables)
+        _register_duckdb(con, self.files, tables, self.root)
 
     def frozen(self) -> "SnapshotFiles":
         """This snapshot's file lists as a plain, picklable value (for processes that must not open
@@ -142,22 +157,60 @@ class SnapshotFiles:
         return list(self.listing[table])
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
-        _register_duckdb(con, self.files, tables)
+        _register_duckdb(con, self.files, tables, self.root)
 
 
-def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None) -> None:
+def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None, root: str) -> None:
     """Views by name; columns are matched by name, since a table may gain columns (shards written
-    before a column was added read it as null)."""
+    before a column was added read it as null). `curated` shows the resolved columns (`CURATED`):
+    thin shards joined to their rollouts rows, materialised ones as stored (`curated_view`)."""
     for name in tables or list(TABLES):
         files = files_of(name)
-        if files:
+        if name == "curated" and files:
+            con.execute(f"CREATE OR REPLACE VIEW curated AS {curated_view(files, files_of('rollouts'), root)}")
+        elif files:
             listing = ", ".join(sql_string(f) for f in files)
             con.execute(
                 f"CREATE OR REPLACE VIEW {name} AS "
                 f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)"
             )
         else:
-            empty = pa.Table.from_batches([], schema=TABLES[name])
+            empty = pa.Table.from_batches([], schema=READ_SCHEMAS[name])
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
             con.unregister(f"_empty_{name}")
+
+
+def curated_view(curated: list[str], rollouts: list[str], root: str) -> str:
+    """The SELECT of the `curated` view (the `CURATED` columns): thin shards' references joined to
+    the snapshot's rollouts rows by (file, row position), the rollout_id checked by the join; kept
+    runs expanded to the loss mask; materialised (version 1) shards as stored."""
+    thin, full = [], []
+    for path in curated:
+        (thin if is_thin(pq.read_schema(path)) else full).append(path)
+    selects = []
+    if thin:
+        refs = ", ".join(sql_string(f) for f in thin)
+        shards = ", ".join(sql_string(f) for f in rollouts) if rollouts else None
+        prefix = sql_string(os.path.join(root, ""))
+        rows = (f"read_parquet([{shards}], filename = true, file_row_number = true, hive_partitioning = false, "
+                "union_by_name = true)" if shards else
+                "(SELECT NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number, NULL::VARCHAR AS rollout_id, "
+                "NULL::INTEGER[] AS prompt_token_ids, NULL::INTEGER[] AS response_token_ids, "
+                "NULL::FLOAT[] AS gen_logprobs, NULL::FLOAT[] AS old_logprobs WHERE false)")
+        selects.append(
+            "SELECT c.curation_id, c.rollout_id, c.group_id, c.prompt_id, c.policy_version, "
+            "r.prompt_token_ids, r.response_token_ids, coalesce(r.old_logprobs, r.gen_logprobs) AS old_logprobs, "
+            "r.gen_logprobs, c.advantage, "
+            # segment k of the bounds [0, runs..., tokens] is kept when k is odd
+            "flatten(list_transform(range(len(c.bounds) - 1), lambda k: "
+            "list_resize([]::BOOLEAN[], c.bounds[k + 2] - c.bounds[k + 1], k % 2 = 1))) AS loss_mask, "
+            "c.weight FROM (SELECT *, list_concat([0], keep_runs, [tokens]) AS bounds "
+            f"FROM read_parquet([{refs}], hive_partitioning = false)) c "
+            f"JOIN {rows} r ON r.filename = {prefix} || c.rollouts_shard AND r.file_row_number = c.rollouts_row "
+            "AND r.rollout_id = c.rollout_id")
+    if full:
+        listing = ", ".join(sql_string(f) for f in full)
+        names = ", ".join(CURATED.names)
+        selects.append(f"SELECT {names} FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)")
+    return " UNION ALL ".join(selects)

@@ -7,6 +7,8 @@ Invariants:
   `verify_shards` also hashes, and caches a good result per process by (path, size, mtime_ns, inode),
   so a file is hashed once per process unless it changes; several files are hashed in parallel, and
   the error names the first bad shard in manifest order, as a serial check would.
+- `scan_references` follows thin curated shards' references: each must name a live rollouts shard
+  and, at the row position it names, the rollout_id it names.
 - A bad shard raises one `ShardError` line naming the file and what to do about it; nothing here
   writes, except `quarantine`, which retires bad shards in ONE manifest commit and moves their
   files (when present) under `quarantine/` — never deleting them.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from .errors import RollstoreError
 from .manifest import Manifest, Shard
+from .references import check_references, read_references
 from .shardio import READ_THREADS, fsync_dir, sha256_file
 
 QUARANTINE_DIR = "quarantine"
@@ -114,6 +117,34 @@ def scan(root: str, manifest: Manifest) -> list[Problem]:
         if problem is not None:
             problems.append(problem)
     return problems
+
+
+def scan_references(root: str, manifest: Manifest) -> list[str]:
+    """Every live thin curated shard's references checked: each names a live rollouts shard, a row
+    inside it, and the rollout_id at that row. Returns one line per bad curated shard (empty: all
+    resolve). Curated shards whose own file is bad are left to `scan`."""
+    live = [s.path for s in manifest.shards("rollouts")]
+    problems = []
+    for shard in manifest.shards("curated"):
+        path = os.path.join(root, shard.path)
+        if check_shard(root, shard, full=False) is not None:
+            continue
+        for refs in read_references([path]):
+            problem = check_references(root, refs, live, path)
+            if problem is not None:
+                problems.append(f"{problem}; the curation cannot be trained: curate again")
+    return problems
+
+
+def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> None:
+    """Raise one `ShardError` line for the first of the curated `shards` whose references do not
+    resolve (before training on them: a quarantined rollouts shard makes its curations refuse)."""
+    live = [s.path for s in manifest.shards("rollouts")]
+    for refs_path in [os.path.join(root, s.path) for s in shards]:
+        for refs in read_references([refs_path]):
+            problem = check_references(root, refs, live, refs_path)
+            if problem is not None:
+                raise ShardError(f"{problem}; this curation cannot be trained: curate again")
 
 
 def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from curate.params import load_recipe
 from curate.run import curate
+from learner.batches import read_curated
 from storage.buffer import Buffer
 from storage.schema import ROLLOUTS
 import pyarrow as pa
@@ -82,7 +83,7 @@ def _f32_close(a, b) -> bool:
     return bool(a == b or abs(int(a.view(np.int32)) - int(b.view(np.int32))) <= 1)
 
 
-def compare(buf: Buffer, result, ref) -> None:
+def compare(buf: Buffer, result, ref, rows=None) -> None:
     audit = {r["rollout_id"]: r for r in result.audit.to_pylist()}
     assert set(audit) == set(ref["selections"]), "one audit row per candidate"
     for rid, exp in ref["selections"].items():
@@ -99,15 +100,23 @@ def compare(buf: Buffer, result, ref) -> None:
             assert rec[col] is None, col
         else:
             assert rec[col] == pytest.approx(float(exp[col]), rel=1e-6, abs=1e-9), col
-    curated = {}
-    for path in result.output_files:
-        if path.startswith("curated/"):
-            for row in pq.read_table(os.path.join(buf.root, path)).to_pylist():
-                curated[row["rollout_id"]] = row
+    # The curated shards hold references; the learner's reader resolves them (storage.references).
+    paths = [os.path.join(buf.root, p) for p in result.output_files if p.startswith("curated/")]
+    for path in paths:
+        assert "response_token_ids" not in pq.read_schema(path).names, "no token list is copied"
+    curated = {row["rollout_id"]: row for row in read_curated(paths).to_pylist()}
     assert set(curated) == set(ref["masks"])
     for rid, mask in ref["masks"].items():
         assert curated[rid]["loss_mask"] == list(mask), rid
         assert _f32_close(curated[rid]["advantage"], ref["selections"][rid]["advantage_final"])
+    if rows is not None:
+        by_id = {r["rollout_id"]: r for r in rows}
+        for rid, got in curated.items():
+            src = by_id[rid]
+            assert got["prompt_token_ids"] == list(src["prompt_token_ids"]), rid
+            assert got["response_token_ids"] == list(src["response_token_ids"]), rid
+            old = src["old_logprobs"] if src["old_logprobs"] is not None else src["gen_logprobs"]
+            assert got["old_logprobs"] == pytest.approx(list(old)), rid
 
 
 def check(rows, recipe: str, sets: dict) -> None:
@@ -120,7 +129,7 @@ def check(rows, recipe: str, sets: dict) -> None:
         ref_params.update(sets)
         ref_params = {k: (str(v) if not isinstance(v, (int, str)) or isinstance(v, bool) else v) for k, v in ref_params.items()}
         ref = reference_curate(batch, ref_params, snapshot_rows=rows)
-        compare(buf, result, ref)
+        compare(buf, result, ref, rows)
     finally:
         buf.close()
 

@@ -116,9 +116,9 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
     files: list[list[str]] = []
     original = run_module.parquet
 
-    def spy(paths, located=False):
+    def spy(paths, located=False, numbered=False):
         files.append(list(paths))
-        return original(paths, located)
+        return original(paths, located, numbered)
 
     monkeypatch.setattr(run_module, "parquet", spy)
     rec = Recorder(monkeypatch)

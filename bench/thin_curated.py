@@ -1,0 +1,103 @@
+"""Thin curated shards, before and after: full curation ÷ its own dry run, and the curated folder's
+bytes ÷ the rollouts folder's, with two code trees alternating on one host and one buffer.
+
+The buffer (generated like `bench.curation`'s) is built once. Each round, for each tree in turn
+(the order alternates between rounds): a fresh copy of the buffer, then in fresh child processes
+run by that tree's own interpreter (`bench.curation --child dry`, then `--child curate`), and the
+bytes under `curated/` and `rollouts/` of the copy afterwards. The fastest round of each tree is
+reported.
+
+    python -m bench.thin_curated --before /path/to/main --tokens 2000000 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+from bench import common
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, files in os.walk(path) for f in files)
+
+
+def child(tree: str, kind: str, root: str, recipe: str, progress: str, memory_limit: str) -> dict:
+    python = os.path.join(tree, ".venv", "bin", "python")
+    cmd = [python, "-m", "bench.curation", "--child", kind, "--root", root, "--recipe-one", recipe,
+           "--memory-limit", memory_limit, "--progress", progress, "--where", "true", "--first-shards", "0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tree,
+                         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if res.returncode != 0:
+        raise RuntimeError(f"{tree}: {' '.join(cmd[1:])} failed:\n{res.stderr[-3000:]}")
+    return json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def one(tree: str, base: str, work: str, recipe: str, progress: str, memory_limit: str) -> dict:
+    root = os.path.join(work, "copy")
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(base, root)
+    try:
+        dry = child(tree, "dry", root, recipe, progress, memory_limit)
+        full = child(tree, "curate", root, recipe, progress, memory_limit)
+        return {"dry": dry["seconds"], "full": full["seconds"], "n_selected": full["n_selected"],
+                "tokens_kept": full["tokens_kept"], "peak_rss_mib": full["peak_rss_mib"],
+                "materialise": full["stages"].get("materialise + write + commit", 0.0),
+                "curated_bytes": folder_bytes(os.path.join(root, "curated")),
+                "rollouts_bytes": folder_bytes(os.path.join(root, "rollouts"))}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, help="the previous code's tree (with its own .venv)")
+    ap.add_argument("--after", default=common.ROOT, help="this code's tree (default: this one)")
+    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--shard-tokens", type=int, default=500_000)
+    ap.add_argument("--recipe", default="d3s")
+    ap.add_argument("--progress", default="0")
+    ap.add_argument("--memory-limit", default="1GB")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="rs-bench-thin-")
+    try:
+        base = os.path.join(work, "base")
+        common.build_buffer(base, a.tokens, a.shard_tokens)
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        for r in range(a.repeat):
+            order = ("before", "after") if r % 2 == 0 else ("after", "before")
+            for name in order:
+                tree = a.before if name == "before" else a.after
+                runs[name].append(one(tree, base, work, a.recipe, a.progress, a.memory_limit))
+        tokens = common.describe(base)["tokens"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    lines = [f"### Thin curated shards: before and after — {when}", "",
+             f"`python -m bench.thin_curated --before <main's tree> --tokens {a.tokens} --shard-tokens "
+             f"{a.shard_tokens} --recipe {a.recipe} --progress {a.progress} --repeat {a.repeat}`", "",
+             f"{tokens:,} response tokens, {a.recipe} (progress {a.progress}), {a.repeat} alternating rounds "
+             "per tree on one host, fresh copy of one buffer per run; fastest round of each tree "
+             "(every round's full ÷ dry in brackets).", "",
+             "| code | dry run s | full s | full ÷ dry | materialise + write + commit s | curated ÷ rollouts bytes | "
+             "peak RSS MiB | selected | tokens kept |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        best = min(rs, key=lambda x: x["full"])
+        every = ", ".join(f"{x['full'] / x['dry']:.2f}" for x in rs)
+        lines.append(f"| {name} | {min(x['dry'] for x in rs):.3f} | {best['full']:.3f} | "
+                     f"{best['full'] / min(x['dry'] for x in rs):.2f} ({every}) | {best['materialise']:.3f} | "
+                     f"{best['curated_bytes'] / best['rollouts_bytes']:.2%} ({best['curated_bytes']:,} B) | "
+                     f"{best['peak_rss_mib']:.0f} | {best['n_selected']} | {best['tokens_kept']} |")
+    lines.append("")
+    common.publish("\n".join(lines) + "\n", record=not a.no_record)
+
+
+if __name__ == "__main__":
+    main()

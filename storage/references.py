@@ -1,0 +1,225 @@
+"""Resolving thin curated shards: references to rollouts rows → the learner's rows (schema `CURATED`).
+
+A curated shard (`CURATED_REFS`) holds, per selected row, the rollouts shard (its manifest path),
+the row's position in that file and its rollout_id, plus the curation's numbers and the loss mask as
+kept runs. This module turns such rows back into the columns a learner reads, by reading only the
+row groups of the referenced shards that hold a referenced row.
+
+Invariants:
+- A reference resolves only when its rollouts shard is readable (live in the caller's snapshot,
+  when the caller gives the live set; present on disk otherwise) AND the row at that position has
+  the referenced rollout_id AND its response has `tokens` tokens; anything else is one
+  `UnresolvedReference` line naming the curated shard, the rollouts shard and what to do. Nothing is
+  ever resolved to a different row.
+- Resolved rows come back in the order of the references; each referenced shard is opened once
+  per call, and only its row groups that hold a referenced row are read.
+- A curated shard written before references (schema version 1: token lists inside) reads as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .errors import RollstoreError
+from .schema import CURATED, CURATED_REFS
+
+# The rollouts columns a reference brings back.
+RESOLVED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "gen_logprobs", "old_logprobs")
+
+
+class UnresolvedReference(RollstoreError):
+    """A curated row's reference does not resolve to its rollouts row."""
+
+
+def is_thin(schema: pa.Schema) -> bool:
+    """Whether a curated shard's schema holds references (else: a materialised, version-1 shard)."""
+    return "rollouts_row" in schema.names
+
+
+def buffer_root_of(curated_path: str) -> str:
+    """The buffer root of a curated shard at `<root>/curated/<curation_id>/<part>.parquet`."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(curated_path))))
+
+
+def runs_to_mask(runs: pa.ChunkedArray | pa.Array, tokens: np.ndarray) -> pa.Array:
+    """The loss masks (list<bool>, row i of length tokens[i]) of kept runs [s0, e0, s1, e1, ...]."""
+    runs = runs.combine_chunks() if isinstance(runs, pa.ChunkedArray) else runs
+    tokens = np.asarray(tokens, np.int64)
+    offsets = np.zeros(len(tokens) + 1, np.int64)
+    np.cumsum(tokens, out=offsets[1:])
+    bounds = runs.values.to_numpy(zero_copy_only=False).astype(np.int64)
+    run_offsets = runs.offsets.to_numpy().astype(np.int64)
+    row_of = np.repeat(np.arange(len(tokens)), np.diff(run_offsets))
+    flat = bounds + offsets[row_of]
+    edges = np.zeros(int(offsets[-1]) + 1, np.int32)
+    np.add.at(edges, flat[0::2], 1)
+    np.add.at(edges, flat[1::2], -1)
+    mask = np.cumsum(edges[:-1]) > 0
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(mask, pa.bool_()))
+
+
+def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COLUMNS) -> pa.Table:
+    """Rows `positions` of one rollouts shard (`columns`), reading only their row groups."""
+    pf = pq.ParquetFile(path)
+    sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)], np.int64)
+    ends = np.cumsum(sizes)
+    if len(positions) and (positions.min() < 0 or positions.max() >= (ends[-1] if len(ends) else 0)):
+        raise UnresolvedReference(f"{source}: refers to row {int(positions.max())} of {path}, which has "
+                             f"{int(ends[-1]) if len(ends) else 0} rows; curate again")
+    groups = np.searchsorted(ends, positions, side="right")
+    needed = np.unique(groups)
+    starts_in_read = np.zeros(len(sizes), np.int64)
+    starts_in_read[needed] = np.concatenate([[0], np.cumsum(sizes[needed])[:-1]])
+    local = positions - (ends[groups] - sizes[groups]) + starts_in_read[groups]
+    table = pf.read_row_groups([int(g) for g in needed], columns=list(columns))
+    return table.take(pa.array(local))
+
+
+def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source: str = "curated") -> pa.Table:
+    """The `CURATED` rows of references `refs` (CURATED_REFS columns), in their order.
+
+    `root`: the buffer root the shard paths are under. `live`: the rollouts shard paths (relative,
+    as the manifest records them) the caller's snapshot holds; a reference to any other shard (for
+    example one quarantined after the curation) is refused. `source` names the refs in errors."""
+    n = refs.num_rows
+    if n == 0:
+        return CURATED.empty_table()
+    live_set = set(live) if live is not None else None
+    shards = refs.column("rollouts_shard").combine_chunks()
+    positions = refs.column("rollouts_row").to_numpy().astype(np.int64)
+    encoded = shards.dictionary_encode()
+    names = encoded.dictionary.to_pylist()
+    codes = encoded.indices.to_numpy(zero_copy_only=False)
+    pieces, order = [], []
+    for k, rel in enumerate(names):
+        full = os.path.join(root, rel)
+        if (live_set is not None and rel not in live_set) or not os.path.exists(full):
+            raise UnresolvedReference(
+                f"{source}: refers to rollouts shard {rel}, which is not live in the buffer (quarantined "
+                f"or removed); this curation cannot be trained or exported: curate again")
+        where = np.flatnonzero(codes == k)
+        pieces.append(_rows_of(full, positions[where], source))
+        order.append(where)
+    fetched = pa.concat_tables(pieces)
+    back = np.empty(n, np.int64)
+    back[np.concatenate(order)] = np.arange(n)
+    fetched = fetched.take(pa.array(back))
+    wanted = refs.column("rollout_id")
+    found = fetched.column("rollout_id")
+    bad = pc.invert(pc.equal(wanted, found))
+    if pc.any(bad).as_py():
+        i = int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+        raise UnresolvedReference(
+            f"{source}: row {int(positions[i])} of rollouts shard {shards[i].as_py()} holds rollout_id="
+            f"{found[i].as_py()!r}, the reference says {wanted[i].as_py()!r}; curate again")
+    tokens = refs.column("tokens").to_numpy().astype(np.int64)
+    lengths = pc.list_value_length(fetched.column("response_token_ids")).to_numpy(zero_copy_only=False)
+    if not np.array_equal(lengths, tokens):
+        i = int(np.flatnonzero(lengths != tokens)[0])
+        raise UnresolvedReference(f"{source}: rollout_id={wanted[i].as_py()!r} has {int(lengths[i])} response "
+                             f"tokens, the reference says {int(tokens[i])}; curate again")
+    gen = fetched.column("gen_logprobs")
+    columns = {
+        "curation_id": refs.column("curation_id"),
+        "rollout_id": refs.column("rollout_id"),
+        "group_id": refs.column("group_id"),
+        "prompt_id": refs.column("prompt_id"),
+        "policy_version": refs.column("policy_version"),
+        "prompt_token_ids": fetched.column("prompt_token_ids"),
+        "response_token_ids": fetched.column("response_token_ids"),
+        "old_logprobs": pc.coalesce(fetched.column("old_logprobs"), gen),
+        "gen_logprobs": gen,
+        "advantage": refs.column("advantage"),
+        "loss_mask": runs_to_mask(refs.column("keep_runs"), tokens),
+        "weight": refs.column("weight"),
+    }
+    return pa.table([columns[f.name] for f in CURATED], schema=CURATED)
+
+
+def read_curated_file(path: str, root: str | None = None, live: Iterable[str] | None = None) -> pa.Table:
+    """One curated shard's rows with the `CURATED` columns: a thin shard resolved (under `root`,
+    default the buffer the path lies in), a materialised one as stored."""
+    table = pq.read_table(path)
+    if not is_thin(table.schema):
+        return table.select(CURATED.names).cast(CURATED)
+    return resolve(table.select(CURATED_REFS.names).cast(CURATED_REFS), root or buffer_root_of(path), live,
+                   str(path))
+
+
+def read_references(paths: Sequence[str]) -> list[pa.Table]:
+    """The stored reference tables of thin curated shards `paths` (materialised ones are skipped)."""
+    out = []
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        if is_thin(pf.schema_arrow):
+            out.append(pf.read().select(CURATED_REFS.names).cast(CURATED_REFS))
+    return out
+
+
+def referenced_shards(paths: Sequence[str]) -> set[str]:
+    """The rollouts shard paths (manifest-relative) that curated shards `paths` refer to."""
+    found: set[str] = set()
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        if is_thin(pf.schema_arrow):
+            found.update(pc.unique(pf.read(columns=["rollouts_shard"]).column("rollouts_shard")).to_pylist())
+    return found
+
+
+def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str) -> str | None:
+    """The first problem of references `refs` (a shard not live, a row out of range, another
+    rollout_id at the position), or None. Reads only the rollout_id column of the row groups that
+    hold a referenced row."""
+    live_set = set(live)
+    shards = refs.column("rollouts_shard").combine_chunks().dictionary_encode()
+    codes = shards.indices.to_numpy(zero_copy_only=False)
+    positions = refs.column("rollouts_row").to_numpy().astype(np.int64)
+    wanted = refs.column("rollout_id").combine_chunks()
+    for k, rel in enumerate(shards.dictionary.to_pylist()):
+        if rel not in live_set or not os.path.exists(os.path.join(root, rel)):
+            return f"{source}: refers to rollouts shard {rel}, which is not live (quarantined or removed)"
+        where = np.flatnonzero(codes == k)
+        try:
+            found = _rows_of(os.path.join(root, rel), positions[where], source, ("rollout_id",)).column("rollout_id")
+        except UnresolvedReference as exc:
+            return str(exc)
+        bad = pc.invert(pc.equal(wanted.take(pa.array(where)), found))
+        if pc.any(bad).as_py():
+            i = int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+            return (f"{source}: row {int(positions[where[i]])} of rollouts shard {rel} holds rollout_id="
+                    f"{found[i].as_py()!r}, the reference says {wanted[int(where[i])].as_py()!r}")
+    return None
+
+
+def null_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, column: str = "old_logprobs") -> np.ndarray:
+    """Whether `column` is null at each (file, row position): from the column statistics of the row
+    group holding the row (a null count of 0 there: no row of it is null), reading the column only
+    for the row groups whose statistics do not rule nulls out. Exact either way."""
+    files = files.combine_chunks() if isinstance(files, pa.ChunkedArray) else files
+    encoded = files.dictionary_encode()
+    codes = encoded.indices.to_numpy(zero_copy_only=False)
+    rows = np.asarray(rows, np.int64)
+    out = np.zeros(len(rows), np.bool_)
+    for k, path in enumerate(encoded.dictionary.to_pylist()):
+        where = np.flatnonzero(codes == k)
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        leaf = next(i for i in range(md.num_columns) if md.schema.column(i).path.split(".")[0] == column)
+        sizes = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], np.int64)
+        ends = np.cumsum(sizes)
+        groups = np.searchsorted(ends, rows[where], side="right")
+        for g in np.unique(groups):
+            chunk = md.row_group(int(g)).column(leaf)
+            stats = chunk.statistics if chunk.is_stats_set else None
+            if stats is not None and stats.has_null_count and stats.null_count == 0:
+                continue  # no null value at any level of this row group: no null list
+            nulls = pf.read_row_group(int(g), columns=[column]).column(0).is_null().to_numpy(zero_copy_only=False)
+            mine = where[groups == g]
+            out[mine] = nulls[rows[mine] - (ends[g] - sizes[g])]
+    return out

@@ -437,6 +437,32 @@ def empty_selection(r) -> dict:
     }
 
 
+def finish(rows, pool, out, prm, adv_var_before, sample_budget) -> tuple[dict, dict]:
+    """Reasons of the pool rows, step 8 (token selection) and step 9 (the record) over the
+    candidates `rows`: (masks of the selected rows, record)."""
+    for r in pool:
+        sel = out[r["rollout_id"]]
+        sel["reason"] = "selected" if sel["selected"] else "not_selected"
+    selected_rows = [r for r in pool if out[r["rollout_id"]]["selected"]]
+    masks, threshold, kappa = step8_tokens(selected_rows, out, prm)
+    for rid, mask in masks.items():
+        out[rid]["tokens_kept"] = sum(mask)
+    record = {
+        "sample_budget": sample_budget,
+        "token_fraction": kappa,
+        "token_threshold": threshold,
+        "n_candidates": len(rows),
+        "n_selected": len(selected_rows),
+        "tokens_candidate": sum(len(r["response_token_ids"]) for r in rows),
+        "tokens_kept": sum(out[r["rollout_id"]]["tokens_kept"] for r in selected_rows),
+        "adv_var_before": adv_var_before,
+        "adv_var_after": pop_var([wide(out[r["rollout_id"]]["advantage_final"])
+                                  for r in selected_rows]),
+        "old_logprobs_fallback": sum(1 for r in selected_rows if r.get("old_logprobs") is None),
+    }
+    return masks, record
+
+
 def reference_curate(rows: list[dict], params: dict, snapshot_rows: list[dict] | None = None,
                      current_version: int | None = None,
                      prior_selected_counts: dict[str, int] | None = None) -> dict:
@@ -502,30 +528,8 @@ def reference_curate(rows: list[dict], params: dict, snapshot_rows: list[dict] |
         step5_amplify(pool, out, stats, qhat, prm)
         adv_var_before = pop_var([wide(out[r["rollout_id"]]["advantage_final"]) for r in pool])
         sample_budget = step6_sample(pool, out, prm)
-    for r in pool:
-        sel = out[r["rollout_id"]]
-        sel["reason"] = "selected" if sel["selected"] else "not_selected"
-    selected_rows = [r for r in pool if out[r["rollout_id"]]["selected"]]
-
-    # step 8
-    masks, threshold, kappa = step8_tokens(selected_rows, out, prm)
-    for rid, mask in masks.items():
-        out[rid]["tokens_kept"] = sum(mask)
-
-    # step 9
-    record = {
-        "sample_budget": sample_budget,
-        "token_fraction": kappa,
-        "token_threshold": threshold,
-        "n_candidates": len(rows),
-        "n_selected": len(selected_rows),
-        "tokens_candidate": sum(len(r["response_token_ids"]) for r in rows),
-        "tokens_kept": sum(out[r["rollout_id"]]["tokens_kept"] for r in selected_rows),
-        "adv_var_before": adv_var_before,
-        "adv_var_after": pop_var([wide(out[r["rollout_id"]]["advantage_final"])
-                                  for r in selected_rows]),
-        "old_logprobs_fallback": sum(1 for r in selected_rows if r.get("old_logprobs") is None),
-    }
+    # steps 8-9
+    masks, record = finish(rows, pool, out, prm, adv_var_before, sample_budget)
     return {"selections": out, "masks": masks, "record": record}
 
 
@@ -645,21 +649,5 @@ def reference_replay_curate(snapshot_rows: list[dict], batch_ids: set[str], para
     step5_amplify(pool, out, stats, qhat, prm)
     adv_var_before = pop_var([wide(out[r["rollout_id"]]["advantage_final"]) for r in pool])
     sample_budget = step6_sample(pool, out, prm)
-    for r in pool:
-        sel = out[r["rollout_id"]]
-        sel["reason"] = "selected" if sel["selected"] else "not_selected"
-    selected_rows = [r for r in pool if out[r["rollout_id"]]["selected"]]
-    masks, threshold, kappa = step8_tokens(selected_rows, out, prm)
-    for rid, mask in masks.items():
-        out[rid]["tokens_kept"] = sum(mask)
-    candidates = [r for r in rows if r["rollout_id"] in replayed or r["rollout_id"] in batch_ids]
-    record = {
-        "sample_budget": sample_budget, "token_fraction": kappa, "token_threshold": threshold,
-        "n_candidates": len(candidates), "n_selected": len(selected_rows),
-        "tokens_candidate": sum(len(r["response_token_ids"]) for r in rows),
-        "tokens_kept": sum(out[r["rollout_id"]]["tokens_kept"] for r in selected_rows),
-        "adv_var_before": adv_var_before,
-        "adv_var_after": pop_var([wide(out[r["rollout_id"]]["advantage_final"]) for r in selected_rows]),
-        "old_logprobs_fallback": sum(1 for r in selected_rows if r.get("old_logprobs") is None),
-    }
+    masks, record = finish(rows, pool, out, prm, adv_var_before, sample_budget)
     return {"selections": out, "masks": masks, "record": record}

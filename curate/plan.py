@@ -212,8 +212,7 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
         add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",))
 
     def amplification(phase: str) -> None:
-        add("curate_amplify_inputs", phase, GROUP, ("work", "subset_adv"), ("work",))
-        add("curate_amplify", phase, GROUP, ("work", "difficulty"), ("work",))
+        add("curate_amplify", phase, GROUP, ("work", "subset_adv", "difficulty"), ("work",))
 
     if not pods:
         add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",))
@@ -249,9 +248,9 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
             relations=("rollouts",), rollouts="rollouts")
         add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
             merge="first_missing")
-        add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_scores",),
+        add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_buckets", "token_scores"),
             score=score_expression(token))
-        add("curate_token_histogram", "tokens", GLOBAL, ("token_scores",), ("$bucket", "$n"), merge="histogram")
+        add("curate_token_histogram", "tokens", GLOBAL, ("token_buckets",), ("$bucket", "$n"), merge="histogram")
         add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
             merge="heads")
     else:

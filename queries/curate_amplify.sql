@@ -1,12 +1,28 @@
--- Amplification — the factor (docs/curation.md §Amplification). Reads, per row, the correctness, group
--- accuracy p = amp_k / amp_n and advantage amp_adv it should act on (the full group's, or a PODS
--- subset's), and sets amplification w and advantage_final = f32(w · amp_adv).
+-- Amplification (docs/curation.md §Amplification), in one rewrite of `work` (it was two steps,
+-- curate_amplify_inputs.sql then this one: one fewer copy of `work`).
+-- Inputs (CTE `inputs`) — what amplification acts on, per row: the full group (p = k/G,
+-- advantage_raw), or, with PODS, the chosen subset of a selected row (p = k'/m, the subset's
+-- re-normalised advantage; `subset_adv` holds it). Rows outside the statistics, or out of the pool
+-- (filtered, or window rows replay did not choose), are never amplified.
+-- The factor: per row, the correctness, group accuracy p = amp_k / amp_n and advantage amp_adv it
+-- acts on, and sets amplification w and advantage_final = f32(w · amp_adv).
 --   $mode 'da3po': w = clip(p(1−q̂) / (q̂(1−p)), 1, w_max); q̂ undefined → 1; q̂ = 0 → w_max.
 --   $mode 'group': w = min(w_max, 1 / (2·sqrt(p(1−p)))).
 -- Only rows with amp_on, `correct` true, p < τ (exact: k·τ_den < τ_num·n) and amp_adv > 0 are
 -- amplified; every other row keeps w = 1 and advantage_final = its advantage.
 CREATE OR REPLACE TEMP TABLE work AS
-WITH factor AS (
+WITH inputs AS (
+    SELECT
+        w.*,
+        $amplify_on AND w.group_size IS NOT NULL
+            AND CASE WHEN $pods THEN coalesce(w.selected, false) ELSE w.reason IS NULL END   AS amp_on,
+        CASE WHEN $pods AND w.selected THEN s.g_correct ELSE w.g_correct END                    AS amp_k,
+        CASE WHEN $pods AND w.selected THEN s.g_size ELSE w.group_size END                      AS amp_n,
+        CASE WHEN $pods AND w.selected THEN s.adv ELSE w.advantage_raw END                      AS amp_adv
+    FROM work w
+    LEFT JOIN subset_adv s USING (rollout_id)
+),
+factor AS (
     SELECT
         w.*,
         d.q_hat,
@@ -14,7 +30,7 @@ WITH factor AS (
         w.amp_on AND w.correct
             AND w.amp_k::HUGEINT * $tau_den < $tau_num::HUGEINT * w.amp_n
             AND w.amp_adv > 0                       AS hard_correct
-    FROM work w
+    FROM inputs w
     LEFT JOIN difficulty d USING (group_id)
 ),
 chosen AS (

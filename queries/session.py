@@ -109,8 +109,8 @@ class Session:
     def rebind(self, snapshot: Snapshot) -> "Session":
         """Point this open session at another snapshot of the same buffer, for one more job.
 
-        Every temporary table and view of the previous job is dropped, then the table views are
-        re-created over the new snapshot's files: nothing of the previous job stays visible. The
+        Every temporary table, view and macro of the previous job is dropped, then the table views
+        are re-created over the new snapshot's files: nothing of the previous job stays visible. The
         settings (limits, sandbox) are kept. A loop pays the connection once per run this way.
         """
         if snapshot.root != self.root:
@@ -119,6 +119,12 @@ class Session:
             "SELECT table_catalog, table_name, table_type FROM information_schema.tables WHERE table_schema = 'main'"
         ).fetchall():
             kind = "VIEW" if kind == "VIEW" else "TABLE"
+            self.con.execute(f'DROP {kind} IF EXISTS "{catalog}".main."{name}"')
+        for catalog, name, kind in self.con.execute(  # e.g. curate_token_scores.sql's token_score_bucket
+            "SELECT DISTINCT database_name, function_name, function_type FROM duckdb_functions() "
+            "WHERE NOT internal AND function_type IN ('macro', 'table_macro') AND schema_name = 'main'"
+        ).fetchall():
+            kind = "MACRO TABLE" if kind == "table_macro" else "MACRO"
             self.con.execute(f'DROP {kind} IF EXISTS "{catalog}".main."{name}"')
         self.snapshot = snapshot
         snapshot.register_duckdb(self.con)

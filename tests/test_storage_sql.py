@@ -204,3 +204,18 @@ def test_sql_through_the_installed_command(loaded, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [{"n": 24}]  # stdout holds the JSON document and nothing else
+
+
+def test_rebind_drops_the_previous_jobs_macros_and_keeps_the_views_macros(loaded):
+    """A curation creates a temporary macro (curate_token_scores.sql); a session reused for the next
+    job (`Session.rebind`) drops it with the job's tables and views, and re-creates views.sql's."""
+    from queries.session import Session
+
+    with Buffer.open(loaded) as buf, buf.snapshot() as snap, Session(snap) as s:
+        s.execute("CREATE OR REPLACE TEMP MACRO token_score_bucket(score) AS score")
+        s.execute("CREATE OR REPLACE TEMP TABLE work AS SELECT 1 AS x")
+        s.rebind(snap)
+        left = s.execute("SELECT function_name FROM duckdb_functions() WHERE NOT internal").fetchall()
+        assert "token_score_bucket" not in {name for (name,) in left}
+        assert s.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'work'").fetchone()[0] == 0
+        assert s.execute("SELECT accuracy_band_key(0.5) IS NOT NULL").fetchone()[0]

@@ -653,6 +653,11 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         output.update(new)
         self.rollstore_last_rows = rows_ids
         self.rollstore_last_replayed = [r["rollout_id"] for r in replayed]
+        # per row of the batch: the advantage before the decoupled weight (fillers 0); per replayed row
+        # (in `rollstore_last_replayed` order) its per-token weight min(π_prox / π_behav, cap)
+        self.rollstore_last_advantages = [float(a) for a in fresh_adv.tolist()] + [0.0] * (B2 - B)
+        for pos, r in zip(positions, replayed):
+            self.rollstore_last_advantages[pos] = r["advantage"]
         self.rollstore_last_replay_weights = weight.detach().cpu()
 
     def _sampler_ratio(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,

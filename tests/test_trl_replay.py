@@ -43,7 +43,8 @@ class Capturing(RollstoreGRPOTrainer):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.batches: list[dict] = []
-        self.losses: list[tuple[float, float, float]] = []  # (TRL, learner decoupled, learner not decoupled)
+        # (TRL, learner decoupled, learner not decoupled, max |log π_θ - log π_prox| on replayed kept tokens)
+        self.losses: list[tuple[float, float, float, float]] = []
         self._stored = {}
 
     def _generate_and_score_completions(self, inputs):
@@ -88,7 +89,9 @@ class Capturing(RollstoreGRPOTrainer):
         decoupled = dapo(logp, behaviour, mask, adv, ones, config=cfg, norm=norm, prox_logp=prox).loss
         plain = dapo(logp, behaviour, mask, adv, ones, config=LossConfig(
             clip_low=self.epsilon_low, clip_high=self.epsilon_high, decoupled=False), norm=norm).loss
-        return float(decoupled), float(plain)
+        replayed = torch.tensor([r in last["replayed"] for r in rows])[:, None] & mask
+        drift = float((logp - prox).abs()[replayed].max())  # π_prox: the weights this step trains from
+        return float(decoupled), float(plain), drift
 
 
 def selections(buf_dir):
@@ -155,7 +158,8 @@ def test_trl_replay_rollouts_enter_the_batch_with_decoupled_correction(untrained
     assert float((w - 1).abs().max()) > 0.1 and bool((w == CAP).any()) and float(w.max()) <= CAP, w
     # TRL's loss on the micro-batches holding replayed rows is the learner's decoupled dapo loss, not the plain one
     assert tr.losses
-    for trl_loss, decoupled, plain in tr.losses:
+    for trl_loss, decoupled, plain, drift in tr.losses:
+        assert drift < 1e-5  # one micro-step per generation batch: the ratio base is the weights being trained
         assert trl_loss == pytest.approx(decoupled, rel=1e-5, abs=1e-7)
         assert abs(trl_loss - plain) > 1e-3, (trl_loss, plain)
     # `rollstore audit` shows the replayed rows of the last curation

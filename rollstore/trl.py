@@ -58,6 +58,16 @@ Invariants:
   recounted over the curated mask. Normalisation is then TRL's own (docs/trl.md): under
   `loss_type="grpo"`/"sapo"/"luspo"/"dr_grpo" a dropped row still counts in the batch mean;
   under "bnpo", "dapo", "cispo", "vespo" it does not.
+- Replay (a recipe whose `replay` is not "none"; one process only, refused otherwise): the curation
+  runs with `current_version` = TRL's `global_step`, and the stored rows it chooses from earlier
+  batches of the run enter TRL's batch, first in the slots of the fresh rows it dropped, then
+  appended (plus masked filler rows to a multiple of `steps_per_generation`), with their stored
+  token ids, the curated loss mask, their own group's advantage (TRL's scale) x weight, and the
+  decoupled correction of learner/losses.py in TRL's terms: `old_per_token_logps` = π_prox (a
+  no-grad forward of the current weights, TRL's clip is against it), and the per-token weight
+  min(π_prox / π_behav, `decoupled_cap`) (π_behav = the stored `old_logprobs`; sequence level: the
+  capped geometric mean) folded into a per-token advantage. A batch without replayed rows is
+  unchanged by replay.
 """
 
 from __future__ import annotations
@@ -252,6 +262,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             self._apply(output, decision, first, [r["length"] for r in local])
             self.rollstore_last_rows = list(self.rollstore_last_ids)
             self.rollstore_last_replayed = []
+            self.rollstore_last_advantages = [float(a) for a in output["advantages"].tolist()]
             if decision.get("replayed"):
                 self._replay_into(output, decision)
         return output

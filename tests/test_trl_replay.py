@@ -137,7 +137,8 @@ def check_replayed_rows(tr, buf_dir) -> torch.Tensor:
             prox = batch["old_per_token_logps"][j, :n].float()
             w = torch.clamp(torch.exp(prox - torch.tensor(r["old_logprobs"])), max=CAP)
             a = b["advantages"][j]
-            assert a != 0.0
+            # the advantage TRL gave the row when it was generated (no amplification in these recipes)
+            assert a != 0.0 and a == pytest.approx(json.loads(r["meta"])["trl_advantage"], rel=1e-5, abs=1e-6)
             torch.testing.assert_close(batch["advantages"][j, :n][keep], (a * w)[keep], rtol=1e-6, atol=0.0)
             weights.append(w[keep])
     return torch.cat(weights)

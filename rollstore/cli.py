@@ -142,14 +142,14 @@ def import_(
                 shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
                 out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
         return
-    from storage.importers import FORMATS, import_file, units
-    from storage.importers.codec import load_codec
+    from rollstore.importers import FORMATS, import_file, units
+    from rollstore.importers.codec import load_codec
 
     if from_ not in FORMATS:
         fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
     codec = load_codec(tokenizer, score_model)
     if rewards is not None and from_ == "prime-rl":
-        from storage.importers.primerl import load_rewards
+        from rollstore.importers.primerl import load_rewards
 
         rewards = load_rewards(rewards)
     with open_buffer(buffer) as buf:

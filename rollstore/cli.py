@@ -437,7 +437,7 @@ def loop(
     seed: int = seed_(0, "--seed"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
     backend: Optional[str] = typer.Option(None, "--backend"),
-    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, "Threads")."),
+    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, Threads)."),
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.

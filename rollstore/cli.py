@@ -142,14 +142,14 @@ def import_(
                 shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
                 out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
         return
-    from storage.importers import FORMATS, import_file, units
-    from storage.importers.codec import load_codec
+    from rollstore.importers import FORMATS, import_file, units
+    from rollstore.importers.codec import load_codec
 
     if from_ not in FORMATS:
         fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
     codec = load_codec(tokenizer, score_model)
     if rewards is not None and from_ == "prime-rl":
-        from storage.importers.primerl import load_rewards
+        from rollstore.importers.primerl import load_rewards
 
         rewards = load_rewards(rewards)
     with open_buffer(buffer) as buf:
@@ -437,7 +437,7 @@ def loop(
     seed: int = seed_(0, "--seed"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
     backend: Optional[str] = typer.Option(None, "--backend"),
-    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see the README)."),
+    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, Threads)."),
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.

@@ -92,11 +92,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from curate.params import Recipe, load_recipe, resolve, step_where
 from curate.run import curate as run_curation
+from learner.losses import LossConfig
 from rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
 from rollout.build import build_rollouts
 from rollout.prompts import Prompt, prompt_hash
 from rollout.reward import Verdict
-from learner.losses import LossConfig
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 from storage.references import runs_to_mask
@@ -183,6 +183,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         # ids of the rows replayed into it from earlier batches
         self.rollstore_last_rows: list[str | None] = []
         self.rollstore_last_replayed: list[str] = []
+        self.rollstore_last_advantages: list[float] = []  # per row, before replay's decoupled weight
         self._rollstore_own_logps = None
 
     def _check_replay_supported(self) -> None:

@@ -401,14 +401,16 @@ def train(
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
+    from learner.config import TrainConfig
     from rollstore.train_cli import check_curations, launch_torchrun, run_train
 
     if curation and "LOCAL_RANK" not in os.environ:
         check_curations(buffer, curation)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
-    run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle,
-              out, parallel=parallel)
+    config = TrainConfig(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+    run_train(buffer, model, config, run_id, curation, out, follow=follow, poll=poll, max_idle=max_idle,
+              parallel=parallel)
 
 
 @app.command()

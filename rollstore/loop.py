@@ -216,6 +216,7 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
 def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     """run_loop's body, under the chosen thread count."""
     from learner.checkpoint import latest_checkpoint
+    from learner.config import Pending, RunPosition, TrainConfig, TrainContext
     from learner.consume import resume, train_pending
     from learner.models import load_policy
     from learner.trainer import make_optimizer
@@ -299,10 +300,11 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
             )
             clock.lap("curation")
             published = train_pending(
-                buf, model, optimizer, scheduler, run_id=run_id, from_version=version, start_step=step,
-                curation_ids=[cur.curation_id], per="curation", tokenizer=tokenizer, loss=cfg.loss,
-                epochs=cfg.epochs, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
-                extra_metrics={"iteration": it}, timings=phases,
+                buf, model, optimizer, scheduler,
+                TrainConfig(loss=cfg.loss, epochs=cfg.epochs, micro_batch_size=cfg.micro_batch_size,
+                            grad_accum=cfg.grad_accum),
+                at=RunPosition(run_id, version, step), pending=Pending([cur.curation_id], per="curation"),
+                tokenizer=tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
             )
             clock = Stopwatch(phases)
             loss = None

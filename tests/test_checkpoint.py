@@ -22,6 +22,7 @@ from learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from learner.config import RunPosition, TrainConfig, TrainContext
 from learner.consume import pending_shards, resume, train_pending
 from learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
 from learner_util import commit_curated, curated_rows, one_thread, tiny_llama
@@ -52,7 +53,8 @@ def tiny_tokenizer():
 def trained_one_step(buf, shard_rel):
     model = tiny_llama(0)
     opt, sched = make_optimizer(model, lr=1e-3, warmup_steps=4)
-    rows = train_on_curation(model, opt, sched, [os.path.join(buf.root, p) for p in shard_rel], micro_batch_size=8)
+    rows = train_on_curation(model, opt, sched, [os.path.join(buf.root, p) for p in shard_rel],
+                             TrainConfig(micro_batch_size=8))
     return model, opt, sched, rows
 
 
@@ -219,7 +221,8 @@ def learner_process(root: str, kill: str | None = None) -> None:
         def on_step(row):
             time.sleep(0.2)  # v3 is >= 0.4 s after v2: the parent's SIGKILL lands before the end
 
-    train_pending(buf, model, opt, sched, run_id=RUN, from_version=version, start_step=step, on_step=on_step, **TRAIN)
+    train_pending(buf, model, opt, sched, TrainConfig(**TRAIN), at=RunPosition(RUN, version, step),
+                  context=TrainContext(on_step=on_step))
     buf.close()
 
 

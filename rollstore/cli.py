@@ -372,11 +372,14 @@ def generate(
 ):
     """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
     from curate.params import parse_sets
-    from rollstore.generate_cli import run_generate
+    from rollstore.generate import GenerationConfig
+    from rollstore.generate_cli import Follow, PromptSource, run_generate
 
-    run_generate(buffer, prompts, model, backend, group_size, num_prompts, policy_version, seed, steps, run_id,
-                 max_new_tokens, temperature, top_p, template, follow, max_policy_lag, compact_entropies, err,
-                 recipe=recipe, sets=parse_sets(set_))
+    config = GenerationConfig(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed)
+    run_generate(buffer, model, PromptSource(prompts, num_prompts, template), config, run_id, steps, err,
+                 policy_version=policy_version, compact=compact_entropies,
+                 follow=Follow(max_policy_lag, recipe, parse_sets(set_)) if follow else None)
 
 
 @app.command()
@@ -445,20 +448,28 @@ def loop(
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
 
     Options left out take the defaults of `rollstore.loop.LoopConfig` (the demo's settings)."""
+    from dataclasses import replace
+
     from curate.params import parse_sets
     from rollstore.loop import LoopConfig
     from rollstore.loop_view import run_with_display
     from storage.buffer import Buffer
 
-    given = dict(model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
-                 pool_size=pool_size, group_size=group_size, max_new_tokens=max_new_tokens, loss=loss, lr=lr,
-                 warmup_steps=warmup_steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                 max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
-                 eval_prompts=eval_prompts, run_id=run_id, backend=backend, threads=threads)
+    def given(**kw):
+        return {k: v for k, v in kw.items() if v is not None}
+
     Buffer.init(buffer).close()
-    cfg = LoopConfig(buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
-                     eval_ks=(1, eval_samples) if eval_samples else (1,),
-                     **{k: v for k, v in given.items() if v is not None})
+    defaults = LoopConfig(buffer=buffer)
+    cfg = LoopConfig(
+        buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
+        eval_ks=(1, eval_samples) if eval_samples else (1,),
+        generation=replace(defaults.generation, **given(group_size=group_size, max_new_tokens=max_new_tokens,
+                                                        backend=backend)),
+        train=replace(defaults.train, **given(loss=loss, lr=lr, warmup_steps=warmup_steps,
+                                              micro_batch_size=micro_batch_size, grad_accum=grad_accum)),
+        **given(model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
+                pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
+                eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads))
     if learner_ranks > 1:
         from rollstore.loop_ranks import run_loop_with_ranks
 

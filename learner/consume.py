@@ -35,6 +35,7 @@ from .batches import check_vocabulary
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
+    Publish,
     consumed_entry,
     consumed_ledger,
     latest_checkpoint,
@@ -158,12 +159,10 @@ def train_pending(
         outcome: Checkpoint | str | None = None
         if dist.is_main:
             try:
-                outcome = save_checkpoint(
-                    buf, full[0], full[1], scheduler,
-                    version=new_version, run_id=at.run_id, parent_version=version,
-                    consumed=[consumed_entry(shard_curation_id(s), s.path) for s in unit],
-                    tokenizer=tokenizer, step=step, metrics=metrics, training_rows=rows, lease=pending.lease,
-                )
+                outcome = save_checkpoint(buf, full[0], full[1], scheduler, tokenizer=tokenizer, publish=Publish(
+                    new_version, at.run_id, [consumed_entry(shard_curation_id(s), s.path) for s in unit],
+                    parent_version=version, step=step, metrics=metrics, training_rows=rows, lease=pending.lease,
+                ))
             except BaseException as exc:
                 dist.broadcast(str(exc) or type(exc).__name__)
                 raise

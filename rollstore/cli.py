@@ -304,11 +304,14 @@ def curate_(
     timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; embedded engine)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
-    from rollstore.curation_cli import print_summary, run_curate
+    from curate.params import load_recipe
+    from curate.run import curate
+    from rollstore.curation_cli import curation_values, print_summary
 
     with open_buffer(buffer) as buf:
-        result = run_curate(buf, recipe, set_, progress, snapshot, dry_run, memory_limit,
-                            engine=engine, scheduler=scheduler, partitions=partitions, timeout=timeout or None)
+        result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot_seq=snapshot,
+                        dry_run=dry_run, memory_limit=memory_limit, engine=engine, scheduler=scheduler,
+                        partitions=partitions, timeout=timeout or None)
     print_summary(result, out)
 
 
@@ -495,6 +498,7 @@ def eval_(
 ):
     """pass@k (unbiased estimator) and avg@n of a model on a prompt set."""
     from rollstore.evaluate import run_eval
+    from rollstore.generate import GenerationConfig
 
     ks = []
     for word in k.split(","):
@@ -505,8 +509,8 @@ def eval_(
             ks.append(int(word))
     if not ks:
         fail("--k: give at least one k (e.g. 1,8)", code=2)
-    run_eval(model, prompts, samples, ks, num_prompts, temperature,
-             max_new_tokens, seed, buffer, format, out)
+    config = GenerationConfig(group_size=samples, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    run_eval(model, prompts, num_prompts, config, ks, buffer, format, out)
 
 
 @app.command()

@@ -68,6 +68,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
     torch.set_num_threads(1)
     import learner.trainer as trainer
     from learner.batches import iter_rank_steps, read_curated
+    from learner.config import TrainConfig
 
     if model is None:
         from learner.models import load_policy
@@ -99,7 +100,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
             trainer.iter_rank_steps = lambda *_a, **_k: iter(only or rank_steps)
         try:
             t = time.perf_counter()
-            trainer.train_on_curation(model, opt, sched, shards, loss="grpo", micro_batch_size=MICRO_BATCH)
+            trainer.train_on_curation(model, opt, sched, shards, TrainConfig(loss="grpo", micro_batch_size=MICRO_BATCH))
             return time.perf_counter() - t, {k: v.clone() for k, v in model.state_dict().items()}
         finally:
             trainer.read_curated, trainer.iter_rank_steps = real_read, real_iter

@@ -38,8 +38,11 @@ def loop_buffer(tmp_path_factory, default_tiny):  # noqa: F811
 
     root = str(tmp_path_factory.mktemp("report") / "buf")
     Buffer.init(root).close()
+    from rollstore.generate import GenerationConfig
+
     run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=3, recipe="d3s", sets={"amplify": "da3po"},
-                        prompts_per_iter=16, group_size=4, eval_every=1, eval_prompts=24, run_id="rep", seed=3))
+                        prompts_per_iter=16, generation=GenerationConfig(group_size=4, max_new_tokens=8), eval_every=1,
+                        eval_prompts=24, run_id="rep", seed=3))
     return root
 
 

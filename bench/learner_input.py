@@ -71,8 +71,8 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
     from learner.config import TrainConfig
 
     if model is None:
-        from learner.models import load_policy
-        from rollstore.models import resolve_model
+        from learner.policy_loading import load_policy
+        from rollstore.resolve import resolve_model
 
         model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))
     initial = {k: v.clone() for k, v in model.state_dict().items()}

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown recipes {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
 
     from rollstore.loop import LoopConfig
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
 
     defaults = LoopConfig(buffer="")
     model = resolve_model(args.model)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from rollstore.loop import PHASES, LoopConfig, run_loop
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
     from storage.buffer import Buffer
 
     defaults = LoopConfig(buffer="")

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from storage.manifest import Shard
 
-from .distributed import SINGLE, Dist
+from .parallel import SINGLE, Dist
 from .losses import LossConfig
 
 

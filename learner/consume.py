@@ -44,7 +44,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import Pending, RunPosition, TrainConfig, TrainContext
-from .distributed import publishable
+from .parallel import publishable
 from .trainer import train_on_curation
 
 
@@ -123,7 +123,7 @@ def train_pending(
     version is one more than the highest published version of the buffer. `context.timings`, when
     given, gets the seconds spent in `optimiser` steps (reading the shards included), the decoupled
     objective's `proximal` forward (not in `optimiser`) and checkpoint `publish`.
-    `context.dist`: this rank; `model` / `optimizer` are then the wrapped ones (`distributed.wrap`).
+    `context.dist`: this rank; `model` / `optimizer` are then the wrapped ones (`parallel.wrap`).
     """
     dist, timings = context.dist, context.timings
     todo = dist.broadcast(_pending_units(buf, model, at.version, pending) if dist.is_main else None)

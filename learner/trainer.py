@@ -38,7 +38,7 @@ from storage.schema import TRAINING
 from storage.timing import Stopwatch
 
 from .batches import Batch, iter_rank_steps, read_curated
-from .distributed import Dist, grad_norm_value, sync_gradients
+from .parallel import Dist, grad_norm_value, sync_gradients
 from .config import TrainConfig, TrainContext
 from .losses import LossInputs, LossStats, Normalizer, get_loss
 

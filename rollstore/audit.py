@@ -25,7 +25,7 @@ from rich.text import Text
 
 from queries import load_sql
 from queries.session import Session
-from rollstore.output import csv_ready, jsonable, render_table
+from rollstore.result_formats import csv_ready, jsonable, render_table
 from rollstore.token_text import TokenText
 from storage.buffer import Buffer
 from storage.errors import RollstoreError

@@ -193,7 +193,7 @@ def sql(
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
     and time are bounded by --memory-limit and --timeout)."""
     from queries.bounded import run_bounded
-    from rollstore.output import write_result
+    from rollstore.result_formats import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
         fail(f"--format must be table, csv, json or parquet, not {format!r}")
@@ -497,7 +497,7 @@ def eval_(
     format: str = typer.Option("table", "--format", "-f", help="table|json"),
 ):
     """pass@k (unbiased estimator) and avg@n of a model on a prompt set."""
-    from rollstore.evaluate import run_eval
+    from rollstore.eval_cli import run_eval
     from rollstore.generate import GenerationConfig
 
     ks = []

@@ -127,7 +127,7 @@ def generate_step(
 
 
 def _score(be, model_dir: str, device: str, flat, batch_size: int):
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.score import score as score_tokens
 
     # The HF backend already holds these exact weights in memory; other backends load them again.

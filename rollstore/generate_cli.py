@@ -53,7 +53,7 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
     from learner.checkpoint import latest_checkpoint
     from rollout.backends import get_backend
     from rollout.reward import RewardPool
-    from rollstore.models import resolve_model, resolve_prompts
+    from rollstore.resolve import resolve_model, resolve_prompts
     from rollstore.step import StepWriter
 
     buf = Buffer.open(buffer)

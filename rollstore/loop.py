@@ -114,7 +114,7 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
     iteration; extra batches of a filtering recipe draw n prompts of the pool seeded by
     (seed, iteration, batch).
     """
-    from rollstore.models import resolve_prompts
+    from rollstore.resolve import resolve_prompts
 
     if not cfg.pool_size:
         return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
@@ -131,7 +131,7 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
 
 @functools.lru_cache(maxsize=8)
 def _prompt_pool(ref: str, size: int, seed: int) -> tuple:
-    from rollstore.models import resolve_prompts
+    from rollstore.resolve import resolve_prompts
 
     return tuple(resolve_prompts(ref, size, seed=seed, split="train"))
 
@@ -144,7 +144,7 @@ def _epoch_order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def heldout_prompts(cfg: LoopConfig):
-    from rollstore.models import resolve_prompts
+    from rollstore.resolve import resolve_prompts
 
     return resolve_prompts(cfg.prompts, cfg.eval_prompts, seed=cfg.seed, split=cfg.eval_split)
 
@@ -159,7 +159,7 @@ def greedy_accuracy(backend, prompts, reward_pool, max_new_tokens: int) -> float
 
 def sampled_metrics(backend, prompts, reward_pool, cfg: "LoopConfig") -> dict[str, float]:
     """pass@k (unbiased) and avg@n from cfg.eval_samples samples per prompt at the sampling temperature."""
-    from learner.evaluate import summarize
+    from learner.passk import summarize
 
     n = cfg.eval_samples
     g = cfg.generation
@@ -228,11 +228,11 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     """run_loop's body, under the chosen thread count."""
     from learner.checkpoint import latest_checkpoint
     from learner.consume import resume
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.trainer import make_optimizer
     from rollout.backends import get_backend
     from rollout.reward import RewardPool
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
     from rollstore.step import StepWriter
 
     run = _Run(cfg, on_iteration, on_eval)

@@ -40,7 +40,7 @@ def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: floa
 
     from learner.checkpoint import latest_checkpoint
     from rollstore.generate_cli import Follow, PromptSource, run_generate
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
     from storage.buffer import Buffer
 
     run_id = cfg.run_name

@@ -28,7 +28,7 @@ from html import escape
 
 from queries import load_sql
 from queries.session import Session
-from rollstore.output import jsonable
+from rollstore.result_formats import jsonable
 from rollstore.report_svg import (
     PALETTE,
     Series,

@@ -5,7 +5,7 @@ Invariants: each unit (one curation's shards) is trained once and published as o
 together with its consumed ledger (and, with --follow, the ack of its leases) in one manifest commit.
 Curated shards are verified against the manifest (size and sha256) before they are trained on.
 Under torchrun (`--parallel ddp|fsdp`), rank 0 verifies, leases, prints and publishes; every rank
-trains its block of each global step (learner/distributed.py). `--nproc N` re-runs the same command
+trains its block of each global step (learner/parallel.py). `--nproc N` re-runs the same command
 under `python -m torch.distributed.run --standalone --nproc-per-node N`.
 """
 
@@ -63,14 +63,14 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     with `follow`, lease curated shards as they appear until `max_idle` idle seconds (0: never)."""
     import torch
 
-    from learner import distributed
+    from learner import parallel as ranks
     from learner.config import Pending, RunPosition, TrainContext
     from learner.consume import resume, train_pending
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.trainer import make_optimizer
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
 
-    dist = distributed.init(parallel)
+    dist = ranks.init(parallel)
     if dist.active and dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     buf = Buffer.open(buffer)
@@ -79,7 +79,7 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     model_obj, tokenizer = load_policy(dist.broadcast(path), device=str(dist.device))
     optimizer, scheduler = make_optimizer(model_obj, lr=config.lr, warmup_steps=config.warmup_steps)
     version, step = resume(buf, model_obj, optimizer, scheduler, run_id)
-    model_obj, optimizer = distributed.wrap(model_obj, optimizer, scheduler, dist)
+    model_obj, optimizer = ranks.wrap(model_obj, optimizer, scheduler, dist)
     train = functools.partial(train_pending, buf, model_obj, optimizer, scheduler, config, tokenizer=tokenizer,
                               context=TrainContext(dist=dist))
     published = []
@@ -130,5 +130,5 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     finally:
         buf.close()
         if sys.exc_info()[0] is None:  # on an error the launcher tears the ranks down
-            distributed.close(dist)
+            ranks.close(dist)
     return published

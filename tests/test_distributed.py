@@ -30,7 +30,7 @@ import torch
 from learner.checkpoint import consumed_ledger, list_checkpoints
 from learner.config import RunPosition, TrainConfig, TrainContext
 from learner.consume import pending_shards, resume, train_pending
-from learner.distributed import SINGLE, close, current, passes, rank_block, wrap
+from learner.parallel import SINGLE, close, current, passes, rank_block, wrap
 from learner.trainer import deterministic_cpu, make_optimizer
 from learner_util import one_thread, tiny_llama
 from storage.buffer import Buffer

@@ -64,7 +64,7 @@ def data_blocks(html: str) -> dict[str, list[dict]]:
 def documented(root: str, name: str, curation_id: str | None = None) -> list[dict]:
     """Run queries/<name>.sql straight with DuckDB over the buffer's latest snapshot (own connection,
     the snapshot's views and the user views of queries/views.sql), as a user would."""
-    from rollstore.output import jsonable
+    from rollstore.result_formats import jsonable
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         con = duckdb.connect()

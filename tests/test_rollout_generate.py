@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from learner.models import load_policy
+from learner.policy_loading import load_policy
 from learner.score import score
 from rollout import arith
 from rollout.backends import cut_at_first_eos, get_backend

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from learner.evaluate import summarize
+from learner.passk import summarize
 from rollstore.generate import GenerationConfig
 
 
@@ -33,7 +33,7 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
              buffer: str | None, fmt: str, out: Console) -> dict:
     """pass@k and avg@n of `config.group_size` samples per prompt (at `config.temperature`, up to
     `config.max_new_tokens` tokens, seeded by `config.seed`); printed, and recorded in `buffer` if given."""
-    from rollstore.models import resolve_model, resolve_prompts
+    from rollstore.resolve import resolve_model, resolve_prompts
 
     samples, temperature, seed = config.group_size, config.temperature, config.seed
 

@@ -1,7 +1,7 @@
 """Learner step throughput with 1 and 2 ranks (DDP, gloo, CPU) in one run, and the share of each
 rank's step time spent reading curated shards and collating batches (the store's input cost).
 
-    python -m bench.distributed [--rows 256] [--steps-batch 16] [--no-record]
+    python -m bench.learner_ranks [--rows 256] [--steps-batch 16] [--no-record]
 
 Invariants: both worlds train the same curated shards with the same global batch, each rank one
 torch thread, ranks forked from this process (no re-import); only the ratio of this run is meant to
@@ -27,7 +27,7 @@ def _rank(root, shards, rank, world, rendezvous, batch, out_dir):
     import torch
 
     from learner.config import TrainConfig, TrainContext
-    from learner.distributed import SINGLE, close, current, wrap
+    from learner.parallel import SINGLE, close, current, wrap
     from learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
     from learner_util import tiny_llama
 

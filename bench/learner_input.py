@@ -68,10 +68,11 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
     torch.set_num_threads(1)
     import learner.trainer as trainer
     from learner.batches import iter_rank_steps, read_curated
+    from learner.config import TrainConfig
 
     if model is None:
-        from learner.models import load_policy
-        from rollstore.models import resolve_model
+        from learner.policy_loading import load_policy
+        from rollstore.resolve import resolve_model
 
         model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -99,7 +100,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
             trainer.iter_rank_steps = lambda *_a, **_k: iter(only or rank_steps)
         try:
             t = time.perf_counter()
-            trainer.train_on_curation(model, opt, sched, shards, loss="grpo", micro_batch_size=MICRO_BATCH)
+            trainer.train_on_curation(model, opt, sched, shards, TrainConfig(loss="grpo", micro_batch_size=MICRO_BATCH))
             return time.perf_counter() - t, {k: v.clone() for k, v in model.state_dict().items()}
         finally:
             trainer.read_curated, trainer.iter_rank_steps = real_read, real_iter

@@ -72,6 +72,8 @@ def run_one(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from learner.config import TrainConfig
+    from rollstore.generate import GenerationConfig
     from rollstore.loop import LoopConfig, run_loop
     from storage.buffer import Buffer
 
@@ -84,8 +86,10 @@ def run_one(job: dict) -> dict:
     cfg = LoopConfig(
         buffer=root, model=job["model"], prompts=SPLITS[job["split"]][0], recipe=job["recipe"],
         sets=dict(job["sets"]), iterations=job["iterations"], prompts_per_iter=job["prompts"],
-        group_size=job["group_size"], lr=job["lr"], micro_batch_size=job["micro_batch"], grad_accum=job["grad_accum"],
-        warmup_steps=job["warmup"], eval_every=job["eval_every"], eval_prompts=job["eval_prompts"],
+        generation=GenerationConfig(group_size=job["group_size"], max_new_tokens=8),
+        train=TrainConfig(lr=job["lr"], micro_batch_size=job["micro_batch"], grad_accum=job["grad_accum"],
+                          warmup_steps=job["warmup"]),
+        eval_every=job["eval_every"], eval_prompts=job["eval_prompts"],
         eval_split=SPLITS[job["split"]][1], eval_samples=job["eval_samples"], eval_ks=(1, job["eval_samples"]),
         overgen=1, max_gen_batches=job["max_gen_batches"], pool_size=job["pool_size"], seed=job["seed"],
         run_id=f"{job['name']}-s{job['seed']}",
@@ -264,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown recipes {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
 
     from rollstore.loop import LoopConfig
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
 
     defaults = LoopConfig(buffer="")
     model = resolve_model(args.model)
@@ -273,13 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     head = header("Learning: recipes compared on builtin:arith (bench/learning.py)",
                   libs=("torch", "transformers", "duckdb", "pyarrow"))  # load average taken at the start
     t0 = time.perf_counter()
-    lr = args.lr if args.lr is not None else defaults.lr
+    lr = args.lr if args.lr is not None else defaults.train.lr
     pool_size = args.pool_size if args.pool_size is not None else defaults.pool_size
     jobs = [
         {"name": name, "recipe": recipe, "sets": sets, "seed": seed, "split": split, "model": model,
          "iterations": args.iterations, "prompts": args.prompts, "group_size": args.group_size, "lr": lr,
-         "micro_batch": defaults.micro_batch_size, "grad_accum": defaults.grad_accum, "warmup": defaults.warmup_steps,
-         "epochs": defaults.epochs, "eval_every": args.eval_every, "eval_prompts": args.eval_prompts,
+         "micro_batch": defaults.train.micro_batch_size, "grad_accum": defaults.train.grad_accum, "warmup": defaults.train.warmup_steps,
+         "epochs": defaults.train.epochs, "eval_every": args.eval_every, "eval_prompts": args.eval_prompts,
          "eval_samples": args.eval_samples, "pool_size": pool_size, "max_gen_batches": args.max_gen_batches,
          "out_root": out_root}
         for split in args.splits for seed in range(args.seeds)
@@ -322,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             f"from a pool of {pool_size} training prompts in epochs (the same batch for every recipe of a seed); "
             f"filtering recipes then over-generate batches of the same size until {args.prompts} groups survive, at "
             f"most {args.max_gen_batches} batches. lr {lr:g} for every recipe (not tuned per recipe), micro-batch "
-            f"{defaults.micro_batch_size} × accumulation {defaults.grad_accum}, loss {defaults.loss}; held-out: "
-            f"{args.eval_prompts} distinct prompts × {args.eval_samples} samples at T={defaults.temperature} every "
+            f"{defaults.train.micro_batch_size} × accumulation {defaults.train.grad_accum}, loss {defaults.train.loss}; held-out: "
+            f"{args.eval_prompts} distinct prompts × {args.eval_samples} samples at T={defaults.generation.temperature} every "
             f"{args.eval_every} iterations. Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with "
             f"{args.jobs} parallel jobs" + (" (sum of run times / jobs: rebuilt with --from-json)." if args.from_json else "."),
             "",

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from rollstore.loop import PHASES, LoopConfig, run_loop
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
     from storage.buffer import Buffer
 
     defaults = LoopConfig(buffer="")
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     table = md_table(["phase", "ms per iteration", "share", "first iteration, ms"], rows)
     evals = summary["evals"]
     text = (f"{head}\n\n{iterations} iterations of `{recipe}` at `LoopConfig`'s defaults (the demo: "
-            f"{defaults.prompts_per_iter} prompts × {defaults.group_size}, optimiser steps of "
-            f"{defaults.micro_batch_size} kept samples, held-out greedy evaluation of {defaults.eval_prompts} prompts "
+            f"{defaults.prompts_per_iter} prompts × {defaults.generation.group_size}, optimiser steps of "
+            f"{defaults.train.micro_batch_size} kept samples, held-out greedy evaluation of {defaults.eval_prompts} prompts "
             f"every {defaults.eval_every} iterations, {defaults.threads} torch thread), {model}; means over "
             f"iterations 2–{iterations}. Held-out greedy accuracy {evals[0][2]:.1%} → {evals[-1][2]:.1%}; "
             f"{wall:.1f} s for the run.\n\n{table}\n\n**Everything except generation and the optimiser steps: "

@@ -44,7 +44,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -54,7 +53,7 @@ from storage.buffer import Buffer, Part, WrittenPart, token_count
 from storage.owners import owned_name
 from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS, TABLES
 from storage.shardio import READ_THREADS, write_tmp
-from storage.snapshot import SnapshotFiles, sql_string
+from storage.snapshot import SnapshotFiles
 
 from .output import (
     CurationResult,
@@ -119,29 +118,12 @@ def _start(ctx: _Ctx, kind: str) -> None:
         time.sleep(hook)
 
 
-class _TaskSession(Session):
-    """The DuckDB session of a task that reads no snapshot table (only `work` and what it loads,
-    or one input shard as `rollouts`): the limits and sandbox of `Session`, without its views."""
-
-    def __init__(self, ctx: _Ctx, shard: str | None = None):
-        self.snapshot = None
-        self.root = ctx.files.root
-        self.con = duckdb.connect(":memory:")
-        self.spill_dir = os.path.join(self.root, "tmp", owned_name("duckdb"))
-        self.con.execute(f"SET memory_limit={sql_string(ctx.memory_limit)}")
-        self.con.execute(f"SET temp_directory={sql_string(self.spill_dir)}")
-        self.con.execute("SET preserve_insertion_order=false")
-        self.con.execute(f"SET threads={int(ctx.threads)}")
-        if shard is not None:
-            self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM read_parquet({sql_string(shard)}, "
-                             "hive_partitioning = false)")
-        self.lock()
-
-
 def _session(ctx: _Ctx, shard: str | None = None, whole: bool = False) -> Session:
     """A sandboxed DuckDB session for a task: over the whole snapshot (`whole`), one input shard
     as `rollouts`, or nothing but what the task loads."""
-    return Session(ctx.files, ctx.memory_limit, ctx.threads) if whole else _TaskSession(ctx, shard)
+    if whole:
+        return Session(ctx.files, ctx.memory_limit, ctx.threads)
+    return Session(None, ctx.memory_limit, ctx.threads, root=ctx.files.root, rollouts=shard)
 
 
 def _split(table: pa.Table | None, column: str, n: int) -> list[pa.Table | None]:

@@ -164,7 +164,7 @@ class Recipe:
 
 
 def builtin_recipes() -> list[str]:
-    folder = resources.files("curate").joinpath("recipes")
+    folder = resources.files(__package__).joinpath("recipes")
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
@@ -242,7 +242,7 @@ def load_recipe(ref: str) -> Recipe:
     names = builtin_recipes()
     if ref not in names:
         raise ParamError(f"unknown recipe {ref!r} (built-in: {', '.join(names)}; or a .toml / .sql file)")
-    text = resources.files("curate").joinpath("recipes", f"{ref}.toml").read_text()
+    text = resources.files(__package__).joinpath("recipes", f"{ref}.toml").read_text()
     return _recipe_from_toml(ref, text, f"recipes/{ref}.toml")
 
 

@@ -51,7 +51,7 @@ def main() -> None:
     from trl import GRPOConfig
 
     from rollout.arith import train_prompts
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
     from rollstore.trl import RollstoreGRPOTrainer
     from storage.buffer import Buffer
 

@@ -32,7 +32,7 @@ from storage.errors import RollstoreError
 from storage.references import read_curated_file
 from storage.schema import CURATED
 
-from .distributed import passes, rank_block
+from .parallel import passes, rank_block
 
 TOKEN_COLUMNS = ("old_logprobs", "gen_logprobs", "loss_mask")
 
@@ -219,7 +219,7 @@ def iter_rank_steps(
     world: int = 1,
 ) -> Iterator[RankStep]:
     """Global steps of `micro_batch_size × grad_accum` rows; rank `rank` of `world` gets the
-    contiguous block `distributed.rank_block` of each step, in micro-batches of `micro_batch_size`."""
+    contiguous block `parallel.rank_block` of each step, in micro-batches of `micro_batch_size`."""
     if micro_batch_size < 1 or grad_accum < 1:
         raise ValueError("micro_batch_size and grad_accum must be >= 1")
     if not 0 <= rank < world:

@@ -17,9 +17,9 @@ Invariants:
   has a row, or if a shard it consumes was already consumed by another checkpoint of the same run:
   no version is published twice and no shard is trained twice into one run, whatever the callers
   do (a stale resume, two learners of one run).
-- Training metrics rows passed to `save_checkpoint` are committed in the same transaction, so the
+- Training metrics rows passed to `save_checkpoint` (`Publish.training_rows`) are committed in the same transaction, so the
   `training` table holds each step of a published version exactly once.
-- When leases are used (`lease=(consumer, group)`), the consumed shards' leases are acked in the
+- When leases are used (`Publish.lease=(consumer, group)`), the consumed shards' leases are acked in the
   same transaction; a lease lost to another consumer refuses the save.
 - `load_checkpoint` restores weights bit-exactly (float32 safetensors) and the exact optimizer,
   scheduler and RNG states, so a resumed run continues as if never interrupted.
@@ -34,7 +34,7 @@ import os
 import random
 import shutil
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -207,73 +207,55 @@ def _live_checkpoint_rows(buf: Buffer, con: sqlite3.Connection, exclude: list[in
                              if shard_id not in skip])
 
 
+@dataclass(frozen=True)
+class Publish:
+    """What checkpoint `version` publishes beside its files: its run and parent version, the shards
+    trained into it since the parent (`consumed`: `consumed_entry(curation_id, shard)` with `shard`
+    relative to the buffer), the global optimiser step reached, its metrics, the `training` rows of
+    its steps and the lease to ack (`(consumer, group)`), all in one manifest commit."""
+
+    version: int
+    run_id: str
+    consumed: Sequence[dict]
+    parent_version: int | None = None
+    step: int = 0
+    metrics: dict | None = None
+    training_rows: Sequence[dict] | None = None
+    lease: tuple[str, str] | None = None
+
+
 def save_checkpoint(
     buf: Buffer,
     model,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler=None,
     *,
-    version: int,
-    run_id: str,
-    consumed: Sequence[dict],
-    parent_version: int | None = None,
+    publish: Publish,
     tokenizer=None,
-    step: int = 0,
-    metrics: dict | None = None,
-    training_rows: Sequence[dict] | None = None,
-    lease: tuple[str, str] | None = None,
 ) -> Checkpoint:
-    """Write and publish checkpoint `version` (see the module invariants); return it.
-
-    `consumed`: the shards trained since `parent_version`, as `consumed_entry(curation_id, shard)`
-    with `shard` relative to the buffer. `step`: the global optimiser step reached.
-    """
-    version = int(version)
-    if parent_version is not None and parent_version >= version:
-        raise CheckpointError(f"checkpoint v{version}: parent version {parent_version} is not older")
-    consumed = [consumed_entry(e["curation_id"], e["shard"]) for e in consumed]
-    shards = [e["shard"] for e in consumed]
+    """Write and publish checkpoint `publish.version` (see the module invariants); return it."""
+    p = replace(publish, version=int(publish.version), metrics=publish.metrics or {},
+                consumed=[consumed_entry(e["curation_id"], e["shard"]) for e in publish.consumed])
+    version, run_id = p.version, p.run_id
+    if p.parent_version is not None and p.parent_version >= version:
+        raise CheckpointError(f"checkpoint v{version}: parent version {p.parent_version} is not older")
+    shards = [e["shard"] for e in p.consumed]
     if len(set(shards)) != len(shards):
         raise CheckpointError(f"checkpoint v{version}: a shard is listed twice in consumed")
     rel = f"checkpoints/v{version}"
     final = os.path.join(buf.root, rel)
     tmp = os.path.join(buf.root, "tmp", owned_name("ckpt"))  # gc keeps it while we live
-    ledger = {"version": version, "parent_version": parent_version, "run_id": run_id, "consumed": consumed}
+    ledger = {"version": version, "parent_version": p.parent_version, "run_id": run_id, "consumed": p.consumed}
     now = dt.datetime.now(dt.timezone.utc)
-    row = {
-        "version": version,
-        "created_at": now,
-        "path": rel,
-        "run_id": run_id,
-        "parent_version": parent_version,
-        "consumed": json.dumps(consumed),
-        "metrics": json.dumps(metrics or {}, sort_keys=True),
-    }
-    parts = [Part("checkpoints", pa.Table.from_pylist([row], schema=CHECKPOINTS), key=str(version))]
-    if training_rows:
-        parts.append(Part("training", pa.Table.from_pylist(list(training_rows), schema=TRAINING)))
+    parts = _parts(p, rel, now)
     moved_aside: list[str] = []
 
-    def publish(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
+    def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
-        others = _live_checkpoint_rows(buf, con, ids)
-        if any(int(r["version"]) == version for r in others):
-            raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
-        taken = {
-            e["shard"]: int(r["version"])
-            for r in others
-            if r["run_id"] == run_id
-            for e in json.loads(r["consumed"])
-        }
-        dup = [s for s in shards if s in taken]
-        if dup:
-            raise CheckpointError(
-                f"{buf.root}: checkpoint v{version}: shard {dup[0]} was already trained into "
-                f"v{taken[dup[0]]} of run {run_id!r}"
-            )
-        if lease is not None:
-            _ack_in_transaction(buf, con, shards, *lease, now.timestamp())
+        _check_unpublished(buf, con, ids, version, run_id, shards)
+        if p.lease is not None:
+            _ack_in_transaction(buf, con, shards, *p.lease, now.timestamp())
         if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)
             aside = os.path.join(buf.root, "tmp", owned_name("orphan"))
             os.rename(final, aside)
@@ -283,16 +265,51 @@ def save_checkpoint(
 
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        _write_dir(tmp, model, tokenizer, optimizer, scheduler, step, ledger)
-        buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish)
+        _write_dir(tmp, model, tokenizer, optimizer, scheduler, p.step, ledger)
+        buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish_in)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         for d in moved_aside:
             shutil.rmtree(d, ignore_errors=True)
-    return Checkpoint(
-        version, rel, run_id, parent_version, consumed, metrics or {}, now, buf.root, int(step)
-    )
+    return Checkpoint(version, rel, run_id, p.parent_version, p.consumed, p.metrics, now, buf.root, int(p.step))
+
+
+def _parts(p: Publish, rel: str, now: dt.datetime) -> list[Part]:
+    """The manifest parts of one checkpoint: its `checkpoints` row and its `training` rows."""
+    row = {
+        "version": p.version,
+        "created_at": now,
+        "path": rel,
+        "run_id": p.run_id,
+        "parent_version": p.parent_version,
+        "consumed": json.dumps(p.consumed),
+        "metrics": json.dumps(p.metrics, sort_keys=True),
+    }
+    parts = [Part("checkpoints", pa.Table.from_pylist([row], schema=CHECKPOINTS), key=str(p.version))]
+    if p.training_rows:
+        parts.append(Part("training", pa.Table.from_pylist(list(p.training_rows), schema=TRAINING)))
+    return parts
+
+
+def _check_unpublished(buf: Buffer, con: sqlite3.Connection, ids: list[int], version: int, run_id: str,
+                       shards: list[str]) -> None:
+    """Refuse a version that already has a row, or a shard another checkpoint of the run consumed."""
+    others = _live_checkpoint_rows(buf, con, ids)
+    if any(int(r["version"]) == version for r in others):
+        raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
+    taken = {
+        e["shard"]: int(r["version"])
+        for r in others
+        if r["run_id"] == run_id
+        for e in json.loads(r["consumed"])
+    }
+    dup = [s for s in shards if s in taken]
+    if dup:
+        raise CheckpointError(
+            f"{buf.root}: checkpoint v{version}: shard {dup[0]} was already trained into "
+            f"v{taken[dup[0]]} of run {run_id!r}"
+        )
 
 
 def _ack_in_transaction(buf: Buffer, con: sqlite3.Connection, shards: list[str], consumer: str, group: str,

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 from storage.buffer import Buffer
@@ -34,6 +35,7 @@ from .batches import check_vocabulary
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
+    Publish,
     consumed_entry,
     consumed_ledger,
     latest_checkpoint,
@@ -41,7 +43,8 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .distributed import SINGLE, Dist, publishable
+from .config import Pending, RunPosition, TrainConfig, TrainContext
+from .parallel import publishable
 from .trainer import train_on_curation
 
 
@@ -105,45 +108,27 @@ def train_pending(
     model,
     optimizer,
     scheduler,
+    config: TrainConfig = TrainConfig(),
     *,
-    run_id: str,
-    from_version: int = 0,
-    start_step: int = 0,
-    curation_ids: Sequence[str] | None = None,
-    shards: Sequence[Shard] | None = None,
-    per: str = "shard",
+    at: RunPosition,
+    pending: Pending = Pending(),
     tokenizer=None,
-    max_units: int | None = None,
-    lease: tuple[str, str] | None = None,
     extra_metrics: dict | None = None,
-    timings: dict[str, float] | None = None,
-    dist: Dist = SINGLE,
-    **train_kwargs,
+    context: TrainContext = TrainContext(),
 ) -> list[Checkpoint]:
     """Train every pending unit once, publishing one checkpoint per unit; return them.
 
-    `from_version`/`start_step`: where the model is (see `resume`). `extra_metrics` are added to
-    each checkpoint's metrics (e.g. the loop's iteration). `train_kwargs` go to
-    `train_on_curation` (loss, epochs, micro_batch_size, grad_accum, ...). Each new version is
-    one more than the highest published version of the buffer. `timings`, when given, gets the
-    seconds spent in `optimiser` steps (reading the shards included), the decoupled objective's
-    `proximal` forward (not in `optimiser`) and checkpoint `publish`.
-    `dist`: this rank; `model` / `optimizer` are then the wrapped ones (`distributed.wrap`).
+    `at`: the run and where its model is (see `resume`). `pending`: which shards, and the unit.
+    `extra_metrics` are added to each checkpoint's metrics (e.g. the loop's iteration). Each new
+    version is one more than the highest published version of the buffer. `context.timings`, when
+    given, gets the seconds spent in `optimiser` steps (reading the shards included), the decoupled
+    objective's `proximal` forward (not in `optimiser`) and checkpoint `publish`.
+    `context.dist`: this rank; `model` / `optimizer` are then the wrapped ones (`parallel.wrap`).
     """
-    todo = None
-    if dist.is_main:
-        ledger = consumed_ledger(buf, from_version) if any(
-            c.version == from_version for c in list_checkpoints(buf)
-        ) else []
-        todo = _units(pending_shards(buf, ledger, curation_ids, shards), per)
-        if max_units is not None:
-            todo = todo[:max_units]
-        vocab = vocabulary_size(model)
-        if vocab is not None:  # every unit checked before the first is trained and published
-            check_vocabulary([os.path.join(buf.root, s.path) for unit in todo for s in unit], vocab)
-    todo = dist.broadcast(todo)
+    dist, timings = context.dist, context.timings
+    todo = dist.broadcast(_pending_units(buf, model, at.version, pending) if dist.is_main else None)
     published: list[Checkpoint] = []
-    version, step = from_version, start_step
+    version, step = at.version, at.step
     clock = Stopwatch(timings)
     for unit in todo:
         new_version = None
@@ -153,9 +138,9 @@ def train_pending(
         new_version = dist.broadcast(new_version)
         inner: dict[str, float] = {}
         rows = train_on_curation(
-            model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit],
-            run_id=run_id, version=new_version, weights_version=version, start_step=step, dist=dist,
-            timings=inner, **train_kwargs,
+            model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit], config,
+            run_id=at.run_id, version=new_version, weights_version=version, start_step=step,
+            context=replace(context, timings=inner),
         )
         clock.lap("optimiser")
         if timings is not None:  # the off-policy correction's forward is its own phase
@@ -174,12 +159,10 @@ def train_pending(
         outcome: Checkpoint | str | None = None
         if dist.is_main:
             try:
-                outcome = save_checkpoint(
-                    buf, full[0], full[1], scheduler,
-                    version=new_version, run_id=run_id, parent_version=version,
-                    consumed=[consumed_entry(shard_curation_id(s), s.path) for s in unit],
-                    tokenizer=tokenizer, step=step, metrics=metrics, training_rows=rows, lease=lease,
-                )
+                outcome = save_checkpoint(buf, full[0], full[1], scheduler, tokenizer=tokenizer, publish=Publish(
+                    new_version, at.run_id, [consumed_entry(shard_curation_id(s), s.path) for s in unit],
+                    parent_version=version, step=step, metrics=metrics, training_rows=rows, lease=pending.lease,
+                ))
             except BaseException as exc:
                 dist.broadcast(str(exc) or type(exc).__name__)
                 raise
@@ -190,3 +173,14 @@ def train_pending(
         published.append(outcome)
         version = new_version
     return published
+
+
+def _pending_units(buf: Buffer, model, version: int, pending: Pending) -> list[list[Shard]]:
+    """The units to train (rank 0), every one checked against the model's vocabulary before the
+    first is trained and published."""
+    ledger = consumed_ledger(buf, version) if any(c.version == version for c in list_checkpoints(buf)) else []
+    todo = _units(pending_shards(buf, ledger, pending.curation_ids, pending.shards), pending.per)
+    vocab = vocabulary_size(model)
+    if vocab is not None:
+        check_vocabulary([os.path.join(buf.root, s.path) for unit in todo for s in unit], vocab)
+    return todo

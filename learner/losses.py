@@ -1,11 +1,12 @@
 """Policy losses of the learner, registered by name (docs/curation.md §Losses; verl `core_algos.py` style).
 
-Every loss has one signature: per-token tensors [B, T] `logp` (the policy being trained, with
-grad), `old_logp` (the trainer's log-probs at the sampling version), `mask` (bool: the kept
-tokens), per-sequence tensors [B] `advantages` and `weights`; keyword-only optional per-token
-`ref_logp` (reference model, for the k3 KL term), `gen_logp` (sampler log-probs, for the truncated
-importance weight), `prox_logp` (the proximal policy of the decoupled objective, no grad), `entropy`
-(metrics only), a `LossConfig` and a `Normalizer`.
+Every loss has one signature, `loss(inputs, *, config, norm)`: a `LossInputs` of per-token
+tensors [B, T] `logp` (the policy being trained, with grad), `old_logp` (the trainer's log-probs at
+the sampling version), `mask` (bool: the kept tokens), per-sequence tensors [B] `advantages` and
+`weights`, and optional per-token `ref_logp` (reference model, for the k3 KL term), `gen_logp`
+(sampler log-probs, for the truncated importance weight), `prox_logp` (the proximal policy of the
+decoupled objective, no grad), `entropy` (metrics only); a `LossConfig` and a `Normalizer`.
+`compute_loss(name, logp, old_logp, mask, advantages, weights, **kw)` builds the `LossInputs`.
 
 Invariants:
 - A token outside `mask` contributes exactly nothing to the loss and receives exactly zero
@@ -129,22 +130,23 @@ class LossOutput:
     stats: LossStats
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """The tensors of one micro-batch a loss reads (see the module docstring)."""
+
+    logp: Tensor
+    old_logp: Tensor
+    mask: Tensor
+    advantages: Tensor
+    weights: Tensor
+    ref_logp: Tensor | None = None
+    gen_logp: Tensor | None = None
+    prox_logp: Tensor | None = None
+    entropy: Tensor | None = None
+
+
 class LossFn(Protocol):
-    def __call__(
-        self,
-        logp: Tensor,
-        old_logp: Tensor,
-        mask: Tensor,
-        advantages: Tensor,
-        weights: Tensor,
-        *,
-        config: LossConfig = ...,
-        norm: Normalizer | None = ...,
-        ref_logp: Tensor | None = ...,
-        gen_logp: Tensor | None = ...,
-        entropy: Tensor | None = ...,
-        prox_logp: Tensor | None = ...,
-    ) -> LossOutput: ...
+    def __call__(self, x: LossInputs, *, config: LossConfig = ..., norm: Normalizer | None = ...) -> LossOutput: ...
 
 
 @dataclass(frozen=True)
@@ -163,15 +165,14 @@ def register_loss(name: str, clip_low: float, clip_high: float) -> Callable[[Cal
 
     def decorate(fn: Callable) -> LossFn:
         @functools.wraps(fn)
-        def wrapper(logp, old_logp, mask, advantages, weights, *, config=LossConfig(), norm=None, **kw):
+        def wrapper(x: LossInputs, *, config: LossConfig = LossConfig(), norm: Normalizer | None = None):
             config = replace(
                 config,
                 clip_low=clip_low if config.clip_low is None else config.clip_low,
                 clip_high=clip_high if config.clip_high is None else config.clip_high,
             )
-            mask = mask.bool()
-            norm = Normalizer.of(mask) if norm is None else norm
-            return fn(logp, old_logp, mask, advantages, weights, config=config, norm=norm, **kw)
+            x = replace(x, mask=x.mask.bool())
+            return fn(x, config=config, norm=Normalizer.of(x.mask) if norm is None else norm)
 
         if name in LOSSES:
             raise ValueError(f"loss {name!r} registered twice")
@@ -244,13 +245,12 @@ def _decoupled_weight(old_logp: Tensor, prox_logp: Tensor | None, mask: Tensor, 
     return torch.clamp(torch.exp(_masked(prox_logp.float() - old_logp.float(), mask)), max=config.decoupled_cap).detach()
 
 
-def _token_losses(
-    logp, old_logp, mask, advantages, config, ref_logp, gen_logp, prox_logp=None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _token_losses(x: LossInputs, config: LossConfig) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Per-token loss [B, T] (0 where masked), the log ratio, where clipped, the reference k3."""
-    logp = logp.float()
+    logp, old_logp, mask = x.logp.float(), x.old_logp, x.mask
+    ref_logp, gen_logp, prox_logp = x.ref_logp, x.gen_logp, x.prox_logp
     log_ratio = _masked(logp - _ratio_base(old_logp, prox_logp, config), mask)
-    adv = advantages.float()[:, None].expand_as(logp)
+    adv = x.advantages.float()[:, None].expand_as(logp)
     loss, clipped = _clipped_surrogate(torch.exp(log_ratio), adv, config)
     weight = _decoupled_weight(old_logp, prox_logp, mask, config)
     if weight is not None:
@@ -275,53 +275,47 @@ def _kept_sequences(mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @register_loss("grpo", clip_low=0.2, clip_high=0.2)
-def grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
-         prox_logp=None):
+def grpo(x: LossInputs, *, config: LossConfig, norm: Normalizer) -> LossOutput:
     """Token mean within each sequence, then mean over (non-empty) sequences."""
-    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp,
-                                                    prox_logp)
-    n, _ = _kept_sequences(mask)
+    tok, log_ratio, clipped, ref_kl = _token_losses(x, config)
+    n, _ = _kept_sequences(x.mask)
     per_seq = tok.sum(dim=1) / n.clamp(min=1)
-    loss = (weights.float() * per_seq).sum() / max(norm.sequences, 1)
-    return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
+    loss = (x.weights.float() * per_seq).sum() / max(norm.sequences, 1)
+    return LossOutput(loss, _stats(log_ratio, x.mask, clipped, x.entropy, ref_kl))
 
 
 @register_loss("dapo", clip_low=0.2, clip_high=0.28)
-def dapo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
-         prox_logp=None):
+def dapo(x: LossInputs, *, config: LossConfig, norm: Normalizer) -> LossOutput:
     """Mean over all kept tokens of the batch (token-level, DAPO arXiv 2503.14476)."""
-    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp,
-                                                    prox_logp)
-    loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.tokens, 1)
-    return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
+    tok, log_ratio, clipped, ref_kl = _token_losses(x, config)
+    loss = (x.weights.float() * tok.sum(dim=1)).sum() / max(norm.tokens, 1)
+    return LossOutput(loss, _stats(log_ratio, x.mask, clipped, x.entropy, ref_kl))
 
 
 @register_loss("dr_grpo", clip_low=0.2, clip_high=0.2)
-def dr_grpo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
-         prox_logp=None):
+def dr_grpo(x: LossInputs, *, config: LossConfig, norm: Normalizer) -> LossOutput:
     """Sum over kept tokens / (non-empty sequences × max response length) (Dr. GRPO arXiv
     2503.20783); the length is `config.max_len` (a constant budget, as in the paper) when set, else
     the longest response of the step."""
-    tok, log_ratio, clipped, ref_kl = _token_losses(logp, old_logp, mask, advantages, config, ref_logp, gen_logp,
-                                                    prox_logp)
+    tok, log_ratio, clipped, ref_kl = _token_losses(x, config)
     max_len = config.max_len if config.max_len is not None else norm.max_len
-    loss = (weights.float() * tok.sum(dim=1)).sum() / max(norm.sequences * max_len, 1)
-    return LossOutput(loss, _stats(log_ratio, mask, clipped, entropy, ref_kl))
+    loss = (x.weights.float() * tok.sum(dim=1)).sum() / max(norm.sequences * max_len, 1)
+    return LossOutput(loss, _stats(log_ratio, x.mask, clipped, x.entropy, ref_kl))
 
 
 @register_loss("gspo", clip_low=3e-4, clip_high=4e-4)
-def gspo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=None, gen_logp=None, entropy=None,
-         prox_logp=None):
+def gspo(x: LossInputs, *, config: LossConfig, norm: Normalizer) -> LossOutput:
     """One clipped term per sequence with s_i = exp(mean_t(logπ − old)) over its kept tokens
     (GSPO arXiv 2507.18071); decoupled, s_i is against π_prox and weighted by the geometric mean
     of min-capped π_prox/π_old (the sequence-level variant); the truncated importance weight is the sequence's geometric mean
     min(exp(mean_t(old − gen)), C); the KL term is the token mean of k3 per sequence."""
-    logp = logp.float()
+    logp, old_logp, mask = x.logp.float(), x.old_logp, x.mask
+    ref_logp, gen_logp, prox_logp = x.ref_logp, x.gen_logp, x.prox_logp
     n, has = _kept_sequences(mask)
     denom = n.clamp(min=1)
     log_ratio = _masked(logp - _ratio_base(old_logp, prox_logp, config), mask)
     seq_log_ratio = log_ratio.sum(dim=1) / denom
-    seq_loss, seq_clipped = _clipped_surrogate(torch.exp(seq_log_ratio), advantages.float(), config)
+    seq_loss, seq_clipped = _clipped_surrogate(torch.exp(seq_log_ratio), x.advantages.float(), config)
     if config.decoupled and prox_logp is not None:  # the geometric mean of the token weights, capped
         seq_w = _masked(prox_logp.float() - old_logp.float(), mask).sum(dim=1) / denom
         seq_loss = seq_loss * torch.clamp(torch.exp(seq_w), max=config.decoupled_cap).detach()
@@ -334,9 +328,9 @@ def gspo(logp, old_logp, mask, advantages, weights, *, config, norm, ref_logp=No
         if config.kl_beta:
             seq_loss = seq_loss + config.kl_beta * _masked(ref_kl, mask).sum(dim=1) / denom
     seq_loss = torch.where(has, seq_loss, torch.zeros((), device=seq_loss.device))
-    loss = (weights.float() * seq_loss).sum() / max(norm.sequences, 1)
+    loss = (x.weights.float() * seq_loss).sum() / max(norm.sequences, 1)
     clipped_tokens = seq_clipped[:, None].expand_as(mask)
-    return LossOutput(loss, _stats(log_ratio, mask, clipped_tokens, entropy, ref_kl))
+    return LossOutput(loss, _stats(log_ratio, mask, clipped_tokens, x.entropy, ref_kl))
 
 
 def compute_loss(
@@ -346,7 +340,11 @@ def compute_loss(
     mask: Tensor,
     advantages: Tensor,
     weights: Tensor,
-    **kwargs,
+    *,
+    config: LossConfig = LossConfig(),
+    norm: Normalizer | None = None,
+    **optional: Tensor | None,
 ) -> LossOutput:
-    """Look up `name` and call it (keyword arguments as in `LossFn`)."""
-    return get_loss(name)(logp, old_logp, mask, advantages, weights, **kwargs)
+    """Look up `name` and call it on these tensors; `optional`: `LossInputs`' optional ones
+    (ref_logp, gen_logp, prox_logp, entropy)."""
+    return get_loss(name)(LossInputs(logp, old_logp, mask, advantages, weights, **optional), config=config, norm=norm)

@@ -27,7 +27,7 @@ import datetime as dt
 import math
 import os
 import random
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,8 +38,9 @@ from storage.schema import TRAINING
 from storage.timing import Stopwatch
 
 from .batches import Batch, iter_rank_steps, read_curated
-from .distributed import SINGLE, Dist, grad_norm_value, sync_gradients
-from .losses import LossConfig, LossStats, Normalizer, get_loss
+from .parallel import Dist, grad_norm_value, sync_gradients
+from .config import TrainConfig, TrainContext
+from .losses import LossInputs, LossStats, Normalizer, get_loss
 
 
 def deterministic_cpu(seed: int = 0, threads: int = 1) -> None:
@@ -145,121 +146,114 @@ def train_on_curation(
     optimizer: torch.optim.Optimizer,
     scheduler,
     shards: Sequence[str],
+    config: TrainConfig = TrainConfig(),
     *,
-    loss: str = "grpo",
-    epochs: int = 1,
-    micro_batch_size: int = 8,
-    grad_accum: int = 1,
-    max_grad_norm: float | None = 1.0,
-    loss_config: LossConfig = LossConfig(),
-    ref_model: torch.nn.Module | None = None,
-    pad_id: int = 0,
-    shuffle_seed: int | None = None,
     run_id: str = "",
     version: int = 0,
-    start_step: int = 0,
-    on_step: Callable[[dict], None] | None = None,
-    dist: Dist = SINGLE,
-    timings: dict[str, float] | None = None,
     weights_version: int | None = None,
+    start_step: int = 0,
+    context: TrainContext = TrainContext(),
 ) -> list[dict]:
     """Train `model` on the curated Parquet files `shards` (in that order); return the step rows.
 
     `version` is the policy version these steps produce; `weights_version` the version the weights
-    start at (default `version − 1`). With `loss_config.decoupled` (the default), rows sampled
-    before `weights_version` get the decoupled off-policy correction (`proximal_logprobs`); other
-    rows train exactly as without it. Rows are numbered `start_step + 1, ...`.
-    `on_step(row)` is called after each optimiser step. `dist`: this rank (see the invariants).
+    start at (default `version − 1`). With `config.loss_config.decoupled` (the default), rows
+    sampled before `weights_version` get the decoupled off-policy correction (`proximal_logprobs`);
+    other rows train exactly as without it. Rows are numbered `start_step + 1, ...`.
+    `context.on_step(row)` is called after each optimiser step; `context.dist`: this rank (see the
+    invariants). `config.lr` / `warmup_steps` are not read here (`make_optimizer` takes them).
     """
-    loss_fn = get_loss(loss)
-    current = version - 1 if weights_version is None else weights_version
-    device = next(model.parameters()).device
-    clock = Stopwatch(timings)
+    clock = Stopwatch(context.timings)
     rows_table = read_curated(shards)
     clock.lap("read")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    current = version - 1 if weights_version is None else weights_version
+    steps = _Steps(model, optimizer, scheduler, config, context, current, clock)
+    dist = context.dist
     was_training = model.training
     model.train()
-    if ref_model is not None:
-        ref_model.eval()
+    if context.ref_model is not None:
+        context.ref_model.eval()
     out: list[dict] = []
-    step = start_step
     try:
-        for epoch in range(epochs):
-            steps = iter_rank_steps(rows_table, micro_batch_size, grad_accum, pad_id, shuffle_seed, epoch,
-                                    dist.rank, dist.world)
+        for epoch in range(config.epochs):
+            parts = iter_rank_steps(rows_table, config.micro_batch_size, config.grad_accum, config.pad_id,
+                                    config.shuffle_seed, epoch, dist.rank, dist.world)
             while True:
                 clock.lap("other")
-                part = next(steps, None)
+                part = next(parts, None)
                 clock.lap("collate")
                 if part is None:
                     break
-                micro = [b.to(device) for b in part.micro]
-                norm = Normalizer(0, 0, 0)
-                for b in micro:
-                    norm = norm + Normalizer.of(b.loss_mask, b.lengths)
-                norm = dist.normalizer(norm)
-                lr = float(optimizer.param_groups[0]["lr"])
-                # π_prox: the weights at the start of this optimiser step, before its first backward
-                clock.lap("other")
-                prox = (_proximal(model, part, micro, current, dist, device) if loss_config.decoupled
-                        else [None] * len(micro))
-                clock.lap("proximal")
-                optimizer.zero_grad(set_to_none=True)
-                stats, total = LossStats(), 0.0
-                if norm.tokens:
-                    for k in range(part.passes):
-                        last = k == part.passes - 1
-                        with sync_gradients(model, dist, last):
-                            if k >= len(micro):  # a zero-loss pass: the collectives of every rank line up
-                                logp, _ = response_logprobs(model, part.filler.to(device), with_entropy=False)
-                                (logp.sum() * 0.0).backward()
-                                continue
-                            b = micro[k]
-                            logp, entropy = response_logprobs(model, b)
-                            ref_logp = None
-                            if ref_model is not None:
-                                with torch.no_grad():
-                                    ref_logp, _ = response_logprobs(ref_model, b, with_entropy=False)
-                            res = loss_fn(
-                                logp, b.old_logprobs, b.loss_mask, b.advantage, b.weight,
-                                config=loss_config, norm=norm, ref_logp=ref_logp,
-                                gen_logp=b.gen_logprobs, entropy=entropy, prox_logp=prox[k],
-                            )
-                            # DDP / FSDP2 average over ranks; the global normaliser wants the sum
-                            (res.loss * dist.world if dist.active else res.loss).backward()
-                            total += float(res.loss.detach())
-                            stats = stats + res.stats
-                    limit = math.inf if max_grad_norm is None else max_grad_norm
-                    grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(params, limit, foreach=False))
-                    optimizer.step()
-                    if scheduler is not None:
-                        scheduler.step()
-                else:
-                    grad_norm = 0.0
-                stats, total = _all_reduced(stats, total, dist)
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                m = stats.metrics()
-                row = {
-                    "run_id": run_id,
-                    "version": int(version),
-                    "step": step,
-                    "curation_id": ",".join(part.curation_ids) or None,
-                    "loss": total,
-                    "clip_fraction": m["clip_fraction"],
-                    "approx_kl": m["approx_kl"],
-                    "entropy": m["entropy"],
-                    "grad_norm": grad_norm,
-                    "tokens": m["tokens"],
-                    "samples": m["samples"],
-                    "lr": lr,
-                    "created_at": dt.datetime.now(dt.timezone.utc),
-                }
+                row = steps.run(part)
+                row = {"run_id": run_id, "version": int(version), "step": start_step + len(out) + 1, **row}
+                row["created_at"] = dt.datetime.now(dt.timezone.utc)
                 assert list(row) == TRAINING.names
                 out.append(row)
-                if on_step is not None:
-                    on_step(row)
+                if context.on_step is not None:
+                    context.on_step(row)
     finally:
         model.train(was_training)
     return out
+
+
+class _Steps:
+    """One optimiser step of `train_on_curation` at a time (the objects it shares across steps)."""
+
+    def __init__(self, model, optimizer, scheduler, config: TrainConfig, context: TrainContext, current: int,
+                 clock: Stopwatch):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.config, self.ref_model, self.dist = config, context.ref_model, context.dist
+        self.current, self.clock = current, clock
+        self.loss_fn = get_loss(config.loss)
+        self.device = next(model.parameters()).device
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def run(self, part) -> dict:
+        """Train one step's micro-batches; return its metrics row without run_id/version/step/created_at."""
+        model, dist, device = self.model, self.dist, self.device
+        micro = [b.to(device) for b in part.micro]
+        norm = Normalizer(0, 0, 0)
+        for b in micro:
+            norm = norm + Normalizer.of(b.loss_mask, b.lengths)
+        norm = dist.normalizer(norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        # π_prox: the weights at the start of this optimiser step, before its first backward
+        self.clock.lap("other")
+        prox = (_proximal(model, part, micro, self.current, dist, device) if self.config.loss_config.decoupled
+                else [None] * len(micro))
+        self.clock.lap("proximal")
+        self.optimizer.zero_grad(set_to_none=True)
+        stats, total, grad_norm = LossStats(), 0.0, 0.0
+        if norm.tokens:
+            for k in range(part.passes):
+                with sync_gradients(model, dist, k == part.passes - 1):
+                    if k >= len(micro):  # a zero-loss pass: the collectives of every rank line up
+                        logp, _ = response_logprobs(model, part.filler.to(device), with_entropy=False)
+                        (logp.sum() * 0.0).backward()
+                        continue
+                    res = self._loss(micro[k], norm, prox[k])
+                    # DDP / FSDP2 average over ranks; the global normaliser wants the sum
+                    (res.loss * dist.world if dist.active else res.loss).backward()
+                    total += float(res.loss.detach())
+                    stats = stats + res.stats
+            limit = math.inf if self.config.max_grad_norm is None else self.config.max_grad_norm
+            grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, limit, foreach=False))
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        stats, total = _all_reduced(stats, total, dist)
+        self.optimizer.zero_grad(set_to_none=True)
+        m = stats.metrics()
+        return {"curation_id": ",".join(part.curation_ids) or None, "loss": total,
+                "clip_fraction": m["clip_fraction"], "approx_kl": m["approx_kl"], "entropy": m["entropy"],
+                "grad_norm": grad_norm, "tokens": m["tokens"], "samples": m["samples"], "lr": lr}
+
+    def _loss(self, b: Batch, norm: Normalizer, prox: Tensor | None):
+        logp, entropy = response_logprobs(self.model, b)
+        ref_logp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = response_logprobs(self.ref_model, b, with_entropy=False)
+        inputs = LossInputs(logp, b.old_logprobs, b.loss_mask, b.advantage, b.weight, ref_logp=ref_logp,
+                            gen_logp=b.gen_logprobs, prox_logp=prox, entropy=entropy)
+        return self.loss_fn(inputs, config=self.config.loss_config, norm=norm)

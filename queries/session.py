@@ -1,4 +1,6 @@
 """A DuckDB session over one snapshot, with rollstore's views, limits and the sandbox for user SQL.
+The one session type of the project: a Dask task's session is the same class without a snapshot
+(no table views; it reads what it loads, or one input shard as `rollouts`).
 
 Invariants:
 - Every table and user view (`groups`, `prompts`) reads the snapshot's file list, never a directory.
@@ -75,13 +77,21 @@ class Session:
 
     def __init__(
         self,
-        snapshot: Snapshot,
+        snapshot: Snapshot | None,
         memory_limit: str = DEFAULT_MEMORY_LIMIT,
         threads: int | None = None,
         sandbox: bool = True,
+        *,
+        root: str | None = None,
+        rollouts: str | None = None,
     ):
+        """`snapshot=None` opens a session of the buffer at `root` with no table views: it reads
+        what its caller loads, and `rollouts`, when given, is the one Parquet file seen as the
+        `rollouts` view (a Dask task's session). Limits, spill folder and sandbox are the same."""
+        if (snapshot is None) == (root is None):
+            raise ValueError("a Session needs either a snapshot or the root of a buffer")
         self.snapshot = snapshot
-        self.root = snapshot.root
+        self.root = snapshot.root if snapshot is not None else root
         parse_memory_limit(memory_limit)
         self.con = duckdb.connect(":memory:")
         self.spill_dir = os.path.join(self.root, "tmp", f"{spill_prefix()}{uuid.uuid4().hex[:12]}")
@@ -90,8 +100,12 @@ class Session:
         self.con.execute("SET preserve_insertion_order=false")
         if threads:
             self.con.execute(f"SET threads={int(threads)}")
-        snapshot.register_duckdb(self.con)
-        self.con.execute(load_sql("views"))
+        if snapshot is not None:
+            snapshot.register_duckdb(self.con)
+            self.con.execute(load_sql("views"))
+        elif rollouts is not None:
+            self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM read_parquet({sql_string(rollouts)}, "
+                             "hive_partitioning = false)")
         self.locked = False
         if sandbox:
             self.lock()

@@ -25,7 +25,8 @@ from rich.text import Text
 
 from queries import load_sql
 from queries.session import Session
-from rollstore.output import csv_ready, jsonable, render_table
+from rollstore.result_formats import csv_ready, jsonable, render_table
+from rollstore.token_text import TokenText
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 
@@ -44,15 +45,14 @@ def latest_curation(session: Session) -> str:
     return row[0]
 
 
-def render_marked(response: str, tokens: list[dict]) -> Text:
-    """The response with kept tokens in bold green and dropped ones dim. Token i is character i
-    when the text has one character per token (character-level policies); otherwise token ids."""
-    text = Text()
-    per_char = len(response) in (len(tokens), len(tokens) - 1)
-    for i, tok in enumerate(tokens):
-        piece = (response[i] if i < len(response) else "⏎") if per_char else f"[{tok['token_id']}]"
-        text.append(piece, style="bold green" if tok["kept"] else "dim")
-    return text
+def render_marked(response: str, tokens: list[dict], text: TokenText) -> Text:
+    """The response with kept tokens in bold green and dropped ones dim, each token shown as
+    `TokenText` shows it (the report's rule)."""
+    pieces, _ = text.pieces(response, [t["token_id"] for t in tokens], len(tokens))
+    out = Text()
+    for piece, tok in zip(pieces, tokens):
+        out.append(piece, style="bold green" if tok["kept"] else "dim")
+    return out
 
 
 def record(session: Session, cid: str) -> dict:
@@ -148,7 +148,7 @@ def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console)
 
     def as_table():
         out.print(f"curation {cid}  rollout {rollout_id}  reason {reason}  advantage_final {adv}", highlight=False, markup=False)
-        out.print(render_marked(response, tokens.to_pylist()))
+        out.print(render_marked(response, tokens.to_pylist(), TokenText.for_snapshot(s)))
         render_table(tokens, out, title="tokens (kept = in the loss)")
 
     emit(fmt, jsonable(head), [("tokens", tokens)], as_table)

@@ -142,14 +142,14 @@ def import_(
                 shard = buf.append_rollouts(table, source=path, compact=compact_entropies)
                 out.print(f"{path}: {shard.rows} rows, {shard.tokens} tokens -> {shard.path}", highlight=False, markup=False)
         return
-    from storage.importers import FORMATS, import_file, units
-    from storage.importers.codec import load_codec
+    from rollstore.importers import FORMATS, import_file, units
+    from rollstore.importers.codec import load_codec
 
     if from_ not in FORMATS:
         fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
     codec = load_codec(tokenizer, score_model)
     if rewards is not None and from_ == "prime-rl":
-        from storage.importers.primerl import load_rewards
+        from rollstore.importers.primerl import load_rewards
 
         rewards = load_rewards(rewards)
     with open_buffer(buffer) as buf:
@@ -193,7 +193,7 @@ def sql(
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
     and time are bounded by --memory-limit and --timeout)."""
     from queries.bounded import run_bounded
-    from rollstore.output import write_result
+    from rollstore.result_formats import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
         fail(f"--format must be table, csv, json or parquet, not {format!r}")
@@ -304,11 +304,14 @@ def curate_(
     timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; embedded engine)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
-    from rollstore.curation_cli import print_summary, run_curate
+    from curate.params import load_recipe
+    from curate.run import curate
+    from rollstore.curation_cli import curation_values, print_summary
 
     with open_buffer(buffer) as buf:
-        result = run_curate(buf, recipe, set_, progress, snapshot, dry_run, memory_limit,
-                            engine=engine, scheduler=scheduler, partitions=partitions, timeout=timeout or None)
+        result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot_seq=snapshot,
+                        dry_run=dry_run, memory_limit=memory_limit, engine=engine, scheduler=scheduler,
+                        partitions=partitions, timeout=timeout or None)
     print_summary(result, out)
 
 
@@ -372,11 +375,14 @@ def generate(
 ):
     """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
     from curate.params import parse_sets
-    from rollstore.generate_cli import run_generate
+    from rollstore.generate import GenerationConfig
+    from rollstore.generate_cli import Follow, PromptSource, run_generate
 
-    run_generate(buffer, prompts, model, backend, group_size, num_prompts, policy_version, seed, steps, run_id,
-                 max_new_tokens, temperature, top_p, template, follow, max_policy_lag, compact_entropies, err,
-                 recipe=recipe, sets=parse_sets(set_))
+    config = GenerationConfig(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed)
+    run_generate(buffer, model, PromptSource(prompts, num_prompts, template), config, run_id, steps, err,
+                 policy_version=policy_version, compact=compact_entropies,
+                 follow=Follow(max_policy_lag, recipe, parse_sets(set_)) if follow else None)
 
 
 @app.command()
@@ -401,14 +407,16 @@ def train(
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
+    from learner.config import TrainConfig
     from rollstore.train_cli import check_curations, launch_torchrun, run_train
 
     if curation and "LOCAL_RANK" not in os.environ:
         check_curations(buffer, curation)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
-    run_train(buffer, curation, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll, max_idle,
-              out, parallel=parallel)
+    config = TrainConfig(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+    run_train(buffer, model, config, run_id, curation, out, follow=follow, poll=poll, max_idle=max_idle,
+              parallel=parallel)
 
 
 @app.command()
@@ -437,26 +445,34 @@ def loop(
     seed: int = seed_(0, "--seed"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
     backend: Optional[str] = typer.Option(None, "--backend"),
-    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see the README)."),
+    threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, Threads)."),
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
 
     Options left out take the defaults of `rollstore.loop.LoopConfig` (the demo's settings)."""
+    from dataclasses import replace
+
     from curate.params import parse_sets
     from rollstore.loop import LoopConfig
     from rollstore.loop_view import run_with_display
     from storage.buffer import Buffer
 
-    given = dict(model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
-                 pool_size=pool_size, group_size=group_size, max_new_tokens=max_new_tokens, loss=loss, lr=lr,
-                 warmup_steps=warmup_steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                 max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches, eval_every=eval_every,
-                 eval_prompts=eval_prompts, run_id=run_id, backend=backend, threads=threads)
+    def given(**kw):
+        return {k: v for k, v in kw.items() if v is not None}
+
     Buffer.init(buffer).close()
-    cfg = LoopConfig(buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
-                     eval_ks=(1, eval_samples) if eval_samples else (1,),
-                     **{k: v for k, v in given.items() if v is not None})
+    defaults = LoopConfig(buffer=buffer)
+    cfg = LoopConfig(
+        buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
+        eval_ks=(1, eval_samples) if eval_samples else (1,),
+        generation=replace(defaults.generation, **given(group_size=group_size, max_new_tokens=max_new_tokens,
+                                                        backend=backend)),
+        train=replace(defaults.train, **given(loss=loss, lr=lr, warmup_steps=warmup_steps,
+                                              micro_batch_size=micro_batch_size, grad_accum=grad_accum)),
+        **given(model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
+                pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
+                eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads))
     if learner_ranks > 1:
         from rollstore.loop_ranks import run_loop_with_ranks
 
@@ -481,7 +497,8 @@ def eval_(
     format: str = typer.Option("table", "--format", "-f", help="table|json"),
 ):
     """pass@k (unbiased estimator) and avg@n of a model on a prompt set."""
-    from rollstore.evaluate import run_eval
+    from rollstore.eval_cli import run_eval
+    from rollstore.generate import GenerationConfig
 
     ks = []
     for word in k.split(","):
@@ -492,8 +509,8 @@ def eval_(
             ks.append(int(word))
     if not ks:
         fail("--k: give at least one k (e.g. 1,8)", code=2)
-    run_eval(model, prompts, samples, ks, num_prompts, temperature,
-             max_new_tokens, seed, buffer, format, out)
+    config = GenerationConfig(group_size=samples, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    run_eval(model, prompts, num_prompts, config, ks, buffer, format, out)
 
 
 @app.command()

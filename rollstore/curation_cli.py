@@ -7,23 +7,19 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from curate.params import load_recipe, parse_sets
-from curate.run import CurationResult, curate
-from storage.buffer import Buffer
+from curate.params import parse_sets
+from curate.run import CurationResult
 from storage.errors import RollstoreError
 
 
-def run_curate(buf: Buffer, recipe: str, sets: list[str], progress: str | None, snapshot: int | None,
-               dry_run: bool, memory_limit: str, engine: str = "embedded", scheduler: str | None = None,
-               partitions: int | None = None, timeout: float | None = None) -> CurationResult:
+def curation_values(sets: list[str], progress: str | None) -> dict[str, str]:
+    """The parameter overrides of `rollstore curate`: its --set values and --progress."""
     values = parse_sets(sets)
     if progress is not None:
         if "progress" in values:
             raise RollstoreError("parameter 'progress' given twice (--progress and --set progress=...)")
         values["progress"] = progress
-    return curate(buf, load_recipe(recipe), values, snapshot_seq=snapshot, dry_run=dry_run,
-                  memory_limit=memory_limit, engine=engine, scheduler=scheduler, partitions=partitions,
-                  timeout=timeout)
+    return values
 
 
 def print_summary(result: CurationResult, out: Console) -> None:

@@ -9,13 +9,15 @@ Invariants:
 - Same model, prompts and arguments (seed included) give the same rows, except `created_at`.
 - `meta` of each row records how it was sampled (backend, temperature, top_p, max_new_tokens, seed).
 
-A loop should build its backend and `RewardPool` once and pass them in: given a backend name,
-each call loads the model again, and without `reward_pool` each call starts (and stops) a pool of
-verifier processes, about two seconds.
+A loop should build its backend and `RewardPool` once and pass them in: without `backend`, each
+call loads the model again, and without `reward_pool` each call starts (and stops) a pool of
+verifier processes, about two seconds. `rollstore.step.StepWriter` does that for the loop and the
+generator process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 import pyarrow as pa
@@ -27,44 +29,61 @@ from rollout.reward import Overlong, RewardPool
 from storage.timing import Stopwatch
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How a step samples: the backend, `group_size` responses per prompt, the sampling knobs, the
+    overlong penalty (`Overlong` or `(l_max, l_cache)`), and whether (and in batches of how many
+    rows, on which device) to score the rows with the policy."""
+
+    backend: str = "hf"
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    overlong: Overlong | tuple[int, int] | None = None
+    score: bool = True
+    score_batch_size: int = 64
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class StepStamp:
+    """What the rows of one generation call are labelled with (`rollout.build.build_rollouts`)."""
+
+    run_id: str
+    step: int
+    policy_version: int = 0
+    prompt_offset: int = 0
+    created_at: datetime | None = None
+
+
 def generate_step(
     model_dir: str,
     prompts: list[Prompt],
+    stamp: StepStamp,
+    config: GenerationConfig = GenerationConfig(),
     *,
-    run_id: str,
-    step: int,
-    backend: str | Backend = "hf",
-    group_size: int = 8,
-    policy_version: int = 0,
-    seed: int = 0,
-    max_new_tokens: int = 16,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    overlong: Overlong | tuple[int, int] | None = None,
-    score: bool = True,
+    backend: Backend | None = None,
     reward_pool: RewardPool | None = None,
-    score_batch_size: int = 64,
-    device: str = "cpu",
-    created_at: datetime | None = None,
-    prompt_offset: int = 0,
     timings: dict[str, float] | None = None,
 ) -> pa.Table:
-    """Sample `group_size` responses per prompt, judge them, score them; return the rollouts table.
+    """Sample `config.group_size` responses per prompt, judge them, score them; return the rollouts table.
 
-    `timings`, when given, gets the seconds of `generation`, `reward` and `scoring` added to it.
+    `backend`: a loaded one (default: `config.backend` loaded from `model_dir`). `timings`, when
+    given, gets the seconds of `generation`, `reward` and `scoring` added to it.
     """
     if not prompts:
         raise ValueError("generate_step needs at least one prompt")
+    c = config
     clock = Stopwatch(timings)
-    be = get_backend(backend, model_dir, device=device) if isinstance(backend, str) else backend
-    groups = be.generate(
-        [p.prompt for p in prompts], group_size, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-    )
+    be = backend if backend is not None else get_backend(c.backend, model_dir, device=c.device)
+    groups = be.generate([p.prompt for p in prompts], c.group_size, c.max_new_tokens, temperature=c.temperature,
+                         top_p=c.top_p, seed=c.seed)
     flat = [g for group in groups for g in group]
     clock.lap("generation")
 
-    if isinstance(overlong, tuple):
-        overlong = Overlong(*overlong)
+    overlong = Overlong(*c.overlong) if isinstance(c.overlong, tuple) else c.overlong
     golds = [p.gold_answer for p, group in zip(prompts, groups) for _ in group]
     pool = reward_pool or RewardPool()
     try:
@@ -77,18 +96,18 @@ def generate_step(
     clock.lap("reward")
 
     old = ent = None
-    if score and all(g.policy_logprobs is not None and g.entropies is not None for g in flat):
+    if c.score and all(g.policy_logprobs is not None and g.entropies is not None for g in flat):
         old, ent = [g.policy_logprobs for g in flat], [g.entropies for g in flat]  # the sampler's own forward
-    elif score:
-        old, ent = _score(be, model_dir, device, flat, score_batch_size)
+    elif c.score:
+        old, ent = _score(be, model_dir, c.device, flat, c.score_batch_size)
     clock.lap("scoring")
     sizes = [len(group) for group in groups]
     meta = {
         "backend": getattr(be, "name", type(be).__name__),
-        "temperature": temperature,
-        "top_p": top_p,
-        "max_new_tokens": max_new_tokens,
-        "seed": seed,
+        "temperature": c.temperature,
+        "top_p": c.top_p,
+        "max_new_tokens": c.max_new_tokens,
+        "seed": c.seed,
     }
     if overlong is not None:
         meta["overlong"] = {"l_max": overlong.l_max, "l_cache": overlong.l_cache}
@@ -96,19 +115,19 @@ def generate_step(
         prompts,
         groups,
         _regroup(verdicts_flat, sizes),
-        run_id=run_id,
-        step=step,
-        policy_version=policy_version,
+        run_id=stamp.run_id,
+        step=stamp.step,
+        policy_version=stamp.policy_version,
         old_logprobs=None if old is None else _regroup(old, sizes),
         entropies=None if ent is None else _regroup(ent, sizes),
-        created_at=created_at,
+        created_at=stamp.created_at,
         meta=meta,
-        prompt_offset=prompt_offset,
+        prompt_offset=stamp.prompt_offset,
     )
 
 
 def _score(be, model_dir: str, device: str, flat, batch_size: int):
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.score import score as score_tokens
 
     # The HF backend already holds these exact weights in memory; other backends load them again.

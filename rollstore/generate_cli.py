@@ -9,10 +9,12 @@ more than max_policy_lag versions older than the weights it trains.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.progress import Progress
 
+from rollstore.generate import GenerationConfig, StepStamp
 from storage.buffer import Buffer
 
 
@@ -24,14 +26,35 @@ def _next_step(buf: Buffer, run_id: str) -> int:
     return 0 if row[0] is None else int(row[0]) + 1
 
 
-def run_generate(buffer, prompts_ref, model, backend_name, group_size, num_prompts, policy_version, seed, steps,
-                 run_id, max_new_tokens, temperature, top_p, template, follow, max_policy_lag, compact, err: Console,
-                 recipe: str = "d3s", sets: dict | None = None) -> list[str]:
+@dataclass(frozen=True)
+class PromptSource:
+    """Where each step's prompts come from: `count` prompts of `ref` (a file or builtin:...),
+    seeded by the step, in the chat `template` (a format string with {prompt}) when given."""
+
+    ref: str
+    count: int | None
+    template: str | None = None
+
+
+@dataclass(frozen=True)
+class Follow:
+    """--follow: wait while the learner is more than `max_policy_lag` versions behind, load each
+    newly published checkpoint, and curate each step with `recipe` and the overrides `sets`."""
+
+    max_policy_lag: int = 1
+    recipe: str = "d3s"
+    sets: dict = field(default_factory=dict)
+
+
+def run_generate(buffer: str, model: str, prompts: PromptSource, config: GenerationConfig, run_id: str, steps: int,
+                 err: Console, *, policy_version: int | None = None, compact: bool = False,
+                 follow: Follow | None = None) -> list[str]:
+    """Generate `steps` steps (one shard each) after the run's last; return the shards' paths."""
     from learner.checkpoint import latest_checkpoint
     from rollout.backends import get_backend
     from rollout.reward import RewardPool
-    from rollstore.generate import generate_step
-    from rollstore.models import resolve_model, resolve_prompts
+    from rollstore.resolve import resolve_model, resolve_prompts
+    from rollstore.step import StepWriter
 
     buf = Buffer.open(buffer)
     model_dir = resolve_model(model)
@@ -40,30 +63,27 @@ def run_generate(buffer, prompts_ref, model, backend_name, group_size, num_promp
         ck = latest_checkpoint(buf)
         if ck is not None:
             model_dir, version = ck.dir, ck.version
-    backend = get_backend(backend_name, model_dir)
+    backend = get_backend(config.backend, model_dir)
     first = _next_step(buf, run_id)
     written = []
     with RewardPool() as pool, Progress(console=err, transient=True) as bar:
+        lag = follow.max_policy_lag if follow else 0
+        writer = StepWriter(buf, backend, pool, config, run_id, compact=compact, recipe=follow.recipe if follow else "d3s",
+                            sets={**follow.sets, "max_policy_lag": str(lag)} if follow else None)
         task = bar.add_task(f"generate {run_id}", total=steps)
         for i in range(steps):
             step = first + i
             if follow:
-                version, model_dir = _wait_for_learner(buf, backend, version, model_dir, i, max_policy_lag)
-            prompts = resolve_prompts(prompts_ref, num_prompts, seed=seed + step, split="train", template=template)
-            table = generate_step(model_dir, prompts, run_id=run_id, step=step, backend=backend, group_size=group_size,
-                                  policy_version=version, seed=seed * 7919 + step, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_p=top_p, reward_pool=pool)
-            shard = buf.append_rollouts(table, source=f"{run_id}/step-{step}", compact=compact)
+                version = _wait_for_learner(buf, backend, version, i, lag)
+            batch = resolve_prompts(prompts.ref, prompts.count, seed=config.seed + step, split="train",
+                                    template=prompts.template)
+            _, shard = writer.generate(batch, StepStamp(run_id, step, version), config.seed * 7919 + step,
+                                       f"{run_id}/step-{step}")
             written.append(shard.path)
             err.print(f"step {step}: {shard.rows} rollouts, {shard.tokens} tokens, policy v{version} -> {shard.path}",
                       highlight=False)
             if follow:
-                from curate.params import load_recipe, step_where
-                from curate.run import curate
-
-                cur = curate(buf, load_recipe(recipe), {**(sets or {}), "where": step_where(run_id, step),
-                                                        "progress": str(i / steps),
-                                                        "max_policy_lag": str(max_policy_lag)})
+                cur = writer.curate(step, i / steps)
                 err.print(f"step {step}: curation {cur.curation_id} kept {cur.record['n_selected']} samples",
                           highlight=False)
             bar.advance(task)
@@ -71,7 +91,7 @@ def run_generate(buffer, prompts_ref, model, backend_name, group_size, num_promp
     return written
 
 
-def _wait_for_learner(buf, backend, version, model_dir, i, lag, poll=0.5, timeout=3600.0):
+def _wait_for_learner(buf, backend, version, i, lag, poll=0.5, timeout=3600.0):
     """Block until the newest checkpoint is ≥ i − lag; load it whenever a newer one appears."""
     from learner.checkpoint import latest_checkpoint
 
@@ -80,9 +100,9 @@ def _wait_for_learner(buf, backend, version, model_dir, i, lag, poll=0.5, timeou
         ck = latest_checkpoint(buf)
         if ck is not None and ck.version > version:
             backend.load_weights(ck.dir)
-            version, model_dir = ck.version, ck.dir
+            version = ck.version
         if version >= i - lag:
-            return version, model_dir
+            return version
         if time.monotonic() > deadline:
             raise TimeoutError(f"no checkpoint ≥ v{i - lag} after {timeout:.0f} s")
         time.sleep(poll)

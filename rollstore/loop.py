@@ -30,33 +30,40 @@ from typing import Callable
 
 import pyarrow as pa
 
-from curate.params import load_recipe, resolve, step_where
-from curate.run import CurationResult, curate
+from curate.params import load_recipe, resolve
+from curate.run import CurationResult
+from learner.config import TrainConfig
 from queries.session import Session
+from rollstore.generate import GenerationConfig, StepStamp
 from storage.buffer import Buffer
 from storage.timing import Stopwatch
 
 
+def _loop_generation() -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=8)
+
+
+def _loop_training() -> TrainConfig:
+    return TrainConfig(lr=5e-5, warmup_steps=5, micro_batch_size=512)  # optimiser steps of 512 kept samples
+
+
 @dataclass
 class LoopConfig:
+    """The loop: the sampling (`generation`; the loop derives each batch's seed from `seed` and
+    scores in batches of `train.micro_batch_size`), the training (`train`), the curation
+    (`recipe`, `sets`; replay recipes included), the prompts, the staleness bound and the
+    evaluations."""
+
     buffer: str
     model: str = "builtin:tiny"
     prompts: str = "builtin:arith"
     iterations: int = 40
     recipe: str = "d3s"
     sets: dict = field(default_factory=dict)
+    generation: GenerationConfig = field(default_factory=_loop_generation)
+    train: TrainConfig = field(default_factory=_loop_training)
     prompts_per_iter: int = 128
     pool_size: int = 2048  # > 0: train on a fixed pool of this many prompts, in epochs (see _batch_prompts)
-    group_size: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    loss: str = "grpo"
-    lr: float = 5e-5
-    warmup_steps: int = 5
-    epochs: int = 1
-    micro_batch_size: int = 512
-    grad_accum: int = 1  # optimiser steps of 512 kept samples: 1-2 per iteration
     max_policy_lag: int | None = None
     max_gen_batches: int = 8
     overgen: int = 2
@@ -67,8 +74,11 @@ class LoopConfig:
     eval_ks: tuple[int, ...] = (1, 8)
     seed: int = 0
     run_id: str | None = None
-    backend: str = "hf"
     threads: int | None = 1  # torch intra-op threads during the run (None: leave torch's setting)
+
+    @property
+    def run_name(self) -> str:
+        return self.run_id or f"loop-{self.recipe}-s{self.seed}"
 
 
 @dataclass
@@ -104,7 +114,7 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
     iteration; extra batches of a filtering recipe draw n prompts of the pool seeded by
     (seed, iteration, batch).
     """
-    from rollstore.models import resolve_prompts
+    from rollstore.resolve import resolve_prompts
 
     if not cfg.pool_size:
         return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
@@ -121,7 +131,7 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
 
 @functools.lru_cache(maxsize=8)
 def _prompt_pool(ref: str, size: int, seed: int) -> tuple:
-    from rollstore.models import resolve_prompts
+    from rollstore.resolve import resolve_prompts
 
     return tuple(resolve_prompts(ref, size, seed=seed, split="train"))
 
@@ -134,7 +144,7 @@ def _epoch_order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def heldout_prompts(cfg: LoopConfig):
-    from rollstore.models import resolve_prompts
+    from rollstore.resolve import resolve_prompts
 
     return resolve_prompts(cfg.prompts, cfg.eval_prompts, seed=cfg.seed, split=cfg.eval_split)
 
@@ -148,11 +158,12 @@ def greedy_accuracy(backend, prompts, reward_pool, max_new_tokens: int) -> float
 
 
 def sampled_metrics(backend, prompts, reward_pool, cfg: "LoopConfig") -> dict[str, float]:
-    """pass@k (unbiased) and avg@n from cfg.eval_samples samples per prompt at cfg.temperature."""
-    from learner.evaluate import summarize
+    """pass@k (unbiased) and avg@n from cfg.eval_samples samples per prompt at the sampling temperature."""
+    from learner.passk import summarize
 
     n = cfg.eval_samples
-    gens = backend.generate([p.prompt for p in prompts], n, cfg.max_new_tokens, temperature=cfg.temperature,
+    g = cfg.generation
+    gens = backend.generate([p.prompt for p in prompts], n, g.max_new_tokens, temperature=g.temperature,
                             seed=cfg.seed * 7919 + 104729)  # the same draws at every evaluation: differences are the model's
     flat = [x for g in gens for x in g]
     verdicts = reward_pool.rewards([p.gold_answer for p, g in zip(prompts, gens) for _ in g], [x.text for x in flat],
@@ -216,126 +227,142 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
 def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     """run_loop's body, under the chosen thread count."""
     from learner.checkpoint import latest_checkpoint
-    from learner.consume import resume, train_pending
-    from learner.models import load_policy
+    from learner.consume import resume
+    from learner.policy_loading import load_policy
     from learner.trainer import make_optimizer
     from rollout.backends import get_backend
     from rollout.reward import RewardPool
-    from rollstore.generate import generate_step
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
+    from rollstore.step import StepWriter
 
-    recipe = load_recipe(cfg.recipe)
-    sets = dict(cfg.sets)
-    if cfg.max_policy_lag is not None:
-        sets.setdefault("max_policy_lag", str(cfg.max_policy_lag))
-    effective = resolve(recipe, {k: v for k, v in sets.items() if k != "progress"})
-    # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
-    filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
-    run_id = cfg.run_id or f"loop-{cfg.recipe}-s{cfg.seed}"
+    run = _Run(cfg, on_iteration, on_eval)
     buf = Buffer.open(cfg.buffer)
     base_dir = resolve_model(cfg.model)
-    model, tokenizer = load_policy(base_dir)
-    optimizer, scheduler = make_optimizer(model, lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-    version, step = resume(buf, model, optimizer, scheduler, run_id)
-    ck = latest_checkpoint(buf, run_id)
+    model, run.tokenizer = load_policy(base_dir)
+    optimizer, scheduler = make_optimizer(model, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps)
+    run.version, run.step = resume(buf, model, optimizer, scheduler, run.run_id)
+    run.learner = (model, optimizer, scheduler)
+    ck = latest_checkpoint(buf, run.run_id)
     start_iteration = ck.metrics.get("iteration", -1) + 1 if ck else 0
-    gen_dir = ck.dir if ck else base_dir
-    backend = get_backend(cfg.backend, gen_dir)  # loaded once; later versions are synced in memory
-    reports: list[IterationReport] = []
-    evals: list[tuple[int, int, float]] = []
-    eval_metrics: list[dict] = []
+    # loaded once; later versions are synced in memory
+    backend = get_backend(cfg.generation.backend, ck.dir if ck else base_dir)
     pool = RewardPool()
-    curation_session = Session(buf.snapshot())  # one DuckDB connection for the run's curations
-    heldout = heldout_prompts(cfg) if cfg.eval_every else []
+    session = Session(buf.snapshot())  # one DuckDB connection for the run's curations
+    generation = dataclasses.replace(cfg.generation, score_batch_size=cfg.train.micro_batch_size)
+    run.writer = StepWriter(buf, backend, pool, generation, run.run_id, recipe=cfg.recipe, sets=run.sets,
+                            session=session)
+    run.heldout = heldout_prompts(cfg) if cfg.eval_every else []
     try:
-        def evaluate(iteration: int) -> float:
-            acc = greedy_accuracy(backend, heldout, pool, cfg.max_new_tokens)
-            metrics = {"greedy_accuracy": acc}
-            if cfg.eval_samples:
-                metrics.update(sampled_metrics(backend, heldout, pool, cfg))
-            record_eval(buf, run_id, version, iteration, cfg.eval_split, metrics, len(heldout),
-                        max(1, cfg.eval_samples))
-            evals.append((iteration, version, acc))
-            eval_metrics.append({"iteration": iteration, "version": version, **metrics})
-            if on_eval:
-                on_eval(iteration, version, acc)
-            return acc
-
-        if heldout and start_iteration == 0:
-            evaluate(0)
+        if run.heldout and start_iteration == 0:
+            run.evaluate(0)
         for it in range(start_iteration, cfg.iterations):
-            t0 = time.perf_counter()
-            phases: dict[str, float] = {}
-            note = ""
-            batches = 0
-            generated: list[pa.Table] = []
-            # Only the first iteration of a resumed run can find its rollouts already appended.
-            if it > start_iteration or _step_rollouts(buf, run_id, it) == 0:
-                while True:
-                    n = cfg.prompts_per_iter * (cfg.overgen if filtering else 1)
-                    prompts = _batch_prompts(cfg, it, batches, n)
-                    table = generate_step(
-                        gen_dir, prompts, run_id=run_id, step=it, backend=backend, group_size=cfg.group_size,
-                        policy_version=version, seed=cfg.seed * 7919 + it * 31 + batches,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                        reward_pool=pool, prompt_offset=batches * n, timings=phases,
-                        score_batch_size=cfg.micro_batch_size,
-                    )
-                    clock = Stopwatch(phases)
-                    buf.append_rollouts(table, source=f"{run_id}/step-{it}/batch-{batches}")
-                    clock.lap("append")
-                    generated.append(table)
-                    batches += 1
-                    if not filtering or sum(_surviving_groups(t) for t in generated) >= cfg.prompts_per_iter:
-                        break
-                    if batches >= cfg.max_gen_batches:
-                        note = f"only {sum(_surviving_groups(t) for t in generated)} groups survived after {batches} batches"
-                        break
-            clock = Stopwatch(phases)
-            where = step_where(run_id, it)
-            cur: CurationResult = curate(
-                buf, recipe, {**sets, "where": where, "progress": str(it / cfg.iterations)},
-                session=curation_session,
-            )
-            clock.lap("curation")
-            published = train_pending(
-                buf, model, optimizer, scheduler, run_id=run_id, from_version=version, start_step=step,
-                curation_ids=[cur.curation_id], per="curation", tokenizer=tokenizer, loss=cfg.loss,
-                epochs=cfg.epochs, micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
-                extra_metrics={"iteration": it}, timings=phases,
-            )
-            clock = Stopwatch(phases)
-            loss = None
-            if published:
-                ck = published[-1]
-                version, step = ck.version, ck.step
-                loss = ck.metrics.get("loss")
-                gen_dir = ck.dir
-                if hasattr(backend, "sync_weights"):  # in-process sampler: the trained weights, no reload
-                    backend.sync_weights(model, gen_dir)
-                else:
-                    backend.load_weights(gen_dir)
-            batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, run_id, it)
-            clock.lap("other")
-            held = None
-            if heldout and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
-                held = evaluate(it + 1)
-                clock.lap("evaluation")
-            rep = IterationReport(
-                iteration=it, version=version, batch_accuracy=batch_acc[0], rollouts=batch_acc[1],
-                gen_batches=batches, samples_kept=cur.record["n_selected"], tokens_kept=cur.record["tokens_kept"],
-                tokens_candidate=cur.record["tokens_candidate"], loss=loss, heldout=held,
-                seconds=time.perf_counter() - t0, curation_id=cur.curation_id, note=note, phases=phases,
-            )
-            reports.append(rep)
-            if on_iteration:
-                on_iteration(rep)
+            run.iteration(it, resumed=it == start_iteration)
     finally:
-        curation_session.close()
+        session.close()
         pool.close()
         buf.close()
-    return {"run_id": run_id, "iterations": [dataclasses.asdict(r) for r in reports], "evals": evals,
-            "eval_metrics": eval_metrics, "version": version}
+    return {"run_id": run.run_id, "iterations": [dataclasses.asdict(r) for r in run.reports], "evals": run.evals,
+            "eval_metrics": run.eval_metrics, "version": run.version}
+
+
+class _Run:
+    """The state of one run_loop call across iterations (the learner, the writer, the reports)."""
+
+    def __init__(self, cfg: LoopConfig, on_iteration, on_eval):
+        self.cfg, self.on_iteration, self.on_eval = cfg, on_iteration, on_eval
+        self.run_id = cfg.run_name
+        self.sets = dict(cfg.sets)
+        if cfg.max_policy_lag is not None:
+            self.sets.setdefault("max_policy_lag", str(cfg.max_policy_lag))
+        effective = resolve(load_recipe(cfg.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
+        # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
+        self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
+        self.reports: list[IterationReport] = []
+        self.evals: list[tuple[int, int, float]] = []
+        self.eval_metrics: list[dict] = []
+
+    def evaluate(self, iteration: int) -> float:
+        cfg, backend, pool, heldout = self.cfg, self.writer.backend, self.writer.pool, self.heldout
+        acc = greedy_accuracy(backend, heldout, pool, cfg.generation.max_new_tokens)
+        metrics = {"greedy_accuracy": acc}
+        if cfg.eval_samples:
+            metrics.update(sampled_metrics(backend, heldout, pool, cfg))
+        record_eval(self.writer.buf, self.run_id, self.version, iteration, cfg.eval_split, metrics, len(heldout),
+                    max(1, cfg.eval_samples))
+        self.evals.append((iteration, self.version, acc))
+        self.eval_metrics.append({"iteration": iteration, "version": self.version, **metrics})
+        if self.on_eval:
+            self.on_eval(iteration, self.version, acc)
+        return acc
+
+    def generate(self, it: int, phases: dict) -> tuple[list[pa.Table], str]:
+        """Step `it`'s batches (more than one only with a filtering recipe), appended; and a note."""
+        cfg, generated = self.cfg, []
+        n = cfg.prompts_per_iter * (cfg.overgen if self.filtering else 1)
+        while True:
+            batch = len(generated)
+            table, _ = self.writer.generate(
+                _batch_prompts(cfg, it, batch, n), StepStamp(self.run_id, it, self.version, prompt_offset=batch * n),
+                cfg.seed * 7919 + it * 31 + batch, f"{self.run_id}/step-{it}/batch-{batch}", phases)
+            generated.append(table)
+            if not self.filtering:
+                return generated, ""
+            survived = sum(_surviving_groups(t) for t in generated)
+            if survived >= cfg.prompts_per_iter:
+                return generated, ""
+            if len(generated) >= cfg.max_gen_batches:
+                return generated, f"only {survived} groups survived after {len(generated)} batches"
+
+    def train(self, it: int, cur: CurationResult, phases: dict) -> float | None:
+        """Train the curation once, publish it, load its weights into the sampler; its mean loss."""
+        from learner.config import Pending, RunPosition, TrainContext
+        from learner.consume import train_pending
+
+        model, optimizer, scheduler = self.learner
+        published = train_pending(
+            self.writer.buf, model, optimizer, scheduler, self.cfg.train,
+            at=RunPosition(self.run_id, self.version, self.step), pending=Pending([cur.curation_id], per="curation"),
+            tokenizer=self.tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
+        )
+        if not published:
+            return None
+        clock = Stopwatch(phases)
+        ck = published[-1]
+        self.version, self.step = ck.version, ck.step
+        backend = self.writer.backend
+        if hasattr(backend, "sync_weights"):  # in-process sampler: the trained weights, no reload
+            backend.sync_weights(model, ck.dir)
+        else:
+            backend.load_weights(ck.dir)
+        clock.lap("other")
+        return ck.metrics.get("loss")
+
+    def iteration(self, it: int, resumed: bool) -> None:
+        cfg, buf = self.cfg, self.writer.buf
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        generated, note = [], ""
+        # Only the first iteration of a resumed run can find its rollouts already appended.
+        if not resumed or _step_rollouts(buf, self.run_id, it) == 0:
+            generated, note = self.generate(it, phases)
+        cur = self.writer.curate(it, it / cfg.iterations, phases)
+        loss = self.train(it, cur, phases)
+        clock = Stopwatch(phases)
+        batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)
+        clock.lap("other")
+        held = None
+        if self.heldout and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
+            held = self.evaluate(it + 1)
+            clock.lap("evaluation")
+        rep = IterationReport(
+            iteration=it, version=self.version, batch_accuracy=batch_acc[0], rollouts=batch_acc[1],
+            gen_batches=len(generated), samples_kept=cur.record["n_selected"], tokens_kept=cur.record["tokens_kept"],
+            tokens_candidate=cur.record["tokens_candidate"], loss=loss, heldout=held,
+            seconds=time.perf_counter() - t0, curation_id=cur.curation_id, note=note, phases=phases,
+        )
+        self.reports.append(rep)
+        if self.on_iteration:
+            self.on_iteration(rep)
 
 
 def _batch_accuracy(buf: Buffer, run_id: str, step: int) -> tuple[float, int]:

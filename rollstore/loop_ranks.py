@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,8 @@ from rollstore.loop import LoopConfig
 def learner_command(cfg: LoopConfig, model_dir: str, run_id: str, ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             "-m", "rollstore.cli", "train", cfg.buffer, "--model", model_dir, "--follow", "--parallel", "ddp",
-            "--run-id", run_id, "--loss", cfg.loss, "--lr", repr(cfg.lr), "--micro-batch-size",
-            str(cfg.micro_batch_size), "--grad-accum", str(cfg.grad_accum), "--poll", "0.2"]
+            "--run-id", run_id, "--loss", cfg.train.loss, "--lr", repr(cfg.train.lr), "--micro-batch-size",
+            str(cfg.train.micro_batch_size), "--grad-accum", str(cfg.train.grad_accum), "--poll", "0.2"]
 
 
 def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: float = 3600.0) -> int:
@@ -38,11 +39,11 @@ def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: floa
     import os
 
     from learner.checkpoint import latest_checkpoint
-    from rollstore.generate_cli import run_generate
-    from rollstore.models import resolve_model
+    from rollstore.generate_cli import Follow, PromptSource, run_generate
+    from rollstore.resolve import resolve_model
     from storage.buffer import Buffer
 
-    run_id = cfg.run_id or f"loop-{cfg.recipe}-s{cfg.seed}"
+    run_id = cfg.run_name
     model_dir = resolve_model(cfg.model)
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads or 1))
     log = tempfile.TemporaryFile(mode="w+")  # the learner's output: its publish lines, or why it failed
@@ -50,9 +51,9 @@ def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: floa
                                stdout=log, stderr=subprocess.STDOUT, text=True)
     ok = False
     try:
-        run_generate(cfg.buffer, cfg.prompts, model_dir, cfg.backend, cfg.group_size, cfg.prompts_per_iter, None,
-                     cfg.seed, cfg.iterations, run_id, cfg.max_new_tokens, cfg.temperature, cfg.top_p, None, True, 0,
-                     False, err, recipe=cfg.recipe, sets=cfg.sets)
+        run_generate(cfg.buffer, model_dir, PromptSource(cfg.prompts, cfg.prompts_per_iter),
+                     dataclasses.replace(cfg.generation, seed=cfg.seed), run_id, cfg.iterations, err,
+                     follow=Follow(0, cfg.recipe, cfg.sets))
         deadline = time.monotonic() + timeout
         with Buffer.open(cfg.buffer) as buf:
             while True:

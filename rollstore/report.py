@@ -23,13 +23,12 @@ import json
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass
 from html import escape
 
 from queries import load_sql
 from queries.session import Session
-from rollstore.output import jsonable
+from rollstore.result_formats import jsonable
 from rollstore.report_svg import (
     PALETTE,
     Series,
@@ -40,6 +39,7 @@ from rollstore.report_svg import (
     stacked_bars,
 )
 from rollstore.outfile import check_output_file, write_output
+from rollstore.token_text import TokenText
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 from storage.snapshot import sql_string
@@ -130,52 +130,6 @@ def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
         raise RollstoreError(f"no curation {curation_id!r} in this buffer ({n} curations; "
                              "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
     return {name: run_query(session, name, curation_id) for name in QUERIES}
-
-
-# ---- tokens as text ---------------------------------------------------------------------------
-
-
-class TokenText:
-    """Token ids as text: the tokenizer of the newest checkpoint in the buffer when it has one,
-    else one character per token when the response text has that length (character-level
-    policies, as `rollstore audit --rollout` does), else `[id]`."""
-
-    def __init__(self, tokenizer=None, source: str | None = None):
-        self.tokenizer = tokenizer
-        self.source = source
-
-    @classmethod
-    def for_snapshot(cls, session: Session) -> TokenText:
-        from tokenizers import Tokenizer
-
-        rows = session.execute("SELECT path FROM checkpoints ORDER BY version DESC").fetchall()
-        for (path,) in rows:
-            file = os.path.join(session.root, path, "tokenizer.json")
-            if os.path.exists(file):
-                try:
-                    return cls(Tokenizer.from_file(file), os.path.join(path, "tokenizer.json"))
-                except Exception as exc:  # noqa: BLE001  (tokenizers raises plain Exception; it only costs decoding)
-                    warnings.warn(f"{file}: not readable ({exc}); tokens are shown without it", stacklevel=2)
-        return cls()
-
-    def pieces(self, response: str, token_ids: list[int], tokens_total: int) -> tuple[list[str], list[bool]]:
-        """(text of each token, whether it is a special/undecodable token shown by name or id)."""
-        if self.tokenizer is not None:
-            out, special = [], []
-            for t in token_ids:
-                text = self.tokenizer.decode([t], skip_special_tokens=False) if t >= 0 else ""
-                if not text:
-                    out.append(f"[{t}]")
-                    special.append(True)
-                else:
-                    is_special = self.tokenizer.decode([t], skip_special_tokens=True) == ""
-                    out.append(text)
-                    special.append(is_special)
-            return out, special
-        if len(response) in (tokens_total, tokens_total - 1):
-            return ([response[i] if i < len(response) else f"[{t}]" for i, t in enumerate(token_ids)],
-                    [i >= len(response) for i in range(len(token_ids))])
-        return [f"[{t}]" for t in token_ids], [True] * len(token_ids)
 
 
 # ---- HTML pieces ------------------------------------------------------------------------------

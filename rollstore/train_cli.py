@@ -5,22 +5,28 @@ Invariants: each unit (one curation's shards) is trained once and published as o
 together with its consumed ledger (and, with --follow, the ack of its leases) in one manifest commit.
 Curated shards are verified against the manifest (size and sha256) before they are trained on.
 Under torchrun (`--parallel ddp|fsdp`), rank 0 verifies, leases, prints and publishes; every rank
-trains its block of each global step (learner/distributed.py). `--nproc N` re-runs the same command
+trains its block of each global step (learner/parallel.py). `--nproc N` re-runs the same command
 under `python -m torch.distributed.run --standalone --nproc-per-node N`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import time
+
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from storage.buffer import Buffer
 from storage.errors import RollstoreError
 from storage.verify import verify_references, verify_shards
+
+if TYPE_CHECKING:
+    from learner.config import TrainConfig
 
 
 def check_curations(buffer: str, curations: list[str]) -> None:
@@ -51,28 +57,31 @@ def launch_torchrun(nproc: int, parallel: str) -> int:
     return subprocess.call(cmd)
 
 
-def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad_accum, run_id, follow, poll,
-              max_idle, out: Console, parallel: str = "none") -> list:
+def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curations: list[str], out: Console, *,
+              follow: bool = False, poll: float = 1.0, max_idle: float = 0.0, parallel: str = "none") -> list:
+    """Train the pending shards of `curations` (all, when empty) once each, one checkpoint per curation;
+    with `follow`, lease curated shards as they appear until `max_idle` idle seconds (0: never)."""
     import torch
 
-    from learner import distributed
+    from learner import parallel as ranks
+    from learner.config import Pending, RunPosition, TrainContext
     from learner.consume import resume, train_pending
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.trainer import make_optimizer
-    from rollstore.models import resolve_model
+    from rollstore.resolve import resolve_model
 
-    dist = distributed.init(parallel)
+    dist = ranks.init(parallel)
     if dist.active and dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     buf = Buffer.open(buffer)
     path = resolve_model(model) if dist.is_main else None  # rank 0 builds builtin:tiny once
     dist.barrier()
     model_obj, tokenizer = load_policy(dist.broadcast(path), device=str(dist.device))
-    optimizer, scheduler = make_optimizer(model_obj, lr=lr)
+    optimizer, scheduler = make_optimizer(model_obj, lr=config.lr, warmup_steps=config.warmup_steps)
     version, step = resume(buf, model_obj, optimizer, scheduler, run_id)
-    model_obj, optimizer = distributed.wrap(model_obj, optimizer, scheduler, dist)
-    kwargs = dict(loss=loss, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                  tokenizer=tokenizer, per="curation", dist=dist)
+    model_obj, optimizer = ranks.wrap(model_obj, optimizer, scheduler, dist)
+    train = functools.partial(train_pending, buf, model_obj, optimizer, scheduler, config, tokenizer=tokenizer,
+                              context=TrainContext(dist=dist))
     published = []
 
     def report(cks):
@@ -88,8 +97,7 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
             if dist.is_main:
                 verify_shards(buf.root, [s for s in buf.manifest.shards("curated") if not curations or s.key in curations])
             dist.barrier()
-            cks = train_pending(buf, model_obj, optimizer, scheduler, run_id=run_id, from_version=version,
-                                start_step=step, curation_ids=curations or None, **kwargs)
+            cks = train(at=RunPosition(run_id, version, step), pending=Pending(curations or None, per="curation"))
             report(cks)
             if not cks and dist.is_main:
                 out.print("nothing to train: every curated shard is already in this run's ledger")
@@ -108,8 +116,8 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
             shards = dist.broadcast(shards)
             stop = dist.broadcast(not shards and bool(max_idle) and time.monotonic() - idle_since > max_idle)
             if shards:
-                cks = train_pending(buf, model_obj, optimizer, scheduler, run_id=run_id, from_version=version,
-                                    start_step=step, shards=shards, lease=(consumer, group), **kwargs)
+                cks = train(at=RunPosition(run_id, version, step),
+                            pending=Pending(shards=shards, lease=(consumer, group), per="curation"))
                 if cks:
                     version, step = cks[-1].version, cks[-1].step
                     published.extend(cks)
@@ -122,5 +130,5 @@ def run_train(buffer, curations, model, loss, lr, epochs, micro_batch_size, grad
     finally:
         buf.close()
         if sys.exc_info()[0] is None:  # on an error the launcher tears the ranks down
-            distributed.close(dist)
+            ranks.close(dist)
     return published

@@ -2,7 +2,7 @@
 
 Invariants:
 - Column names and types here are a public contract; a change needs SCHEMA_VERSION bumped and a
-  migration note in the README.
+  migration note in docs/schema.md ("Schema versions").
 - Every per-token list column of a rollout has the length of `response_token_ids`.
 """
 

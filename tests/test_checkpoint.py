@@ -14,6 +14,7 @@ import torch
 
 from learner.checkpoint import (
     CheckpointError,
+    Publish,
     append_training_metrics,
     consumed_entry,
     consumed_ledger,
@@ -22,6 +23,7 @@ from learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from learner.config import RunPosition, TrainConfig, TrainContext
 from learner.consume import pending_shards, resume, train_pending
 from learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
 from learner_util import commit_curated, curated_rows, one_thread, tiny_llama
@@ -52,17 +54,17 @@ def tiny_tokenizer():
 def trained_one_step(buf, shard_rel):
     model = tiny_llama(0)
     opt, sched = make_optimizer(model, lr=1e-3, warmup_steps=4)
-    rows = train_on_curation(model, opt, sched, [os.path.join(buf.root, p) for p in shard_rel], micro_batch_size=8)
+    rows = train_on_curation(model, opt, sched, [os.path.join(buf.root, p) for p in shard_rel],
+                             TrainConfig(micro_batch_size=8))
     return model, opt, sched, rows
 
 
 def test_save_then_load_restores_weights_optimizer_scheduler_and_rng(buf):
     rel = commit_curated(buf, "c1", [curated_rows("c1", 6, seed=1)])
     model, opt, sched, rows = trained_one_step(buf, rel)
-    ck = save_checkpoint(
-        buf, model, opt, sched, version=1, parent_version=0, run_id=RUN, tokenizer=tiny_tokenizer(),
-        consumed=[consumed_entry("c1", rel[0])], step=1, metrics={"loss": rows[0]["loss"]}, training_rows=rows,
-    )
+    ck = save_checkpoint(buf, model, opt, sched, tokenizer=tiny_tokenizer(),
+        publish=Publish(version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])], parent_version=0, step=1,
+                        metrics={"loss": rows[0]["loss"]}, training_rows=rows))
     expected_rand = torch.rand(3)
     for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "ledger.json"):
         assert os.path.exists(os.path.join(ck.dir, name)), name
@@ -92,11 +94,13 @@ def test_save_then_load_restores_weights_optimizer_scheduler_and_rng(buf):
 def test_a_version_is_published_once(buf):
     rel = commit_curated(buf, "c1", [curated_rows("c1", 4, seed=1), curated_rows("c1", 4, seed=2)])
     model, opt, sched, rows = trained_one_step(buf, rel[:1])
-    save_checkpoint(buf, model, opt, sched, version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])])
+    save_checkpoint(buf, model, opt, sched,
+        publish=Publish(version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])]))
     before = open(os.path.join(buf.root, "checkpoints/v1/ledger.json")).read()
     with pytest.raises(CheckpointError, match="version 1 already exists"):
-        save_checkpoint(buf, model, opt, sched, version=1, run_id="another", training_rows=rows,
-                        consumed=[consumed_entry("c1", rel[1])])
+        save_checkpoint(buf, model, opt, sched,
+            publish=Publish(version=1, run_id="another", consumed=[consumed_entry("c1", rel[1])],
+                            training_rows=rows))
     snap = buf.snapshot()
     assert snap.rows("checkpoints") == 1 and snap.rows("training") == 0
     assert open(os.path.join(buf.root, "checkpoints/v1/ledger.json")).read() == before
@@ -106,14 +110,15 @@ def test_a_version_is_published_once(buf):
 def test_a_shard_is_trained_into_a_run_once(buf):
     rel = commit_curated(buf, "c1", [curated_rows("c1", 4, seed=1)])
     model, opt, sched, _ = trained_one_step(buf, rel)
-    save_checkpoint(buf, model, opt, sched, version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])])
+    save_checkpoint(buf, model, opt, sched,
+        publish=Publish(version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])]))
     with pytest.raises(CheckpointError, match="already trained into v1"):
-        save_checkpoint(buf, model, opt, sched, version=2, parent_version=1, run_id=RUN,
-                        consumed=[consumed_entry("c1", rel[0])])
+        save_checkpoint(buf, model, opt, sched,
+            publish=Publish(version=2, run_id=RUN, consumed=[consumed_entry("c1", rel[0])], parent_version=1))
     assert not os.path.exists(os.path.join(buf.root, "checkpoints/v2"))
     # another run may train the same data
-    save_checkpoint(buf, model, opt, sched, version=2, parent_version=0, run_id="run-2",
-                    consumed=[consumed_entry("c1", rel[0])])
+    save_checkpoint(buf, model, opt, sched,
+        publish=Publish(version=2, run_id="run-2", consumed=[consumed_entry("c1", rel[0])], parent_version=0))
     assert [c.version for c in list_checkpoints(buf)] == [1, 2]
     assert latest_checkpoint(buf, RUN).version == 1
 
@@ -123,7 +128,7 @@ def test_an_orphan_directory_of_a_crashed_save_is_replaced(buf):
     with open(os.path.join(buf.root, "checkpoints/v1/model.safetensors"), "w") as fh:
         fh.write("half written")
     model = tiny_llama(0)
-    save_checkpoint(buf, model, version=1, run_id=RUN, consumed=[])
+    save_checkpoint(buf, model, publish=Publish(version=1, run_id=RUN, consumed=[]))
     other = tiny_llama(3)
     load_checkpoint(buf, other)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
@@ -135,13 +140,15 @@ def test_lease_is_acked_in_the_checkpoint_commit(buf):
     model = tiny_llama(0)
     _, leased = buf.lease("curated", 1, "learner-a", ttl=600)
     assert [s.path for s in leased] == rel[:1]
-    save_checkpoint(buf, model, version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])],
-                    lease=("learner-a", "default"))
+    save_checkpoint(buf, model,
+        publish=Publish(version=1, run_id=RUN, consumed=[consumed_entry("c1", rel[0])],
+                        lease=("learner-a", "default")))
     _, again = buf.lease("curated", 5, "learner-b")
     assert [s.path for s in again] == rel[1:]  # acked: never leased again; the other one is b's now
     with pytest.raises(CheckpointError, match="lease .* is not held by 'learner-a'"):
-        save_checkpoint(buf, model, version=2, run_id=RUN, consumed=[consumed_entry("c1", rel[1])],
-                        lease=("learner-a", "default"))
+        save_checkpoint(buf, model,
+            publish=Publish(version=2, run_id=RUN, consumed=[consumed_entry("c1", rel[1])],
+                            lease=("learner-a", "default")))
     assert [c.version for c in list_checkpoints(buf)] == [1]
 
 
@@ -151,8 +158,8 @@ def test_training_metrics_and_ledger_along_the_lineage(buf):
     append_training_metrics(buf, rows)
     assert buf.snapshot().arrow("training").to_table().column("loss").to_pylist() == [rows[0]["loss"]]
     for v, shard in enumerate(rel, start=1):
-        save_checkpoint(buf, model, version=v, parent_version=v - 1, run_id=RUN,
-                        consumed=[consumed_entry("c1", shard)])
+        save_checkpoint(buf, model,
+            publish=Publish(version=v, run_id=RUN, consumed=[consumed_entry("c1", shard)], parent_version=v - 1))
     assert [e["shard"] for e in consumed_ledger(buf, 3)] == rel
     assert [e["shard"] for e in consumed_ledger(buf, 2)] == rel[:2]
     assert pending_shards(buf, consumed_ledger(buf, 1)) == buf.manifest.shards("curated")[1:]
@@ -219,7 +226,8 @@ def learner_process(root: str, kill: str | None = None) -> None:
         def on_step(row):
             time.sleep(0.2)  # v3 is >= 0.4 s after v2: the parent's SIGKILL lands before the end
 
-    train_pending(buf, model, opt, sched, run_id=RUN, from_version=version, start_step=step, on_step=on_step, **TRAIN)
+    train_pending(buf, model, opt, sched, TrainConfig(**TRAIN), at=RunPosition(RUN, version, step),
+                  context=TrainContext(on_step=on_step))
     buf.close()
 
 

@@ -28,8 +28,9 @@ import pytest
 import torch
 
 from learner.checkpoint import consumed_ledger, list_checkpoints
+from learner.config import RunPosition, TrainConfig, TrainContext
 from learner.consume import pending_shards, resume, train_pending
-from learner.distributed import SINGLE, close, current, passes, rank_block, wrap
+from learner.parallel import SINGLE, close, current, passes, rank_block, wrap
 from learner.trainer import deterministic_cpu, make_optimizer
 from learner_util import one_thread, tiny_llama
 from storage.buffer import Buffer
@@ -64,8 +65,8 @@ def rank_process(root: str, rank: int, world: int, port: int, parallel: str, kil
         if row["step"] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    train_pending(buf, model, opt, sched, run_id=RUN, from_version=version, start_step=step, dist=dist,
-                  on_step=on_step if kill_at else None, **TRAIN)
+    train_pending(buf, model, opt, sched, TrainConfig(**TRAIN), at=RunPosition(RUN, version, step),
+                  context=TrainContext(dist=dist, on_step=on_step if kill_at else None))
     buf.close()
     close(dist)
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -25,8 +26,9 @@ def sql(root: str, query: str):
 
 
 def small(root: str, model: str, **kw) -> LoopConfig:
-    base = dict(buffer=root, model=model, iterations=3, recipe="d3s", prompts_per_iter=16, group_size=4,
-                eval_every=0, run_id="t", lr=2e-5)
+    d = LoopConfig(buffer=root)
+    base = dict(buffer=root, model=model, iterations=3, recipe="d3s", prompts_per_iter=16,
+                generation=replace(d.generation, group_size=4), eval_every=0, run_id="t", train=replace(d.train, lr=2e-5))
     base.update(kw)
     return LoopConfig(**base)
 

@@ -38,8 +38,11 @@ def loop_buffer(tmp_path_factory, default_tiny):  # noqa: F811
 
     root = str(tmp_path_factory.mktemp("report") / "buf")
     Buffer.init(root).close()
+    from rollstore.generate import GenerationConfig
+
     run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=3, recipe="d3s", sets={"amplify": "da3po"},
-                        prompts_per_iter=16, group_size=4, eval_every=1, eval_prompts=24, run_id="rep", seed=3))
+                        prompts_per_iter=16, generation=GenerationConfig(group_size=4, max_new_tokens=8), eval_every=1,
+                        eval_prompts=24, run_id="rep", seed=3))
     return root
 
 
@@ -61,7 +64,7 @@ def data_blocks(html: str) -> dict[str, list[dict]]:
 def documented(root: str, name: str, curation_id: str | None = None) -> list[dict]:
     """Run queries/<name>.sql straight with DuckDB over the buffer's latest snapshot (own connection,
     the snapshot's views and the user views of queries/views.sql), as a user would."""
-    from rollstore.output import jsonable
+    from rollstore.result_formats import jsonable
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         con = duckdb.connect()

@@ -11,12 +11,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from learner.models import load_policy
+from learner.policy_loading import load_policy
 from learner.score import score
 from rollout import arith
 from rollout.backends import cut_at_first_eos, get_backend
 from rollout.backends.hf import HFBackend
-from rollstore.generate import generate_step
+from rollstore.generate import GenerationConfig, StepStamp, generate_step
 from rollout_helpers import default_tiny, small_tiny, tiny_cache, untrained_tiny  # noqa: F401
 from storage.schema import ROLLOUTS
 from storage.validate import validate_rollouts
@@ -141,8 +141,8 @@ def test_contract_errors(untrained_backend):
 @pytest.fixture(scope="module")
 def step_table(default_tiny):  # noqa: F811
     prompts = arith.train_prompts(24, seed=5)
-    return prompts, generate_step(default_tiny, prompts, run_id="run-a", step=3, group_size=6,
-                                  policy_version=2, seed=11, max_new_tokens=12)
+    return prompts, generate_step(default_tiny, prompts, StepStamp("run-a", 3, policy_version=2),
+                                  GenerationConfig(group_size=6, seed=11, max_new_tokens=12))
 
 
 def test_generate_step_builds_valid_scored_rollouts(step_table):
@@ -173,8 +173,9 @@ def test_generate_step_builds_valid_scored_rollouts(step_table):
 
 def test_generate_step_is_deterministic_and_can_skip_scoring(default_tiny, step_table):  # noqa: F811
     prompts, table = step_table
-    again = generate_step(default_tiny, prompts, run_id="run-a", step=3, group_size=6, policy_version=2,
-                          seed=11, max_new_tokens=12, score=False, created_at=table.column("created_at")[0].as_py())
+    again = generate_step(default_tiny, prompts,
+                          StepStamp("run-a", 3, policy_version=2, created_at=table.column("created_at")[0].as_py()),
+                          GenerationConfig(group_size=6, seed=11, max_new_tokens=12, score=False))
     assert again.column("old_logprobs").null_count == again.num_rows
     assert again.column("entropies").null_count == again.num_rows
     same = ["rollout_id", "response_token_ids", "gen_logprobs", "reward", "correct", "created_at"]

@@ -47,7 +47,7 @@ def flat(groups):
 
 @vllm_test
 def test_vllm_contract_and_trainer_logprobs(vllm_backend, default_tiny):  # noqa: F811
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.score import score
     from rollout.backends.hf import HFBackend
 
@@ -78,7 +78,7 @@ def test_vllm_same_seed_same_rollouts(vllm_backend):
 def test_vllm_temperature_logprobs(vllm_backend, default_tiny):  # noqa: F811
     import torch
 
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
 
     model, _ = load_policy(default_tiny)
     for g in flat(vllm_backend.generate(PROMPTS[:4], 4, 12, temperature=0.7, seed=1)):
@@ -93,7 +93,7 @@ def test_vllm_temperature_logprobs(vllm_backend, default_tiny):  # noqa: F811
 
 @vllm_test
 def test_vllm_load_weights_switches_policy_version(vllm_backend, default_tiny, small_tiny):  # noqa: F811
-    from learner.models import load_policy
+    from learner.policy_loading import load_policy
     from learner.score import score
 
     try:

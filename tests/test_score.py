@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner import score as score_mod
-from learner.models import load_policy
+from learner.policy_loading import load_policy
 from learner.score import score
 from rollout_helpers import untrained_tiny  # noqa: F401  (fixture)
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-from learner.models import load_policy
+from learner.policy_loading import load_policy
 from learner.tiny import build_tiny, build_tokenizer
 from rollout import arith
 from rollout_helpers import SMALL_STEPS, default_tiny, small_tiny, tiny_cache  # noqa: F401
-from rollstore.models import WARM_TARGET, resolve_model, resolve_prompts, tiny_info
+from rollstore.resolve import WARM_TARGET, resolve_model, resolve_prompts, tiny_info
 from storage.errors import RollstoreError
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from learner.batches import collate, iter_steps, read_curated
+from learner.config import TrainConfig
 from learner.trainer import make_optimizer, response_logprobs, train_on_curation
 from learner_util import commit_curated, curated_rows, one_thread, tiny_llama
 from storage.buffer import Buffer
@@ -97,7 +98,7 @@ def test_training_raises_positive_and_lowers_negative_tokens(buf, loss):
     pos0, neg0 = _mean_logp(model, table, 1), _mean_logp(model, table, -1)
     opt, sched = make_optimizer(model, lr=3e-3, warmup_steps=2)
     rows = train_on_curation(
-        model, opt, sched, shard, loss=loss, epochs=4, micro_batch_size=4, grad_accum=2,
+        model, opt, sched, shard, TrainConfig(loss=loss, epochs=4, micro_batch_size=4, grad_accum=2),
         run_id="r", version=1,
     )
     assert _mean_logp(model, table, 1) > pos0 + 0.05
@@ -122,7 +123,8 @@ def _train(table_paths, micro, accum, loss="dapo", sgd=False):
         opt, sched = torch.optim.SGD(model.parameters(), lr=1.0), None
     else:
         opt, sched = make_optimizer(model, lr=1e-3)
-    rows = train_on_curation(model, opt, sched, table_paths, loss=loss, micro_batch_size=micro, grad_accum=accum)
+    rows = train_on_curation(model, opt, sched, table_paths, TrainConfig(loss=loss, micro_batch_size=micro,
+                                                                          grad_accum=accum))
     return model, rows
 
 
@@ -149,7 +151,7 @@ def test_a_step_without_kept_tokens_changes_nothing(buf):
     model = tiny_llama(2)
     before = [p.detach().clone() for p in model.parameters()]
     opt, sched = make_optimizer(model, lr=1e-2)
-    rows = train_on_curation(model, opt, sched, shard, micro_batch_size=4)
+    rows = train_on_curation(model, opt, sched, shard, TrainConfig(micro_batch_size=4))
     assert len(rows) == 1 and rows[0]["tokens"] == 0 and rows[0]["samples"] == 0
     assert all(torch.equal(x, y) for x, y in zip(before, model.parameters()))
     assert sched.last_epoch == 0
@@ -172,8 +174,9 @@ def test_decoupled_training_without_lag_is_todays_training_bit_for_bit(buf):
     for decoupled in (False, True):
         model = tiny_llama(1)
         opt, sched = make_optimizer(model, lr=1e-2)
-        train_on_curation(model, opt, sched, shard, micro_batch_size=4, version=1, weights_version=0,
-                          loss_config=LossConfig(decoupled=decoupled))
+        train_on_curation(model, opt, sched, shard, TrainConfig(micro_batch_size=4,
+                                                                loss_config=LossConfig(decoupled=decoupled)),
+                          version=1, weights_version=0)
         models.append(model)
     assert all(torch.equal(x, y) for x, y in zip(models[0].parameters(), models[1].parameters()))
 
@@ -203,12 +206,12 @@ def test_lagged_rows_are_scored_by_the_weights_at_the_start_of_the_step(buf, mon
     monkeypatch.setattr(trainer, "proximal_logprobs", spy)
     real = LOSSES["grpo"].fn
 
-    def loss_spy(*args, prox_logp=None, **kw):
-        seen.append(prox_logp is not None)
-        return real(*args, prox_logp=prox_logp, **kw)
+    def loss_spy(inputs, **kw):
+        seen.append(inputs.prox_logp is not None)
+        return real(inputs, **kw)
 
     monkeypatch.setattr(trainer, "get_loss", lambda name: loss_spy)
     opt, sched = make_optimizer(model, lr=1e-2)
-    rows = train_on_curation(model, opt, sched, shard, micro_batch_size=8, version=4, weights_version=3)
+    rows = train_on_curation(model, opt, sched, shard, TrainConfig(micro_batch_size=8), version=4, weights_version=3)
     assert len(rows) == 1 and all(seen)
     assert prox_rows == [["c-r001", "c-r004", "c-r006"]]

@@ -229,8 +229,13 @@ def test_dapo_dropped_rows_contribute_zero_gradient(untrained_tiny, tmp_path, lo
               for k, v in batch.items()}
     full, only_kept = _grads(tr, batch), _grads(tr, sliced)
     scale = 1.0 if loss_type == "dapo" else int(kept.sum()) / kept.numel()
-    assert max(float((a - scale * b).abs().max()) for a, b in zip(full, only_kept)) <= 1e-6
-    assert any(float(a.abs().max()) > 0 for a in full)
+    # Equal up to rounding. TRL's GRPOConfig trains under bf16 autocast on the CPU, and the two
+    # batches reduce in different shapes, so entries may differ by a bf16 ulp or two (2^-8
+    # relative); a dropped row that counted, or a wrong scale, moves them by far more than that.
+    top = max(float(a.abs().max()) for a in full)
+    assert top > 0
+    for a, b in zip(full, only_kept):
+        assert torch.allclose(a, scale * b, rtol=2**-6, atol=1e-3 * top), float((a - scale * b).abs().max())
 
 
 def test_d3s_curation_records_entropies_and_masks_tokens(untrained_tiny, tmp_path):  # noqa: F811

@@ -5,6 +5,7 @@ processes (6 completions per process, num_generations 4). Each process writes wh
 OUT/rank{R}.json.
 
 usage: trl_ranks_script.py MODEL_DIR BUFFER OUT RECIPE
+(a recipe the plug-in refuses in several processes, a replay recipe, writes {"refused": message}.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trl import GRPOConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rollstore.trl import RollstoreGRPOTrainer  # noqa: E402
+from rollstore.trl import RollstoreGRPOTrainer, TRLPluginError  # noqa: E402
 
 G = 4
 
@@ -61,8 +62,14 @@ def main(model_dir: str, buf: str, out: str, recipe: str) -> None:
     cfg = GRPOConfig(output_dir=os.path.join(out, "trl"), num_generations=G, per_device_train_batch_size=6,
                      max_completion_length=6, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
                      save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    tr = Spy(model=model, reward_funcs=[parity, shaping], args=cfg, train_dataset=ds, processing_class=tok,
-             buffer=buf, run_id="ranks", curate=None if recipe == "none" else recipe)
+    try:
+        tr = Spy(model=model, reward_funcs=[parity, shaping], args=cfg, train_dataset=ds, processing_class=tok,
+                 buffer=buf, run_id="ranks", curate=None if recipe == "none" else recipe)
+    except TRLPluginError as exc:  # a replay recipe: refused in several processes
+        rank = int(os.environ.get("RANK", "0"))
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump({"rank": rank, "refused": str(exc)}, fh)
+        return
     tr.train()
     rank = tr.accelerator.process_index
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:

@@ -43,7 +43,7 @@ import glob
 import os
 import re
 
-from ..importer import read_jsonl_objects
+from storage.importer import read_jsonl_objects
 from .common import (ImportRefused, Rows, TextCodec, bad, empty, file_digest, file_time, finish_from_eos,
                      float_list, group_ids, groups_by_key, int_list, kind, missing, number, sample_idx, stable_id)
 from .tokens import response_span
@@ -105,64 +105,77 @@ def _reward_of(obj: dict, step, ids: list[int], table: dict | None):
     return None
 
 
+KEYS = ("rid", "step", "prompt_ids", "resp", "gen", "old", "ent", "reward", "adv", "env", "src")
+
+
+def _line_reward(obj: dict, f: str, at: str, step: int, ids: list[int], start: int,
+                 rewards: dict | None) -> tuple[float, bool]:
+    """(reward, whether it came from the --rewards file): the export's own per-token `rewards`
+    when it has them, else the --rewards table's entry; refused when neither has one."""
+    logged = obj.get("rewards")
+    if isinstance(logged, list) and len(logged) > start and logged[start] is not None:
+        return number(FORMAT, f, at, "rewards", logged[start]), False
+    if logged is not None and not isinstance(logged, list):
+        raise bad(FORMAT, f, at, "rewards", f"expected a per-token list, got {kind(logged)}")
+    reward = _reward_of(obj, step, ids, rewards)
+    if reward is None:
+        hint = ("no entry for this sequence in --rewards" if rewards is not None else
+                "this export holds no rewards (prime-rl writes none since 0be5ac452); pass --rewards FILE "
+                "(docs/importers.md)")
+        raise bad(FORMAT, f, at, "reward", hint)
+    return reward, True
+
+
+def _line(f: str, digest: str, lineno: int, obj: dict, rewards: dict | None) -> tuple[dict, bool]:
+    """One exported sequence as the values of `KEYS`, and whether its reward came from --rewards."""
+    at = f"line {lineno}"
+    for name in ("token_ids", "loss_mask", "inference_logprobs"):
+        if name not in obj:
+            raise bad(FORMAT, f, at, name if name != "inference_logprobs" else "gen_logprobs (inference_logprobs)",
+                      "missing required field")
+    step = obj.get("export_step", obj.get("step"))
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise bad(FORMAT, f, at, "step", f"expected an integer, got {kind(step)}")
+    ids = int_list(FORMAT, f, at, "token_ids", obj["token_ids"])
+    mask = obj["loss_mask"]
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        raise bad(FORMAT, f, at, "loss_mask", f"expected a list of {len(ids)} booleans, got {kind(mask)}")
+    start, end = response_span(mask, f, at, FORMAT, "loss_mask")
+    gen = float_list(FORMAT, f, at, "inference_logprobs", obj["inference_logprobs"], end)[start:end]
+    if any(v is None for v in gen):
+        raise bad(FORMAT, f, at, "inference_logprobs", "null (non-finite) log-prob inside the response")
+    reward, from_file = _line_reward(obj, f, at, step, ids, start, rewards)
+    trainer, ent, adv = obj.get("trainer_logprobs"), obj.get("entropy"), obj.get("advantages")
+    return {
+        "rid": stable_id(FORMAT, digest, lineno), "step": step, "prompt_ids": ids[:start], "resp": ids[start:end],
+        "gen": gen, "reward": reward, "env": obj.get("env_name"),
+        "old": float_list(FORMAT, f, at, "trainer_logprobs", trainer, end)[start:end] if trainer is not None else None,
+        "ent": float_list(FORMAT, f, at, "entropy", ent, end)[start:end] if ent is not None else None,
+        "adv": adv[start:end] if isinstance(adv, list) else None,
+        "src": {"file": os.path.basename(f), "line": lineno, "rank": obj.get("rank"),
+                "export_sequence_idx": obj.get("export_sequence_idx")},
+    }, from_file
+
+
 def convert(path: str, codec: TextCodec | None, run_id: str, rewards: dict | None = None) -> Rows:
     files = _files(path)
-    rows = Rows(FORMAT, path)
     if codec is None:
         raise missing(FORMAT, path, "prompt", "the format holds token ids only; pass --tokenizer DIR to decode them")
-    cols: dict[str, list] = {k: [] for k in ("rid", "step", "prompt_ids", "resp", "gen", "old", "ent", "reward",
-                                             "adv", "env", "src")}
+    cols: dict[str, list] = {k: [] for k in KEYS}
     from_file = 0
     for f in files:
         digest = file_digest(f)
         for lineno, obj in read_jsonl_objects(f):
-            at = f"line {lineno}"
-            rid = stable_id(FORMAT, digest, lineno)
-            for name in ("token_ids", "loss_mask", "inference_logprobs"):
-                if name not in obj:
-                    raise bad(FORMAT, f, at, name if name != "inference_logprobs" else "gen_logprobs (inference_logprobs)",
-                              "missing required field")
-            step = obj.get("export_step", obj.get("step"))
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise bad(FORMAT, f, at, "step", f"expected an integer, got {kind(step)}")
-            ids = int_list(FORMAT, f, at, "token_ids", obj["token_ids"])
-            mask = obj["loss_mask"]
-            if not isinstance(mask, list) or len(mask) != len(ids):
-                raise bad(FORMAT, f, at, "loss_mask", f"expected a list of {len(ids)} booleans, got {kind(mask)}")
-            start, end = response_span(mask, f, at, FORMAT, "loss_mask")
-            gen = float_list(FORMAT, f, at, "inference_logprobs", obj["inference_logprobs"], end)[start:end]
-            if any(v is None for v in gen):
-                raise bad(FORMAT, f, at, "inference_logprobs", "null (non-finite) log-prob inside the response")
-            logged = obj.get("rewards")
-            reward = None
-            if isinstance(logged, list) and len(logged) > start and logged[start] is not None:
-                reward = number(FORMAT, f, at, "rewards", logged[start])
-            elif logged is not None and not isinstance(logged, list):
-                raise bad(FORMAT, f, at, "rewards", f"expected a per-token list, got {kind(logged)}")
-            else:
-                reward = _reward_of(obj, step, ids, rewards)
-                if reward is not None:
-                    from_file += 1
-            if reward is None:
-                hint = ("no entry for this sequence in --rewards" if rewards is not None else
-                        "this export holds no rewards (prime-rl writes none since 0be5ac452); pass --rewards FILE "
-                        "(docs/importers.md)")
-                raise bad(FORMAT, f, at, "reward", hint)
-            trainer = obj.get("trainer_logprobs")
-            ent = obj.get("entropy")
-            cols["rid"].append(rid)
-            cols["step"].append(step)
-            cols["prompt_ids"].append(ids[:start])
-            cols["resp"].append(ids[start:end])
-            cols["gen"].append(gen)
-            cols["old"].append(float_list(FORMAT, f, at, "trainer_logprobs", trainer, end)[start:end] if trainer is not None else None)
-            cols["ent"].append(float_list(FORMAT, f, at, "entropy", ent, end)[start:end] if ent is not None else None)
-            cols["reward"].append(reward)
-            adv = obj.get("advantages")
-            cols["adv"].append(adv[start:end] if isinstance(adv, list) else None)
-            cols["env"].append(obj.get("env_name"))
-            cols["src"].append({"file": os.path.basename(f), "line": lineno, "rank": obj.get("rank"),
-                                "export_sequence_idx": obj.get("export_sequence_idx")})
+            row, filed = _line(f, digest, lineno, obj, rewards)
+            from_file += filed
+            for k in KEYS:
+                cols[k].append(row[k])
+    return _rows(path, files, codec, run_id, cols, from_file)
+
+
+def _rows(path: str, files: list[str], codec: TextCodec, run_id: str, cols: dict[str, list], from_file: int) -> Rows:
+    """The converted columns as `Rows`, groups rebuilt, with what the conversion guessed noted."""
+    rows = Rows(FORMAT, path)
     if not cols["rid"]:
         if len(files) == 1:
             raise empty(FORMAT, files[0])

@@ -7,7 +7,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from learner.evaluate import summarize
+from learner.passk import summarize
+from rollstore.generate import GenerationConfig
 
 
 def evaluate(model_dir: str, prompts, samples: int, ks: list[int], temperature: float, max_new_tokens: int,
@@ -28,9 +29,13 @@ def evaluate(model_dir: str, prompts, samples: int, ks: list[int], temperature: 
     return summarize(correct, [k for k in ks if k <= samples])
 
 
-def run_eval(model: str, prompts_ref: str, samples: int, ks: list[int], num_prompts, temperature: float,
-             max_new_tokens: int, seed: int, buffer: str | None, fmt: str, out: Console) -> dict:
-    from rollstore.models import resolve_model, resolve_prompts
+def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: GenerationConfig, ks: list[int],
+             buffer: str | None, fmt: str, out: Console) -> dict:
+    """pass@k and avg@n of `config.group_size` samples per prompt (at `config.temperature`, up to
+    `config.max_new_tokens` tokens, seeded by `config.seed`); printed, and recorded in `buffer` if given."""
+    from rollstore.resolve import resolve_model, resolve_prompts
+
+    samples, temperature, seed = config.group_size, config.temperature, config.seed
 
     if any(k > samples for k in ks):
         from storage.errors import RollstoreError
@@ -38,7 +43,7 @@ def run_eval(model: str, prompts_ref: str, samples: int, ks: list[int], num_prom
         raise RollstoreError(f"pass@{max(ks)} needs --samples ≥ {max(ks)}")
     model_dir = resolve_model(model)
     prompts = resolve_prompts(prompts_ref, num_prompts, seed=seed, split="heldout")
-    metrics = evaluate(model_dir, prompts, samples, ks, temperature, max_new_tokens, seed)
+    metrics = evaluate(model_dir, prompts, samples, ks, temperature, config.max_new_tokens, seed)
     if buffer:
         from rollstore.loop import record_eval
         from storage.buffer import Buffer

@@ -9,8 +9,9 @@ Invariants:
   TRL does (`apply_chat_template(tokenize=True)`); both absent when the tokenizer has none.
   `encode_prompt(text)` adds the tokenizer's special tokens, as TRL's `processing_class(text=...)`
   does for a text prompt.
-- `score(prompt_ids, response_ids)` returns one log-probability (<= 0) per response token, from one
-  teacher-forced forward pass of the model in float32 on the CPU; the model loads on first use.
+- `score(prompt_ids, response_ids)` returns one log-probability (<= 0) per response token, from the
+  learner's scoring pass (`learner.score.score`, the pass that fills `old_logprobs` of generated
+  rows) over the model in float32 on the CPU; the model loads on first use.
 - A prompt with no tokens cannot be scored (nothing predicts the first response token): refused.
 """
 
@@ -61,35 +62,28 @@ def load_codec(tokenizer_dir: str | None, score_model_dir: str | None = None) ->
 
 
 def _scorer(model_dir: str):
-    """A scoring function that loads the model on its first call (a refused import loads nothing)."""
-    import torch
-
+    """A scoring function that loads the model on its first call (a refused import loads nothing);
+    the log-probs come from the learner's own scoring pass (`learner.score.score`)."""
     held: dict = {}
 
     def load():
+        import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # stderr carries only the one error line, if any
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
-        model.eval()
-        return model
+        return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
 
     def score(prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         if not response_ids:
             return []
-        if "model" not in held:
-            held["model"] = load()
-        model = held["model"]
         if not prompt_ids:
             raise ImportRefused("--score-model: a row has an empty prompt; its first token cannot be scored")
-        ids = torch.tensor([list(prompt_ids) + list(response_ids)])
-        with torch.no_grad():
-            logits = model(ids).logits[0, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        start = len(prompt_ids) - 1
-        targets = ids[0, len(prompt_ids):]
-        picked = logp[start:start + len(response_ids)].gather(1, targets[:, None])[:, 0]
-        return [min(0.0, float(v)) for v in picked]
+        if "model" not in held:
+            held["model"] = load()
+        from learner.score import score as score_rows
+
+        logprobs, _ = score_rows(held["model"], 0, [list(prompt_ids)], [list(response_ids)], batch_size=1)
+        return [float(v) for v in logprobs[0]]
 
     return score

@@ -1,7 +1,7 @@
 """Learner step throughput with 1 and 2 ranks (DDP, gloo, CPU) in one run, and the share of each
 rank's step time spent reading curated shards and collating batches (the store's input cost).
 
-    python -m bench.distributed [--rows 256] [--steps-batch 16] [--no-record]
+    python -m bench.learner_ranks [--rows 256] [--steps-batch 16] [--no-record]
 
 Invariants: both worlds train the same curated shards with the same global batch, each rank one
 torch thread, ranks forked from this process (no re-import); only the ratio of this run is meant to
@@ -26,7 +26,8 @@ def _rank(root, shards, rank, world, rendezvous, batch, out_dir):
 
     import torch
 
-    from learner.distributed import SINGLE, close, current, wrap
+    from learner.config import TrainConfig, TrainContext
+    from learner.parallel import SINGLE, close, current, wrap
     from learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
     from learner_util import tiny_llama
 
@@ -40,8 +41,8 @@ def _rank(root, shards, rank, world, rendezvous, batch, out_dir):
     model, opt = wrap(model, opt, sched, dist)
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    rows = train_on_curation(model, opt, sched, shards, micro_batch_size=batch // 2, grad_accum=2, dist=dist,
-                             timings=timings)
+    rows = train_on_curation(model, opt, sched, shards, TrainConfig(micro_batch_size=batch // 2, grad_accum=2),
+                             context=TrainContext(dist=dist, timings=timings))
     wall = time.perf_counter() - start
     with open(os.path.join(out_dir, f"w{world}-r{rank}.json"), "w") as fh:
         json.dump({"wall": wall, "steps": len(rows), **timings}, fh)

@@ -34,7 +34,7 @@ from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 
 from .custom import choose_custom
 from .merges import MERGES
-from .output import (
+from .finish import (
     CurationResult,
     ahead,
     audit_path,
@@ -109,9 +109,9 @@ def curate(
 
     `engine="dask"` runs the same plan on dask.distributed (`scheduler`: "local:N", a scheduler
     address, or a `distributed.Client`; `partitions`: hash partitions of the batch) with the same
-    curation id and byte-identical output; see `curate.distributed`."""
+    curation id and byte-identical output; see `curate.dask_client`."""
     if engine == "dask":
-        from .distributed import curate_dask
+        from .dask_client import curate_dask
 
         return curate_dask(buf, recipe, sets, snapshot_seq=snapshot_seq, commit=commit, memory_limit=memory_limit,
                            threads=threads, scheduler=scheduler, partitions=partitions, dry_run=dry_run)

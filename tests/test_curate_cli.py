@@ -202,7 +202,7 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
     curated shards up to the shard names each buffer draws (their references compare by shard order)."""
     import hashlib
 
-    import curate.output as output_module
+    import curate.finish as output_module
     import curate.run as run_module
 
     monkeypatch.setattr(output_module, "CURATED_SHARD_BYTES", 10_000)
@@ -241,7 +241,7 @@ def test_ahead_keeps_order_and_hands_errors_and_early_stops_back():
     caller that stops early stops the producer and closes its generator."""
     import threading
 
-    from curate.output import ahead
+    from curate.finish import ahead
 
     assert list(ahead(iter(range(7)))) == list(range(7))
     assert list(ahead(iter([]))) == []

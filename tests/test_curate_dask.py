@@ -23,8 +23,8 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-import curate.output as output_module  # noqa: E402
-from curate.distributed import curate_dask  # noqa: E402
+import curate.finish as output_module  # noqa: E402
+from curate.dask_client import curate_dask  # noqa: E402
 from curate.params import ParamError, load_recipe  # noqa: E402
 from curate.run import CurationError, curate  # noqa: E402
 from rollstore.synthetic import rollouts_table  # noqa: E402

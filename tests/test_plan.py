@@ -257,7 +257,7 @@ def test_the_embedded_engine_executes_the_plan_steps_in_order(steps_buffer, monk
 def test_the_dask_engine_executes_the_plan_steps_in_order(steps_buffer, monkeypatch, recipe, sets):
     """In-process Dask workers (threads), so the spy sees every task's statements."""
     distributed = pytest.importorskip("distributed")
-    from curate.distributed import curate_dask
+    from curate.dask_client import curate_dask
 
     with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client, \
             Buffer.open(steps_buffer) as buf:

@@ -44,17 +44,16 @@ import shutil
 import uuid
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
-from storage.buffer import Buffer, Part, WrittenPart
+from storage.buffer import Buffer
 from storage.owners import owned_name
-from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
+from storage.schema import SELECTIONS
 from storage.shardio import READ_THREADS
 
 from . import dask_tasks as tasks
-from .finish import CurationResult, already_committed, new_record, part_layout, publish, referenced_paths, \
-    rows_per_shard, token_values
+from .finish import (CurationResult, Decided, already_committed, finish_curation, part_layout, referenced_paths,
+                     rows_per_shard, token_values)
 from .merges import MERGES
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import build
@@ -228,28 +227,19 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
             if step.phase in ("tokens", "output") and merge and merge.combine and merge.runs(values):
                 values.update(merge.combine([], values))
     audit = _audit(job, collected, [per_shard[i] for i in shards], values)
-    audit_part: WrittenPart = job.submit(tasks.write_audit, ctx, curation_id, audit).result()
-    record = new_record(plan, curation_id, snap.seq, summary, values)
-    out = CurationResult(curation_id, record, summary["reasons"], snap.seq, committed=False,
-                         audit=audit.cast(SELECTIONS))
-    if dry_run:
-        return out
-
     layout = part_layout(summary["selected_per_shard"], rows_per_shard(summary))
-    written = [job.submit(tasks.materialise_part, ctx, curation_id, k, slices, values,
-                          *[per_shard[i] for i, _, _ in slices])
-               for k, slices in enumerate(layout)]
-    parts: list[tasks.Written] = job.gather(written)
-    record["old_logprobs_fallback"] = sum(w.fallback for w in parts)
-    out.output_files = [w.part.relpath for w in parts] + [audit_part.relpath]
-    record["output_files"] = json.dumps(out.output_files)
-    if not commit:
-        curated = [pq.read_table(os.path.join(buf.root, w.part.tmp_relpath)) for w in parts]
-        out.curated = pa.concat_tables(curated).cast(CURATED_REFS) if curated else CURATED_REFS.empty_table()
-        return out
-    record_part = Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), curation_id)
-    referenced = referenced_paths([ctx.shard(i) for i in shards], buf.root)
-    return publish(buf, lambda: [w.part for w in parts] + [audit_part, record_part], curation_id, out, referenced)
+
+    def curated():
+        written = [job.submit(tasks.materialise_part, ctx, curation_id, k, slices, values,
+                              *[per_shard[i] for i, _, _ in slices])
+                   for k, slices in enumerate(layout)]
+        for w in job.gather(written):
+            yield w.part, w.fallback
+
+    return finish_curation(buf, Decided(plan, snap.seq, summary, values, audit), curated,
+                           referenced_paths([ctx.shard(i) for i in shards], buf.root), commit=commit,
+                           dry_run=dry_run,
+                           audit_part=lambda: job.submit(tasks.write_audit, ctx, curation_id, audit).result())
 
 
 def _merge_rounds(job: _Run, session: Session, states: list, values: dict, resume, *extra) -> list:

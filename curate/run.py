@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import numpy as np
@@ -30,24 +29,21 @@ import pyarrow.compute as pc
 
 from queries.session import DEFAULT_MEMORY_LIMIT, Session
 from storage.buffer import Buffer, Part
-from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 
 from .custom import choose_custom
-from .merges import MERGES
 from .finish import (
     CurationResult,
-    ahead,
-    audit_path,
+    Decided,
     curated_table,
-    new_record,
+    finish_curation,
     part_layout,
     part_name,
-    publish,
     referenced_paths,
     rows_per_shard,
     summarise,
     token_values,
 )
+from .merges import MERGES
 from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
 from .steps import (
@@ -186,19 +182,12 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     # No shard holds a selected row: an empty relation, so no entropies are read at all.
     shards = parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"
     _run(runner, plan, ("tokens", "output"), {"rollouts": shards}, results)
-    record = new_record(plan, curation_id, snapshot_seq, summary, runner.values)
-    audit = results["audit"].cast(SELECTIONS)
-    out = CurationResult(curation_id, record, summary["reasons"], snapshot_seq, committed=False, audit=audit)
-    if dry_run:
-        return out
-
+    decided = Decided(plan, snapshot_seq, summary, runner.values, results["audit"])
     layout = part_layout([summary["selected_files"][f] for f in opened], rows_per_shard(summary))
-    materialise = plan.phase("materialise")[0]
 
-    def parts():
-        record["old_logprobs_fallback"] = 0
-        output_files, current = [], (None, None)
-        shards = _materialised(runner, materialise, opened, summary["selected_files"])
+    def curated():
+        current = (None, None)
+        shards = _materialised(runner, plan.phase("materialise")[0], opened, summary["selected_files"])
         for k, slices in enumerate(layout):
             pieces = []
             for i, start, rows in slices:
@@ -206,21 +195,9 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
                     current = (i, next(shards))
                 pieces.append(current[1].slice(start, rows))
             table, fallback = curated_table(pieces, curation_id, buf.root)
-            record["old_logprobs_fallback"] += fallback
-            name, path = part_name(curation_id, k)
-            output_files.append(path)
-            yield Part("curated", table, curation_id, curation_id, name)
-        output_files.append(audit_path(curation_id))
-        out.output_files = output_files
-        record["output_files"] = json.dumps(output_files)
-        yield Part("selections", audit, curation_id, curation_id, "audit")
-        yield Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), curation_id)
+            yield Part("curated", table, curation_id, curation_id, part_name(curation_id, k)[0]), fallback
 
-    if not commit:
-        curated = [part.table for part in parts() if part.table_name == "curated"]
-        out.curated = pa.concat_tables(curated) if curated else CURATED_REFS.empty_table()
-        return out
-    return publish(buf, lambda: ahead(parts()), curation_id, out, referenced_paths(opened, buf.root))
+    return finish_curation(buf, decided, curated, referenced_paths(opened, buf.root), commit=commit, dry_run=dry_run)
 
 
 def _materialised(runner: Runner, materialise: Step, opened: list[str], expected: dict[str, int]):

@@ -45,7 +45,7 @@ import uuid
 
 import pyarrow as pa
 
-from queries.session import DEFAULT_MEMORY_LIMIT, Session
+from queries.session import Session
 from storage.buffer import Buffer
 from storage.owners import owned_name
 from storage.schema import SELECTIONS
@@ -55,6 +55,7 @@ from . import dask_tasks as tasks
 from .finish import (CurationResult, Decided, already_committed, finish_curation, part_layout, referenced_paths,
                      rows_per_shard, token_values)
 from .merges import MERGES
+from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import build
 from .steps import CURATION_INPUTS, Runner, latest_checkpoint, run_values, with_defaults
@@ -131,29 +132,26 @@ def curate_dask(
     recipe: Recipe,
     sets: dict[str, object] | None = None,
     snapshot_seq: int | None = None,
+    *,
     commit: bool = True,
-    memory_limit: str = DEFAULT_MEMORY_LIMIT,
-    threads: int | None = None,
-    scheduler=None,
-    partitions: int | None = None,
     dry_run: bool = False,
+    limits: Limits = Limits(),
+    dask: Dask = Dask(),
     _task_hooks: dict | None = None,
 ) -> CurationResult:
     """`curate.run.curate` on dask.distributed: the same curation id, curated shards and audit.
-
-    `scheduler`: "local:N" (a LocalCluster of N one-thread worker processes), a scheduler address,
-    or a `distributed.Client`. `partitions`: hash partitions of the batch (default: 2 per worker);
-    `threads` and `memory_limit` apply to the DuckDB session of each task."""
+    `limits` apply to the DuckDB session of each task (threads default to 1 there), and its timeout
+    to each task that evaluates the `where` predicate."""
     require_dask()
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None:
         raise ParamError("custom SQL recipes run on the embedded engine only (their SELECT may span groups): "
                          "drop --engine dask")
-    if partitions is not None and partitions < 1:
-        raise ParamError(f"partitions must be >= 1, got {partitions}")
+    if dask.partitions is not None and dask.partitions < 1:
+        raise ParamError(f"partitions must be >= 1, got {dask.partitions}")
     with buf.snapshot(snapshot_seq, pin=True) as snap, \
-            Session(snap.verify(CURATION_INPUTS), memory_limit, threads) as session, \
-            _client(scheduler) as client:
+            Session(snap.verify(CURATION_INPUTS), limits.memory_limit, limits.threads) as session, \
+            _client(dask.scheduler) as client:
         client.wait_for_workers(1, timeout=120)
         versions = client.run(tasks.library_versions)
         mine = tasks.library_versions()
@@ -163,8 +161,9 @@ def curate_dask(
                                     f"{'/'.join(mine)}: every process must run the same versions")
         run = uuid.uuid4().hex[:12]
         folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this client lives
-        ctx = tasks.TaskContext(snap.frozen(), build(params, recipe), {}, partitions or 2 * len(versions), memory_limit,
-                   threads or 1, folder, READ_THREADS, dict(_task_hooks or {}))
+        ctx = tasks.TaskContext(snap.frozen(), build(params, recipe), {}, dask.partitions or 2 * len(versions),
+                                limits.memory_limit, limits.threads or 1, folder, READ_THREADS, limits.timeout,
+                                dict(_task_hooks or {}))
         job = _Run(client, ctx, run)
         os.makedirs(os.path.join(buf.root, folder))
         try:
@@ -192,7 +191,8 @@ def _resolve(job: _Run, session: Session, params: Params) -> Params:
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
             dry_run: bool) -> CurationResult:
     params = _resolve(job, session, params)
-    session.check_predicate(params["where"])
+    with session.deadline(job.ctx.timeout):
+        session.check_predicate(params["where"])
     plan = build(params, recipe)
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):

@@ -15,8 +15,8 @@ Invariants:
   return; the record over every candidate in one task (`collect`); the token and output steps per
   input shard holding a selected row (`shard_advance`, `shard_resume`); one task per curated shard
   (`materialise_part`), cut as the embedded engine cuts them; the audit in one task.
-- `user_sql_deadline`: the `where` predicate (user SQL) runs only in `map_shard`, under the run's
-  timeout, per task.
+- The `where` predicate (the user's SQL) runs only in `map_shard`, under the run's timeout
+  (`TaskContext.timeout`), per task.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class TaskContext:
     threads: int
     folder: str  # tmp/curate-<run>, relative to the buffer root
     write_threads: int  # the client's READ_THREADS: row groups as the embedded engine would cut them
+    timeout: float | None  # seconds each task that evaluates the user's `where` may run (None, 0: none)
     hooks: dict = field(default_factory=dict)  # tests: {task kind: seconds to sleep first, or "fail"}
 
     def shard(self, i: int) -> str:
@@ -138,7 +139,7 @@ def map_shard(ctx: TaskContext, i: int) -> list[tuple[pa.Table, pa.Table | None]
     phase's ROW steps and the PROMPT steps that read history rows; their rows split by partition.
     The `where` predicate sees the whole snapshot, as in the embedded engine."""
     _start(ctx, "map")
-    with _session(ctx, whole=True) as s:
+    with _session(ctx, whole=True) as s, s.deadline(ctx.timeout):
         runner = Runner(s, dict(ctx.values))
         history = None
         for step in ctx.plan.steps:

@@ -305,11 +305,15 @@ def test_where_reading_a_file_outside_is_refused(cli, filled, tmp_path):
 
 
 # ---- 6: curate --timeout covers user SQL ----------------------------------------------------
-def test_curate_timeout_stops_a_where_that_never_ends(cli, filled):
+@pytest.mark.parametrize("engine", [[], ["--engine", "dask", "--scheduler", "local:1"]], ids=["embedded", "dask"])
+def test_curate_timeout_stops_a_where_that_never_ends(cli, filled, engine):
+    """On Dask the predicate runs inside the map tasks, each under the timeout."""
     import time
 
+    if engine:
+        pytest.importorskip("distributed")
     start = time.monotonic()
-    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--dry-run", "--timeout", "1",
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--dry-run", "--timeout", "1", *engine,
                               "--set", "where=(SELECT count(*) FROM range(10000000000000)) > 0"))
     assert "timeout of 1 s" in line
     assert time.monotonic() - start < 60

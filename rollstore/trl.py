@@ -94,7 +94,7 @@ from curate.params import Recipe, load_recipe, resolve, step_where
 from curate.run import curate as run_curation
 from learner.losses import LossConfig
 from rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
-from rollout.build import build_rollouts
+from rollout.build import StepStamp, build_rollouts
 from rollout.prompts import Prompt, prompt_hash
 from rollout.reward import Verdict
 from storage.buffer import Buffer
@@ -382,8 +382,8 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                     "trl_global_step": int(self.state.global_step),
                     "trl_process": i * self.accelerator.num_processes // B,
                 }, sort_keys=True))
-        table = build_rollouts(prompts, gens, verdicts, run_id=self.rollstore_run_id, step=step,
-                               policy_version=int(self.state.global_step), old_logprobs=olds,
+        table = build_rollouts(prompts, gens, verdicts,
+                               StepStamp(self.rollstore_run_id, step, int(self.state.global_step)), old_logprobs=olds,
                                entropies=ents if with_ent else None)
         table = table.set_column(table.schema.get_field_index("meta"), table.schema.field("meta"), pa.array(metas, pa.string()))
         self.rollstore_buffer.append_rollouts(table, source=f"trl:{self.rollstore_run_id}:batch{step}")

@@ -15,7 +15,7 @@ from rollout_helpers import untrained_tiny  # noqa: E402,F401
 from test_trl import G, make, parity, rollouts  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from learner.losses import LossConfig, Normalizer, get_loss  # noqa: E402
+from learner.losses import LossConfig, LossInputs, Normalizer, get_loss  # noqa: E402
 from rollstore.cli import app  # noqa: E402
 from rollstore.trl import RollstoreGRPOTrainer, TRLPluginError  # noqa: E402
 from storage.buffer import Buffer  # noqa: E402
@@ -86,8 +86,8 @@ class Capturing(RollstoreGRPOTrainer):
         cfg = LossConfig(clip_low=self.epsilon_low, clip_high=self.epsilon_high)
         dapo = get_loss("dapo")
         ones = torch.ones(len(rows))
-        decoupled = dapo(logp, behaviour, mask, adv, ones, config=cfg, norm=norm, prox_logp=prox).loss
-        plain = dapo(logp, behaviour, mask, adv, ones, config=LossConfig(
+        decoupled = dapo(LossInputs(logp, behaviour, mask, adv, ones, prox_logp=prox), config=cfg, norm=norm).loss
+        plain = dapo(LossInputs(logp, behaviour, mask, adv, ones), config=LossConfig(
             clip_low=self.epsilon_low, clip_high=self.epsilon_high, decoupled=False), norm=norm).loss
         replayed = torch.tensor([r in last["replayed"] for r in rows])[:, None] & mask
         drift = float((logp - prox).abs()[replayed].max())  # π_prox: the weights this step trains from

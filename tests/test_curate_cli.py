@@ -15,7 +15,7 @@ import pytest
 from curate.options import Limits
 from curate.params import ParamError, load_recipe
 from curate.run import curate
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
@@ -101,7 +101,7 @@ def test_clear_errors(filled, tmp_path):
 def test_token_recipe_without_entropies_names_rollout_and_command(tmp_path):
     root = str(tmp_path / "b")
     with Buffer.init(root) as buf:
-        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, with_entropies=False))
+        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, options=RowOptions(with_entropies=False)))
         before = buf.manifest.latest_seq()
     res = run("curate", root, "--recipe", "d2s", check=False)
     assert res.returncode != 0
@@ -113,7 +113,7 @@ def test_token_recipe_without_entropies_names_rollout_and_command(tmp_path):
 
 def test_pool_emptied_by_filter_commits_empty_run(tmp_path):
     root = str(tmp_path / "b")
-    table = rollouts_table(n_groups=3, group_size=4, seed=1, p_invalid=0, p_truncated=0)
+    table = rollouts_table(n_groups=3, group_size=4, seed=1, options=RowOptions(p_invalid=0, p_truncated=0))
     table = table.set_column(table.schema.get_field_index("correct"), "correct", pa.array([True] * 12))
     table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array([1.0] * 12, pa.float32()))
     with Buffer.init(root) as buf:

@@ -28,7 +28,7 @@ from curate.dask_client import curate_dask  # noqa: E402
 from curate.options import Dask, engine_option  # noqa: E402
 from curate.params import ParamError, load_recipe  # noqa: E402
 from curate.run import CurationError, curate  # noqa: E402
-from rollstore.synthetic import rollouts_table  # noqa: E402
+from rollstore.synthetic import RowOptions, rollouts_table  # noqa: E402
 from storage.buffer import Buffer  # noqa: E402
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
@@ -53,7 +53,8 @@ def _generate(root: str) -> None:
     with Buffer.init(root) as buf:
         for step, (groups, size) in enumerate([(9, 6), (7, 8), (11, 4), (6, 1), (8, 5)]):
             table = rollouts_table(n_groups=groups, group_size=size, mean_tokens=24, seed=11, step=step,
-                                   policy_version=min(step, 3), n_prompts=9, with_old_logprobs=step != 2)
+                                   policy_version=min(step, 3), n_prompts=9,
+                                   options=RowOptions(with_old_logprobs=step != 2))
             if step == 2:
                 shaped = pc.add(table.column("reward"), pa.array(
                     [(-0.25, 0.1, 0.0, -0.5)[i % 4] for i in range(table.num_rows)], pa.float32()))
@@ -202,7 +203,7 @@ def test_errors_match_and_leave_nothing(pair, client, tmp_path):
     no_entropy = str(tmp_path / "noent")
     with Buffer.init(no_entropy) as buf:
         buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, step=0))
-        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, step=1, with_entropies=False))
+        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, step=1, options=RowOptions(with_entropies=False)))
         messages = []
         for engine in ("embedded", "dask"):
             with pytest.raises(CurationError) as info:

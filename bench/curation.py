@@ -117,6 +117,7 @@ def child_copy(root: str, memory_limit: str, ids: str, out: str) -> dict:
 
 def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where: str, out: str | None,
                  prof: bool, dry_run: bool = False) -> dict:
+    from curate.options import Limits
     from curate.params import load_recipe
     from curate.run import curate
     from storage.buffer import Buffer
@@ -125,8 +126,8 @@ def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where
 
     def go():
         with Buffer.open(root) as buf:
-            return curate(buf, load_recipe(recipe), {"where": where, "progress": progress}, memory_limit=memory_limit,
-                          dry_run=dry_run)
+            return curate(buf, load_recipe(recipe), {"where": where, "progress": progress},
+                          limits=Limits(memory_limit), dry_run=dry_run)
 
     with StageClock() as clock:
         t0 = time.perf_counter()

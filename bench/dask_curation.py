@@ -63,6 +63,7 @@ def _worker_rss() -> dict:
 
 
 def child(kind: str, root: str, recipe: str, progress: str, workers: int, memory_limit: str) -> dict:
+    from curate.options import Dask, Limits
     from curate.params import load_recipe
     from curate.run import curate
     from storage.buffer import Buffer
@@ -72,7 +73,7 @@ def child(kind: str, root: str, recipe: str, progress: str, workers: int, memory
     if kind == "embedded":
         t0 = time.perf_counter()
         with Buffer.open(root) as buf:
-            r = curate(buf, load_recipe(recipe), sets, memory_limit=memory_limit)
+            r = curate(buf, load_recipe(recipe), sets, limits=Limits(memory_limit))
         out["seconds"] = time.perf_counter() - t0
     else:
         import distributed
@@ -85,8 +86,7 @@ def child(kind: str, root: str, recipe: str, progress: str, workers: int, memory
             out["worker_baseline_mib"] = max(v["rss_mib"] for v in client.run(_worker_rss).values())
             t0 = time.perf_counter()
             with Buffer.open(root) as buf:
-                r = curate(buf, load_recipe(recipe), sets, memory_limit=memory_limit, engine="dask",
-                           scheduler=client)
+                r = curate(buf, load_recipe(recipe), sets, limits=Limits(memory_limit), engine=Dask(client))
             out["seconds"] = time.perf_counter() - t0
             out["worker_peak_mib"] = sorted(v["peak_mib"] for v in client.run(_worker_rss).values())
     out.update(curation_id=r.curation_id, n_selected=r.record["n_selected"], tokens_kept=r.record["tokens_kept"],

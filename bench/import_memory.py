@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 
 
 def write_rows(path: str, rows: int, mean_tokens: int, chunk: int = 50_000) -> None:
@@ -26,7 +26,7 @@ def write_rows(path: str, rows: int, mean_tokens: int, chunk: int = 50_000) -> N
         for start in range(0, rows, chunk):
             n = min(chunk, rows - start)
             table = rollouts_table(n_groups=n, group_size=1, mean_tokens=mean_tokens, seed=start,
-                                   id_prefix=f"c{start}")
+                                   options=RowOptions(id_prefix=f"c{start}"))
             for row in table.to_pylist():
                 row["created_at"] = row["created_at"].isoformat()
                 fh.write(json.dumps(row) + "\n")

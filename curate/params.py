@@ -35,7 +35,6 @@ class CurationError(RollstoreError):
     """The run cannot proceed (empty batch, missing entropies, bad custom SQL, ...)."""
 
 
-NONE = None
 ENUMS = {
     "truncated": ("keep", "drop"),
     "std": ("sample", "population", "none"),

@@ -5,7 +5,7 @@ Each step is one SQL file of `queries/` with its fragments (`{name}`), the value
 
 Invariants:
 - This module is the only place where recipe modes branch. The engines (`curate.run`, embedded;
-  `curate.distributed`, Dask) run the steps in order and run no other SQL on the batch; what
+  `curate.dask_client`, Dask) run the steps in order and run no other SQL on the batch; what
   differs between them is only where a step runs, how a GLOBAL step's partial results are gathered
   for its registered merge (`Step.merge`, `curate.merges`), and which input a step with
   `relations` reads (one shard, or the shards holding a selected row). A new step is one `add` here.

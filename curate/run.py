@@ -21,33 +21,30 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from queries.session import DEFAULT_MEMORY_LIMIT, Session
+from queries.session import Session
 from storage.buffer import Buffer, Part
-from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 
 from .custom import choose_custom
-from .merges import MERGES
-from .output import (
+from .finish import (
     CurationResult,
-    ahead,
-    audit_path,
+    Decided,
     curated_table,
-    new_record,
+    finish_curation,
     part_layout,
     part_name,
-    publish,
     referenced_paths,
     rows_per_shard,
     summarise,
     token_values,
 )
+from .merges import MERGES
+from .options import Dask, Limits
 from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
 from .steps import (
@@ -64,7 +61,6 @@ from .steps import (
 # Parquet bytes one materialisation query may read (several small shards, or one big one).
 MATERIALISE_GROUP_BYTES = 256 * 1024 * 1024
 
-DEFAULT_TIMEOUT = 600.0  # seconds for the stages that run user SQL (`where`, a custom recipe)
 
 __all__ = ["CurationError", "CurationResult", "curate"]
 
@@ -84,15 +80,12 @@ def curate(
     recipe: Recipe,
     sets: dict[str, object] | None = None,
     snapshot_seq: int | None = None,
+    *,
     commit: bool = True,
-    memory_limit: str = DEFAULT_MEMORY_LIMIT,
-    threads: int | None = None,
-    engine: str = "embedded",
-    scheduler=None,
-    partitions: int | None = None,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    session: Session | None = None,
     dry_run: bool = False,
+    limits: Limits = Limits(),
+    engine: str | Dask = "embedded",
+    session: Session | None = None,
 ) -> CurationResult:
     """Run `recipe` (with `sets` overrides) over a snapshot and commit its output.
 
@@ -100,31 +93,28 @@ def curate(
     included), no curated shards, nothing committed. `commit=False`: the full curation, returned in
     memory (`result.curated`: the curated shards' rows as stored, references) and not committed.
 
+    `limits` (`curate.options.Limits`): DuckDB's memory limit and threads, and the timeout of the
+    user SQL; past the timeout the run stops with one line, committing nothing.
+
     `session`: an open `Session` of this buffer to reuse (a loop pays the connection once per run);
     it is rebound to the snapshot (`Session.rebind`: nothing of an earlier job stays visible), its
-    own limits apply instead of `memory_limit`/`threads`, and it is left open.
+    own memory limit and threads apply instead of `limits`', and it is left open.
 
-    `timeout` (seconds; None or 0: none) bounds the steps that run user SQL (the `where`
-    predicate and a custom recipe's SELECT); past it the run stops with one line, committing nothing.
+    `engine=Dask(scheduler, partitions)` runs the same plan on dask.distributed with the same
+    curation id and byte-identical output; see `curate.dask_client`."""
+    if isinstance(engine, Dask):
+        from .dask_client import curate_dask
 
-    `engine="dask"` runs the same plan on dask.distributed (`scheduler`: "local:N", a scheduler
-    address, or a `distributed.Client`; `partitions`: hash partitions of the batch) with the same
-    curation id and byte-identical output; see `curate.distributed`."""
-    if engine == "dask":
-        from .distributed import curate_dask
-
-        return curate_dask(buf, recipe, sets, snapshot_seq=snapshot_seq, commit=commit, memory_limit=memory_limit,
-                           threads=threads, scheduler=scheduler, partitions=partitions, dry_run=dry_run)
+        return curate_dask(buf, recipe, sets, snapshot_seq, commit=commit, dry_run=dry_run, limits=limits,
+                           dask=engine)
     if engine != "embedded":
-        raise ParamError(f"unknown engine {engine!r} (embedded or dask)")
-    if scheduler is not None or partitions is not None:
-        raise ParamError("a scheduler and partitions are options of the dask engine: add --engine dask")
+        raise ParamError(f"unknown engine {engine!r} (\"embedded\" or curate.options.Dask(...))")
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
     with buf.snapshot(snapshot_seq, pin=True) as snap, (
             contextlib.nullcontext(session.rebind(snap.verify(CURATION_INPUTS))) if session is not None
-            else Session(snap.verify(CURATION_INPUTS), memory_limit, threads)) as session:
+            else Session(snap.verify(CURATION_INPUTS), limits.memory_limit, limits.threads)) as session:
         files = snap.files("rollouts")
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")
@@ -132,7 +122,7 @@ def curate(
         version = latest_checkpoint(session)
         params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None,
                                version if version is not None else latest_policy(session, everything))
-        with session.deadline(timeout):
+        with session.deadline(limits.timeout):
             session.check_predicate(params["where"])
             plan = build(params, recipe, custom_statement(session, recipe))
             runner = Runner(session, run_values(plan))
@@ -186,19 +176,12 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     # No shard holds a selected row: an empty relation, so no entropies are read at all.
     shards = parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"
     _run(runner, plan, ("tokens", "output"), {"rollouts": shards}, results)
-    record = new_record(plan, curation_id, snapshot_seq, summary, runner.values)
-    audit = results["audit"].cast(SELECTIONS)
-    out = CurationResult(curation_id, record, summary["reasons"], snapshot_seq, committed=False, audit=audit)
-    if dry_run:
-        return out
-
+    decided = Decided(plan, snapshot_seq, summary, runner.values, results["audit"])
     layout = part_layout([summary["selected_files"][f] for f in opened], rows_per_shard(summary))
-    materialise = plan.phase("materialise")[0]
 
-    def parts():
-        record["old_logprobs_fallback"] = 0
-        output_files, current = [], (None, None)
-        shards = _materialised(runner, materialise, opened, summary["selected_files"])
+    def curated():
+        current = (None, None)
+        shards = _materialised(runner, plan.phase("materialise")[0], opened, summary["selected_files"])
         for k, slices in enumerate(layout):
             pieces = []
             for i, start, rows in slices:
@@ -206,21 +189,9 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
                     current = (i, next(shards))
                 pieces.append(current[1].slice(start, rows))
             table, fallback = curated_table(pieces, curation_id, buf.root)
-            record["old_logprobs_fallback"] += fallback
-            name, path = part_name(curation_id, k)
-            output_files.append(path)
-            yield Part("curated", table, curation_id, curation_id, name)
-        output_files.append(audit_path(curation_id))
-        out.output_files = output_files
-        record["output_files"] = json.dumps(output_files)
-        yield Part("selections", audit, curation_id, curation_id, "audit")
-        yield Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), curation_id)
+            yield Part("curated", table, curation_id, curation_id, part_name(curation_id, k)[0]), fallback
 
-    if not commit:
-        curated = [part.table for part in parts() if part.table_name == "curated"]
-        out.curated = pa.concat_tables(curated) if curated else CURATED_REFS.empty_table()
-        return out
-    return publish(buf, lambda: ahead(parts()), curation_id, out, referenced_paths(opened, buf.root))
+    return finish_curation(buf, decided, curated, referenced_paths(opened, buf.root), commit=commit, dry_run=dry_run)
 
 
 def _materialised(runner: Runner, materialise: Step, opened: list[str], expected: dict[str, int]):

@@ -3,8 +3,9 @@
 Invariants:
 - The result has exactly `storage.schema.ROLLOUTS` (names, types, order); it passes
   `storage.validate.validate_rollouts` whenever the inputs obey the backend contract.
+- Every row is labelled by one `StepStamp` (run_id, step, policy_version, prompt_offset, created_at).
 - `group_id` = "<run_id>-s<step>-p<prompt index>" and `rollout_id` = "<group_id>-<sample_idx>"
-  (prompt index = `prompt_offset` + position in this call):
+  (prompt index = `stamp.prompt_offset` + position in this call):
   unique for distinct (run_id, step, index, sample) because the numeric suffixes parse back
   unambiguously; zero-padded so byte order follows generation order.
 - One row per generation, groups in prompt order, samples in group order; every row of a group
@@ -17,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import numpy as np
@@ -27,6 +29,19 @@ from storage.schema import ROLLOUTS
 from .backends import Generation
 from .prompts import Prompt
 from .reward import Verdict
+
+
+@dataclass(frozen=True)
+class StepStamp:
+    """What the rows of one generation call are labelled with: the run, the step, the policy version
+    that sampled them, the index of the call's first prompt in the step (`prompt_offset`, for a step
+    generated in several calls), and the creation time (timezone-aware; default: now)."""
+
+    run_id: str
+    step: int
+    policy_version: int = 0
+    prompt_offset: int = 0
+    created_at: datetime | None = None
 
 
 def make_group_id(run_id: str, step: int, prompt_index: int) -> str:
@@ -52,32 +67,30 @@ def build_rollouts(
     prompts: list[Prompt],
     generations: list[list[Generation]],
     verdicts: list[list[Verdict]],
+    stamp: StepStamp,
     *,
-    run_id: str,
-    step: int,
-    policy_version: int,
     old_logprobs: list[list[np.ndarray]] | None = None,
     entropies: list[list[np.ndarray]] | None = None,
-    created_at: datetime | None = None,
     meta: dict | None = None,
-    prompt_offset: int = 0,
 ) -> pa.Table:
-    """The rollouts table of one generation step (per-group lists, aligned with `prompts`)."""
+    """The rollouts table of one generation step (per-group lists, aligned with `prompts`), every
+    row labelled by `stamp`; `meta` (JSON-able) goes into every row's `meta`."""
     if not (len(prompts) == len(generations) == len(verdicts)):
         raise ValueError("prompts, generations and verdicts must have one entry per prompt")
     for name, per_token in (("old_logprobs", old_logprobs), ("entropies", entropies)):
         if per_token is not None and len(per_token) != len(prompts):
             raise ValueError(f"{name} must have one entry per prompt")
-    created = created_at or datetime.now(timezone.utc)
+    created = stamp.created_at or datetime.now(timezone.utc)
     if created.tzinfo is None:
         raise ValueError("created_at must be timezone-aware (UTC)")
     created = created.astimezone(timezone.utc)
+    run_id, step, policy_version = stamp.run_id, stamp.step, stamp.policy_version
 
     cols: dict[str, list] = {name: [] for name in ROLLOUTS.names}
     for p_idx, (prompt, group, group_verdicts) in enumerate(zip(prompts, generations, verdicts)):
         if len(group) != len(group_verdicts):
             raise ValueError(f"prompt {p_idx}: {len(group)} generations but {len(group_verdicts)} verdicts")
-        gid = make_group_id(run_id, step, prompt_offset + p_idx)
+        gid = make_group_id(run_id, step, stamp.prompt_offset + p_idx)
         row_meta = dict(meta or {})
         if prompt.difficulty is not None:
             row_meta["difficulty"] = prompt.difficulty

@@ -301,17 +301,18 @@ def curate_(
     engine: str = typer.Option("embedded", "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
     partitions: Optional[int] = count(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
-    timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; embedded engine)."),
+    timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
+    from curate.options import Limits, engine_option
     from curate.params import load_recipe
     from curate.run import curate
     from rollstore.curation_cli import curation_values, print_summary
 
+    chosen = engine_option(engine, scheduler, partitions)
     with open_buffer(buffer) as buf:
-        result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot_seq=snapshot,
-                        dry_run=dry_run, memory_limit=memory_limit, engine=engine, scheduler=scheduler,
-                        partitions=partitions, timeout=timeout or None)
+        result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot, dry_run=dry_run,
+                        limits=Limits(memory_limit, timeout=timeout or None), engine=chosen)
     print_summary(result, out)
 
 

@@ -18,12 +18,11 @@ generator process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 
 import pyarrow as pa
 
 from rollout.backends import Backend, get_backend
-from rollout.build import build_rollouts
+from rollout.build import StepStamp, build_rollouts
 from rollout.prompts import Prompt
 from rollout.reward import Overlong, RewardPool
 from storage.timing import Stopwatch
@@ -45,17 +44,6 @@ class GenerationConfig:
     score: bool = True
     score_batch_size: int = 64
     device: str = "cpu"
-
-
-@dataclass(frozen=True)
-class StepStamp:
-    """What the rows of one generation call are labelled with (`rollout.build.build_rollouts`)."""
-
-    run_id: str
-    step: int
-    policy_version: int = 0
-    prompt_offset: int = 0
-    created_at: datetime | None = None
 
 
 def generate_step(
@@ -115,14 +103,10 @@ def generate_step(
         prompts,
         groups,
         _regroup(verdicts_flat, sizes),
-        run_id=stamp.run_id,
-        step=stamp.step,
-        policy_version=stamp.policy_version,
+        stamp,
         old_logprobs=None if old is None else _regroup(old, sizes),
         entropies=None if ent is None else _regroup(ent, sizes),
-        created_at=stamp.created_at,
         meta=meta,
-        prompt_offset=stamp.prompt_offset,
     )
 
 

@@ -7,6 +7,7 @@ prompts have a hidden success rate so that groups span all-wrong to all-correct.
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +15,20 @@ import pyarrow as pa
 from storage.schema import ROLLOUTS
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """The rarely changed knobs of `rollouts_table`: the share of rows without a verdict
+    (`p_invalid`) and of truncated ones (`p_truncated`), whether the `entropies` and `old_logprobs`
+    columns are filled (else null), and the prefix of group and rollout ids (default
+    "<run_id>-s<step>")."""
+
+    p_invalid: float = 0.02
+    p_truncated: float = 0.05
+    with_entropies: bool = True
+    with_old_logprobs: bool = True
+    id_prefix: str | None = None
 
 
 def rollouts_table(
@@ -25,16 +40,13 @@ def rollouts_table(
     step: int = 0,
     policy_version: int = 0,
     n_prompts: int | None = None,
-    p_invalid: float = 0.02,
-    p_truncated: float = 0.05,
-    with_entropies: bool = True,
-    with_old_logprobs: bool = True,
-    id_prefix: str | None = None,
+    options: RowOptions = RowOptions(),
 ) -> pa.Table:
     """One step of a run: n_groups groups of group_size responses each."""
+    o = options
     rng = np.random.default_rng([seed, step, policy_version])
     n_prompts = n_prompts or max(1, n_groups)
-    prefix = id_prefix or f"{run_id}-s{step}"
+    prefix = o.id_prefix or f"{run_id}-s{step}"
     success = np.random.default_rng(seed).beta(0.6, 0.6, size=n_prompts)  # per-prompt, fixed by seed
     n = n_groups * group_size
     lengths = np.maximum(1, rng.poisson(mean_tokens, size=n)).astype(np.int64)
@@ -47,8 +59,8 @@ def rollouts_table(
     prompt_of_group = rng.integers(0, n_prompts, size=n_groups)
     rows_prompt = np.repeat(prompt_of_group, group_size)
     correct = rng.random(n) < success[rows_prompt]
-    invalid = rng.random(n) < p_invalid
-    truncated = rng.random(n) < p_truncated
+    invalid = rng.random(n) < o.p_invalid
+    truncated = rng.random(n) < o.p_truncated
     reward = correct.astype(np.float32)
     created = EPOCH + dt.timedelta(seconds=step * 60 + policy_version * 3600)
 
@@ -69,8 +81,8 @@ def rollouts_table(
         "response": pa.array([f"answer {i}" for i in range(n)]),
         "response_token_ids": lists(tokens, pa.int32()),
         "gen_logprobs": lists(gen_lp, pa.float32()),
-        "old_logprobs": lists(old_lp, pa.float32()) if with_old_logprobs else pa.nulls(n, pa.list_(pa.float32())),
-        "entropies": lists(ent, pa.float32()) if with_entropies else pa.nulls(n, pa.list_(pa.float32())),
+        "old_logprobs": lists(old_lp, pa.float32()) if o.with_old_logprobs else pa.nulls(n, pa.list_(pa.float32())),
+        "entropies": lists(ent, pa.float32()) if o.with_entropies else pa.nulls(n, pa.list_(pa.float32())),
         "finish_reason": pa.array(np.where(truncated, "length", "stop").tolist()),
         "reward": pa.array(reward, pa.float32()),
         "correct": pa.array([None if inv else bool(c) for inv, c in zip(invalid, correct)], pa.bool_()),

@@ -40,8 +40,9 @@ Invariants:
   TRL's logged reward); an unscorable completion (every function returned None) gets reward 0 and
   `verify_error` "unscorable". `meta.rewards` has one value per reward function (null for None),
   `meta.trl_advantage` the advantage TRL computed.
-- `correct`: from ONE reward function, the one named by `correct_reward`, or else the first whose
-  attribute `rollstore_correct` is true: correct = (its reward >= `correct_threshold`, default 1.0);
+- `correct`: from ONE reward function, the one named by `correct_reward` (a name, or a `CorrectRule`
+  with its threshold), or else the first whose attribute `rollstore_correct` is true: correct =
+  (its reward >= the rule's `threshold`, default 1.0);
   null when no such function exists or it returned None. Curation needs it (a row without
   `correct` is `invalid` in the audit), so `curate` without such a function is refused. A row
   whose `correct` function returned None while another function scored it is therefore dropped
@@ -67,7 +68,7 @@ Invariants:
   no-grad forward of the current weights, TRL's clip is against it), and the per-token weight
   min(π_prox / π_behav, `decoupled_cap`) (π_behav = the stored `old_logprobs`; sequence level: the
   capped geometric mean) folded into a per-token advantage. A batch without replayed rows is
-  unchanged by replay.
+  unchanged by replay. The machinery, and its invariants in full, are in `rollstore.trl_replay`.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ import logging
 import math
 import os
 import uuid
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -94,20 +96,29 @@ from curate.params import Recipe, load_recipe, resolve, step_where
 from curate.run import curate as run_curation
 from learner.losses import LossConfig
 from rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
-from rollout.build import build_rollouts
+from rollout.build import StepStamp, build_rollouts
 from rollout.prompts import Prompt, prompt_hash
 from rollout.reward import Verdict
 from storage.buffer import Buffer
-from storage.errors import RollstoreError
 from storage.references import runs_to_mask
 
-__all__ = ["RollstoreGRPOTrainer", "TRLPluginError"]
+from .trl_errors import TRLPluginError
+from .trl_replay import replay_into, stored_rows
+
+__all__ = ["CorrectRule", "RollstoreGRPOTrainer", "TRLPluginError"]
 
 SOURCE = "trl"
 
 
-class TRLPluginError(RollstoreError):
-    """The TRL batch cannot be recorded or curated as this module's invariants require."""
+@dataclass(frozen=True)
+class CorrectRule:
+    """The `correct` rule with a threshold other than 1.0: `correct_reward=CorrectRule("acc", 0.5)`.
+    `reward` names the reward function that decides `correct` (None: the first function with
+    `rollstore_correct = True`); correct = its reward >= `threshold`. `correct_reward="acc"` is
+    `CorrectRule("acc")`."""
+
+    reward: str | None = None
+    threshold: float = 1.0
 
 
 def _open_buffer(buffer: str | Buffer) -> Buffer:
@@ -130,6 +141,9 @@ class RollstoreGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` that records each training generation batch into `buffer` (a path or a `Buffer`)
     and, with `curate` (a built-in recipe name, a .toml/.sql recipe path, or a `Recipe`), trains on
     the rollstore-curated batch. `curate_sets`: recipe parameter overrides (not `where`/`progress`).
+    `correct_reward`: the reward function that decides `correct`, by name, or a `CorrectRule` (name
+    and threshold); `gold_column`: the dataset column recorded as `gold_answer`; `decoupled_cap`:
+    replay's weight cap (`rollstore.trl_replay`).
     """
 
     def __init__(
@@ -140,8 +154,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         curate: str | Recipe | None = None,
         curate_sets: dict | None = None,
         record_entropies: bool = False,
-        correct_reward: str | None = None,
-        correct_threshold: float = 1.0,
+        correct_reward: str | CorrectRule | None = None,
         gold_column: str = "answer",
         decoupled_cap: float = LossConfig().decoupled_cap,
         **kwargs,
@@ -166,8 +179,9 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         if self.rollstore_replay:
             self._check_replay_supported()
         self.rollstore_entropies = record_entropies or self.rollstore_recipe is not None
-        self.rollstore_correct_index = self._correct_index(correct_reward)
-        self.rollstore_threshold = float(correct_threshold)
+        rule = correct_reward if isinstance(correct_reward, CorrectRule) else CorrectRule(correct_reward)
+        self.rollstore_correct_index = self._correct_index(rule.reward)
+        self.rollstore_threshold = float(rule.threshold)
         if self.rollstore_recipe is not None and self.rollstore_correct_index is None:
             raise TRLPluginError("curation needs `correct` (rows without it are `invalid`): pass correct_reward=NAME "
                                  "or mark a reward function with rollstore_correct = True")
@@ -265,7 +279,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             self.rollstore_last_replayed = []
             self.rollstore_last_advantages = [float(a) for a in output["advantages"].tolist()]
             if decision.get("replayed"):
-                self._replay_into(output, decision)
+                replay_into(self, output, decision)
         return output
 
     # -- recording --------------------------------------------------------------------------------
@@ -382,8 +396,8 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                     "trl_global_step": int(self.state.global_step),
                     "trl_process": i * self.accelerator.num_processes // B,
                 }, sort_keys=True))
-        table = build_rollouts(prompts, gens, verdicts, run_id=self.rollstore_run_id, step=step,
-                               policy_version=int(self.state.global_step), old_logprobs=olds,
+        table = build_rollouts(prompts, gens, verdicts,
+                               StepStamp(self.rollstore_run_id, step, int(self.state.global_step)), old_logprobs=olds,
                                entropies=ents if with_ent else None)
         table = table.set_column(table.schema.get_field_index("meta"), table.schema.field("meta"), pa.array(metas, pa.string()))
         self.rollstore_buffer.append_rollouts(table, source=f"trl:{self.rollstore_run_id}:batch{step}")
@@ -475,55 +489,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
             masks[i] = [int(m) for m in row["loss_mask"]]
         out = {"curation_id": result.curation_id, "advantages": advantages, "masks": masks}
         if replayed:
-            out["replayed"] = self._replayed_rows(replayed)
-        return out
-
-    def _replayed_rows(self, curated: list[dict]) -> list[dict]:
-        """The stored rows a replay curation chose from earlier batches of this run (main process), in
-        the curation's order: tokens, behaviour log-probs (`old_logprobs`, else `gen_logprobs`), the
-        sampler's log-probs, and the advantage TRL trains with (curated advantage x the TRL scale of
-        the row's own group, as generated, x weight) and loss mask."""
-        want = [r["rollout_id"] for r in curated]
-        cols = ["rollout_id", "group_id", "sample_idx", "run_id", "step", "policy_version", "prompt_token_ids",
-                "response_token_ids", "old_logprobs", "gen_logprobs", "finish_reason", "reward", "correct",
-                "verify_error"]
-        with self.rollstore_buffer.snapshot() as snap:
-            data = snap.arrow("rollouts")
-            stored = {r["rollout_id"]: r for r in data.to_table(
-                filter=ds.field("rollout_id").isin(want), columns=cols).to_pylist()}
-            steps = sorted({stored[rid]["step"] for rid in want if rid in stored})
-            batches = data.to_table(  # the replayed rows' own generation batches, for TRL's scale
-                filter=(ds.field("run_id") == self.rollstore_run_id) & ds.field("step").isin(steps),
-                columns=["rollout_id", "group_id", "sample_idx", "step", "reward", "correct", "verify_error"]
-            ).to_pylist()
-        factor: dict[str, float] = {}
-        for step in steps:
-            rows = sorted((r for r in batches if r["step"] == step), key=lambda r: (r["group_id"], r["sample_idx"]))
-            if len(rows) % self.num_generations:
-                raise TRLPluginError(f"step {step} of run {self.rollstore_run_id} is not whole groups of "
-                                     f"num_generations={self.num_generations}: its rows cannot be replayed in TRL")
-            unscorable = [r["verify_error"] == "unscorable" for r in rows]
-            rewards = torch.tensor([math.nan if u else float(r["reward"]) for r, u in zip(rows, unscorable)])
-            eligible = [not u and r["correct"] is not None for r, u in zip(rows, unscorable)]
-            for r, f in zip(rows, self._scale_factors(rewards, eligible)):
-                factor[r["rollout_id"]] = f
-        out = []
-        for row in curated:
-            rid = row["rollout_id"]
-            r = stored.get(rid)
-            if r is None or r["run_id"] != self.rollstore_run_id:
-                raise TRLPluginError(f"curation replayed {rid}, which is not a row of run {self.rollstore_run_id}")
-            n = len(r["response_token_ids"])
-            if len(row["loss_mask"]) != n:
-                raise TRLPluginError(f"{rid}: curated loss_mask has {len(row['loss_mask'])} tokens, response {n}")
-            behaviour = r["old_logprobs"] if r["old_logprobs"] is not None else r["gen_logprobs"]
-            out.append({
-                "rollout_id": rid, "step": int(r["step"]), "policy_version": int(r["policy_version"]),
-                "prompt_ids": list(r["prompt_token_ids"]), "response_ids": list(r["response_token_ids"]),
-                "behaviour": list(behaviour), "gen": list(r["gen_logprobs"]), "finish": r["finish_reason"],
-                "advantage": float(row["advantage"]) * factor[rid] * float(row["weight"]),
-                "mask": [int(m) for m in row["loss_mask"]],
-            })
+            out["replayed"] = stored_rows(self, replayed)
         return out
 
     def _apply(self, output, decision: dict, first: int, lengths: list[int]) -> None:
@@ -541,148 +507,3 @@ class RollstoreGRPOTrainer(GRPOTrainer):
         output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
         loss_mask = output["completion_mask"] * output["tool_mask"]
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-
-    # -- replay -----------------------------------------------------------------------------------
-
-    _REPLAY_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
-                    "num_items_in_batch", "old_per_token_logps", "sampling_per_token_logps",
-                    "importance_sampling_ratio", "ref_per_token_logps", "tool_mask"}
-
-    def _replay_into(self, output, decision: dict) -> None:
-        """Put the replayed rows into TRL's batch (one process; `_apply` has run). They take the slots
-        of the fresh rows curation dropped, then extend the batch (plus filler rows, all masked, to a
-        multiple of `steps_per_generation`). Each replayed row carries its stored tokens, its
-        behaviour log-probs, and the decoupled correction in TRL's own terms:
-        `old_per_token_logps` = π_prox (the current weights, one no-grad forward, the same weights
-        TRL's old log-probs of the fresh rows come from), so TRL's clip is against π_prox; and the
-        per-token weight min(π_prox / π_behav, cap) (sequence level: the geometric mean over the kept
-        tokens, capped) folded into a per-token advantage, which TRL's loss accepts as (B, T). The
-        weight is positive, so -min(ρ·wA, clip(ρ)·wA) = w · -min(ρA, clip(ρ)A) for every TRL loss."""
-        unknown = sorted(k for k, v in output.items() if v is not None and k not in self._REPLAY_KEYS)
-        if unknown:
-            raise TRLPluginError(f"replay into TRL's batch supports text-only batches; this batch has {unknown}")
-        replayed = decision["replayed"]
-        device = output["completion_ids"].device
-        B, P = output["prompt_ids"].shape
-        C = output["completion_ids"].size(1)
-        slots = [i for i in range(B) if not decision["masks"][i]]  # fresh rows curation dropped
-        extra = max(0, len(replayed) - len(slots))
-        S = int(self.args.steps_per_generation)
-        fillers = (-(B + extra)) % S
-        B2 = B + extra + fillers
-        positions = (slots + list(range(B, B + extra)))[:len(replayed)]
-        P2 = max([P] + [len(r["prompt_ids"]) for r in replayed])
-        C2 = max([C] + [len(r["response_ids"]) for r in replayed])
-        multiple = getattr(self, "pad_to_multiple_of", None)
-        if multiple:
-            C2 = -(-C2 // multiple) * multiple
-        pad_id = getattr(self, "_tokenizer", self.processing_class).pad_token_id
-
-        def grow(x: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
-            """(B, w) -> (B2, width): padded on the right (left for prompts); new rows copy row 0."""
-            out = torch.full((B2, width), value, dtype=x.dtype, device=x.device)
-            if left:
-                out[:B, width - x.size(1):] = x
-            else:
-                out[:B, :x.size(1)] = x
-            return out
-
-        old = output.get("old_per_token_logps")
-        if old is None:
-            old = self._rollstore_own_logps  # the fresh rows' no-grad forward with the current weights
-        new = {
-            "prompt_ids": grow(output["prompt_ids"], P2, pad_id, left=True),
-            "prompt_mask": grow(output["prompt_mask"], P2, 0, left=True),
-            "completion_ids": grow(output["completion_ids"], C2, pad_id),
-            "completion_mask": grow(output["completion_mask"], C2, 0),
-            "old_per_token_logps": grow(old.detach(), C2, 0.0),
-            "tool_mask": grow(output["tool_mask"], C2, 0),
-        }
-        for key in ("sampling_per_token_logps", "importance_sampling_ratio", "ref_per_token_logps"):
-            if output.get(key) is not None:
-                x = output[key]
-                new[key] = grow(x, C2, 0.0) if x.size(1) == C else torch.cat(  # sequence-level ratio: (B, 1)
-                    [x, x.new_zeros(B2 - B, x.size(1))])
-        fresh_adv = output["advantages"]
-        advantages = torch.zeros(B2, C2, dtype=fresh_adv.dtype, device=device)
-        advantages[:B] = fresh_adv[:, None].expand(B, C2)  # `_apply` wrote one advantage per row
-        # filler rows: a copy of row 0, nothing in the loss
-        for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_per_token_logps"):
-            new[key][B:] = new[key][0]
-        rows_ids: list[str | None] = list(self.rollstore_last_ids) + [None] * (B2 - B)
-        behaviour = torch.zeros(len(replayed), C2, dtype=torch.float32, device=device)
-        for k, (pos, r) in enumerate(zip(positions, replayed)):
-            p, n = len(r["prompt_ids"]), len(r["response_ids"])
-            new["prompt_ids"][pos] = pad_id
-            new["prompt_ids"][pos, P2 - p:] = torch.tensor(r["prompt_ids"], dtype=new["prompt_ids"].dtype)
-            new["prompt_mask"][pos] = 0
-            new["prompt_mask"][pos, P2 - p:] = 1
-            new["completion_ids"][pos] = pad_id
-            new["completion_ids"][pos, :n] = torch.tensor(r["response_ids"], dtype=new["completion_ids"].dtype)
-            truncated = self.mask_truncated_completions and r["finish"] == FINISH_LENGTH
-            new["completion_mask"][pos] = 0
-            new["completion_mask"][pos, :n] = 0 if truncated else 1
-            new["tool_mask"][pos] = 0
-            new["tool_mask"][pos, :n] = torch.tensor(r["mask"], dtype=new["tool_mask"].dtype)
-            behaviour[k, :n] = torch.tensor(r["behaviour"], dtype=torch.float32)
-            if "sampling_per_token_logps" in new:
-                new["sampling_per_token_logps"][pos] = 0.0
-                new["sampling_per_token_logps"][pos, :n] = torch.tensor(r["gen"], dtype=torch.float32)
-            rows_ids[pos] = r["rollout_id"]
-        idx = torch.tensor(positions, device=device)
-        sub = {k: new[k][idx] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        ids = torch.cat([sub["prompt_ids"], sub["completion_ids"]], dim=1)
-        attn = torch.cat([sub["prompt_mask"], sub["completion_mask"]], dim=1)
-        with torch.no_grad():  # π_prox: the weights this generation batch trains from
-            prox, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, ids, attn, C2, batch_size=self.args.per_device_train_batch_size)
-            ref = None
-            if "ref_per_token_logps" in new:
-                ref, _, _ = self._get_per_token_logps_and_entropies(
-                    self.ref_model, ids, attn, C2, batch_size=self.args.per_device_train_batch_size)
-        keep = new["tool_mask"][idx].bool() & sub["completion_mask"].bool()
-        diff = torch.where(keep, prox.float() - behaviour, torch.zeros((), device=device))
-        if self.importance_sampling_level == "sequence":  # GSPO: geometric mean over the kept tokens
-            seq = diff.sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp(min=1)
-            weight = torch.clamp(torch.exp(seq), max=self.rollstore_cap).expand(-1, C2)
-        else:
-            weight = torch.clamp(torch.exp(diff), max=self.rollstore_cap)
-        new["old_per_token_logps"][idx] = prox.to(new["old_per_token_logps"].dtype)
-        if ref is not None:
-            new["ref_per_token_logps"][idx] = ref.to(new["ref_per_token_logps"].dtype)
-        if "importance_sampling_ratio" in new:  # TRL's sampler/trainer correction, from the stored log-probs
-            gen = new["sampling_per_token_logps"][idx] if "sampling_per_token_logps" in new else behaviour
-            new["importance_sampling_ratio"][idx] = self._sampler_ratio(behaviour, gen, keep).to(
-                new["importance_sampling_ratio"].dtype)
-        row_adv = torch.tensor([r["advantage"] for r in replayed], dtype=advantages.dtype, device=device)
-        advantages[idx] = row_adv[:, None] * weight.to(advantages.dtype)
-        new["advantages"] = advantages
-        loss_mask = new["completion_mask"] * new["tool_mask"]
-        new["num_items_in_batch"] = loss_mask.sum()
-        for key in list(output):
-            if key not in new:
-                del output[key]
-        output.update(new)
-        self.rollstore_last_rows = rows_ids
-        self.rollstore_last_replayed = [r["rollout_id"] for r in replayed]
-        # per row of the batch: the advantage before the decoupled weight (fillers 0); per replayed row
-        # (in `rollstore_last_replayed` order) its per-token weight min(π_prox / π_behav, cap)
-        self.rollstore_last_advantages = [float(a) for a in fresh_adv.tolist()] + [0.0] * (B2 - B)
-        for pos, r in zip(positions, replayed):
-            self.rollstore_last_advantages[pos] = r["advantage"]
-        self.rollstore_last_replay_weights = weight.detach().cpu()
-
-    def _sampler_ratio(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """TRL's vLLM importance-sampling ratio (trainer vs sampler log-probs, per
-        `vllm_importance_sampling_mode`) for replayed rows, from their stored log-probs."""
-        diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)
-        mode = self.vllm_importance_sampling_mode
-        if mode in ("sequence_mask", "sequence_truncate"):
-            diff = diff.sum(dim=-1, keepdim=True)
-        ratio = torch.exp(diff)
-        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if mode.endswith("truncate"):
-            return torch.clamp(ratio, min=lo, max=hi)
-        bad = (ratio < (-math.inf if lo is None else lo)) | (ratio > (math.inf if hi is None else hi))
-        return ratio.masked_fill(bad, 0.0)

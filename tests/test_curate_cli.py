@@ -12,9 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from curate.options import Limits
 from curate.params import ParamError, load_recipe
 from curate.run import curate
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
@@ -100,7 +101,7 @@ def test_clear_errors(filled, tmp_path):
 def test_token_recipe_without_entropies_names_rollout_and_command(tmp_path):
     root = str(tmp_path / "b")
     with Buffer.init(root) as buf:
-        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, with_entropies=False))
+        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, options=RowOptions(with_entropies=False)))
         before = buf.manifest.latest_seq()
     res = run("curate", root, "--recipe", "d2s", check=False)
     assert res.returncode != 0
@@ -112,7 +113,7 @@ def test_token_recipe_without_entropies_names_rollout_and_command(tmp_path):
 
 def test_pool_emptied_by_filter_commits_empty_run(tmp_path):
     root = str(tmp_path / "b")
-    table = rollouts_table(n_groups=3, group_size=4, seed=1, p_invalid=0, p_truncated=0)
+    table = rollouts_table(n_groups=3, group_size=4, seed=1, options=RowOptions(p_invalid=0, p_truncated=0))
     table = table.set_column(table.schema.get_field_index("correct"), "correct", pa.array([True] * 12))
     table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array([1.0] * 12, pa.float32()))
     with Buffer.init(root) as buf:
@@ -187,8 +188,8 @@ def test_curation_spills_beyond_memory_limit(tmp_path):
         tokens = sum(s.tokens for s in buf.snapshot().shards("rollouts"))
         assert tokens > 7_500_000
         sets = {"where": "true", "progress": "0.5", "amplify": "da3po"}
-        tight = curate(buf, load_recipe("d3s"), sets, memory_limit="32MB", commit=False)
-        roomy = curate(buf, load_recipe("d3s"), sets, memory_limit="2GB", commit=False)
+        tight = curate(buf, load_recipe("d3s"), sets, limits=Limits("32MB"), commit=False)
+        roomy = curate(buf, load_recipe("d3s"), sets, limits=Limits("2GB"), commit=False)
     assert tight.record["n_selected"] > 0
     assert tight.audit.equals(roomy.audit)
     assert tight.curated.equals(roomy.curated)
@@ -202,7 +203,7 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
     curated shards up to the shard names each buffer draws (their references compare by shard order)."""
     import hashlib
 
-    import curate.output as output_module
+    import curate.finish as output_module
     import curate.run as run_module
 
     monkeypatch.setattr(output_module, "CURATED_SHARD_BYTES", 10_000)
@@ -217,7 +218,7 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
                 monkeypatch.setattr(run_module, "MATERIALISE_GROUP_BYTES", 2 * max(map(os.path.getsize, files)))
             assert [len(g) for g in run_module._shard_groups(files, threads)] == (
                 [2, 2, 1] if key in ("2", "3 capped") else [3, 2] if key == "3" else [1] * 5)
-            r = curate(buf, load_recipe("d3s"), {"where": "true"}, threads=threads)
+            r = curate(buf, load_recipe("d3s"), {"where": "true"}, limits=Limits(threads=threads))
         curated = [p for p in r.output_files if p.startswith("curated/")]
         assert len(curated) >= 2
         # each buffer names its shards anew: the references compare by the shard's manifest order
@@ -241,7 +242,7 @@ def test_ahead_keeps_order_and_hands_errors_and_early_stops_back():
     caller that stops early stops the producer and closes its generator."""
     import threading
 
-    from curate.output import ahead
+    from curate.finish import ahead
 
     assert list(ahead(iter(range(7)))) == list(range(7))
     assert list(ahead(iter([]))) == []

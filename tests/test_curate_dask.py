@@ -23,11 +23,12 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-import curate.output as output_module  # noqa: E402
-from curate.distributed import curate_dask  # noqa: E402
+import curate.finish as output_module  # noqa: E402
+from curate.dask_client import curate_dask  # noqa: E402
+from curate.options import Dask, engine_option  # noqa: E402
 from curate.params import ParamError, load_recipe  # noqa: E402
 from curate.run import CurationError, curate  # noqa: E402
-from rollstore.synthetic import rollouts_table  # noqa: E402
+from rollstore.synthetic import RowOptions, rollouts_table  # noqa: E402
 from storage.buffer import Buffer  # noqa: E402
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
@@ -52,7 +53,8 @@ def _generate(root: str) -> None:
     with Buffer.init(root) as buf:
         for step, (groups, size) in enumerate([(9, 6), (7, 8), (11, 4), (6, 1), (8, 5)]):
             table = rollouts_table(n_groups=groups, group_size=size, mean_tokens=24, seed=11, step=step,
-                                   policy_version=min(step, 3), n_prompts=9, with_old_logprobs=step != 2)
+                                   policy_version=min(step, 3), n_prompts=9,
+                                   options=RowOptions(with_old_logprobs=step != 2))
             if step == 2:
                 shaped = pc.add(table.column("reward"), pa.array(
                     [(-0.25, 0.1, 0.0, -0.5)[i % 4] for i in range(table.num_rows)], pa.float32()))
@@ -92,7 +94,7 @@ def _both(pair, client, recipe: str, sets: dict, partitions: int = 5, **kw):
         ra = curate(buf, load_recipe(recipe), dict(sets))
         rows_a = _manifest_rows(buf, ra.curation_id)
     with Buffer.open(b) as buf:
-        rb = curate(buf, load_recipe(recipe), dict(sets), engine="dask", scheduler=client, partitions=partitions, **kw)
+        rb = curate(buf, load_recipe(recipe), dict(sets), engine=Dask(client, partitions), **kw)
         rows_b = _manifest_rows(buf, rb.curation_id)
     return ra, rb, rows_a, rows_b
 
@@ -165,7 +167,7 @@ def test_engines_are_idempotent_with_each_other(pair, client):
         assert again.curation_id == rb.curation_id and again.already_existed
         assert buf.manifest.latest_seq() == seq
     with Buffer.open(a) as buf:
-        again = curate(buf, load_recipe("d2s"), ALL, snapshot_seq=ra.snapshot_seq, engine="dask", scheduler=client)
+        again = curate(buf, load_recipe("d2s"), ALL, snapshot_seq=ra.snapshot_seq, engine=Dask(client))
         assert again.curation_id == ra.curation_id and again.already_existed
         assert again.audit.equals(ra.audit) and again.record["n_selected"] == ra.record["n_selected"]
 
@@ -176,7 +178,7 @@ def test_dry_run_commits_nothing(pair, client):
         ra = curate(buf, load_recipe("d3s"), ALL, commit=False)
     with Buffer.open(b) as buf:
         seq = buf.manifest.latest_seq()
-        rb = curate(buf, load_recipe("d3s"), ALL, commit=False, engine="dask", scheduler=client)
+        rb = curate(buf, load_recipe("d3s"), ALL, commit=False, engine=Dask(client))
         assert buf.manifest.latest_seq() == seq and not rb.committed
     assert rb.curation_id == ra.curation_id
     assert rb.curated.equals(ra.curated) and rb.audit.equals(ra.audit)
@@ -196,25 +198,25 @@ def test_errors_match_and_leave_nothing(pair, client, tmp_path):
     with Buffer.open(b) as buf:
         seq = buf.manifest.latest_seq()
         with pytest.raises(CurationError, match="empty batch: no rollouts match where = false"):
-            curate(buf, load_recipe("grpo"), {"where": "false"}, engine="dask", scheduler=client)
+            curate(buf, load_recipe("grpo"), {"where": "false"}, engine=Dask(client))
         # step 2 has no old_logprobs, but every shard has entropies: make one without
     no_entropy = str(tmp_path / "noent")
     with Buffer.init(no_entropy) as buf:
         buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, step=0))
-        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, step=1, with_entropies=False))
+        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, step=1, options=RowOptions(with_entropies=False)))
         messages = []
         for engine in ("embedded", "dask"):
             with pytest.raises(CurationError) as info:
-                curate(buf, load_recipe("d2s"), ALL, **({"engine": "dask", "scheduler": client} if engine == "dask" else {}))
+                curate(buf, load_recipe("d2s"), ALL, **({"engine": Dask(client)} if engine == "dask" else {}))
             messages.append(str(info.value))
         assert messages[0] == messages[1] and "entropies" in messages[0]
     with Buffer.open(b) as buf:
         with pytest.raises(ParamError, match="embedded engine only"):
-            curate(buf, load_recipe(str(_custom(tmp_path))), {}, engine="dask", scheduler=client)
+            curate(buf, load_recipe(str(_custom(tmp_path))), {}, engine=Dask(client))
         with pytest.raises(ParamError, match="local:N"):
-            curate(buf, load_recipe("grpo"), ALL, engine="dask", scheduler="local:0")
+            curate(buf, load_recipe("grpo"), ALL, engine=Dask("local:0"))
         with pytest.raises(ParamError, match="--engine dask"):
-            curate(buf, load_recipe("grpo"), ALL, scheduler="local:2")
+            engine_option("embedded", "local:2")
     _nothing_visible(b, seq)
 
 
@@ -232,7 +234,7 @@ def test_an_inexact_token_threshold_is_refused_and_leaves_nothing(pair, client, 
     with Buffer.open(b) as buf:
         seq = buf.manifest.latest_seq()
         messages = []
-        for kw in ({}, {"engine": "dask", "scheduler": client}):
+        for kw in ({}, {"engine": Dask(client)}):
             with pytest.raises(CurationError, match=r"token threshold is not exact: the mask keeps 0 tokens") as info:
                 curate(buf, load_recipe("d3s"), ALL, **kw)
             messages.append(str(info.value))
@@ -252,7 +254,7 @@ def test_missing_dask_is_one_clear_line(pair, monkeypatch):
     monkeypatch.setitem(sys.modules, "distributed", None)
     with Buffer.open(pair[1]) as buf:
         with pytest.raises(CurationError, match=r"needs dask.distributed: pip install 'rollstore\[dask\]'"):
-            curate(buf, load_recipe("grpo"), ALL, engine="dask", scheduler="local:1")
+            curate(buf, load_recipe("grpo"), ALL, engine=Dask("local:1"))
 
 
 def test_a_failing_task_after_files_were_written_leaves_nothing(pair, client):
@@ -262,7 +264,7 @@ def test_a_failing_task_after_files_were_written_leaves_nothing(pair, client):
     with Buffer.open(b) as buf:
         seq = buf.manifest.latest_seq()
         with pytest.raises(RuntimeError, match="test hook: audit task failed"):
-            curate_dask(buf, load_recipe("grpo"), ALL, scheduler=client, _task_hooks={"audit": "fail"})
+            curate_dask(buf, load_recipe("grpo"), ALL, dask=Dask(client), _task_hooks={"audit": "fail"})
     _nothing_visible(b, seq)
 
 
@@ -307,7 +309,7 @@ def test_killed_worker_fails_cleanly_or_completes_identically(pair, client):
     def go():
         try:
             with Buffer.open(b) as buf:
-                outcome["result"] = curate_dask(buf, load_recipe("d3s"), ALL, scheduler=client, partitions=6,
+                outcome["result"] = curate_dask(buf, load_recipe("d3s"), ALL, dask=Dask(client, 6),
                                                 _task_hooks={"groups": 0.6, "materialise": 0.3})
                 outcome["rows"] = _manifest_rows(buf, outcome["result"].curation_id)
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
@@ -343,7 +345,7 @@ def test_killed_worker_with_no_retries_fails_cleanly(pair):
         def go():
             try:
                 with Buffer.open(b) as buf:
-                    curate_dask(buf, load_recipe("grpo"), ALL, scheduler=c, partitions=4,
+                    curate_dask(buf, load_recipe("grpo"), ALL, dask=Dask(c, 4),
                                 _task_hooks={"materialise": 1.0})
             except BaseException as exc:  # noqa: BLE001
                 outcome["error"] = exc

@@ -224,9 +224,9 @@ def test_compaction_rolls_back_when_a_curation_commits_meanwhile(curated_buffer,
 
 def test_curation_refuses_references_to_a_shard_retired_while_it_ran(curated_buffer, monkeypatch):
     root, _ = curated_buffer
-    import curate.run as run
+    import curate.finish as finish
 
-    real = run.publish
+    real = finish.publish
 
     def retire_then_publish(buf, parts, curation_id, out, referenced=()):
         # as a compaction committed meanwhile would: the shard retired, its file left for gc
@@ -235,7 +235,7 @@ def test_curation_refuses_references_to_a_shard_retired_while_it_ran(curated_buf
             con.execute("UPDATE shards SET removed_seq = ? WHERE path = ?", (seq, referenced[0]))
         return real(buf, parts, curation_id, out, referenced)
 
-    monkeypatch.setattr(run, "publish", retire_then_publish)
+    monkeypatch.setattr(finish, "publish", retire_then_publish)
     with Buffer.open(root) as buf:
         n, seq = len(buf.manifest.shards("curated")), buf.manifest.latest_seq()
         with pytest.raises(CurationError, match="retired while this curation ran"):

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import write_jsonl, write_parquet
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 
 
@@ -214,7 +214,7 @@ def test_lossless_casts_are_accepted(cli, buffer_dir, tmp_path):
     for row in rows:
         row["reward"] = int(row["reward"])  # an integer into a float column
     assert cli("import", buffer_dir, write_jsonl(rows, tmp_path / "ok.jsonl")).code == 0
-    table = rollouts_table(n_groups=1, group_size=2, seed=2, id_prefix="p")
+    table = rollouts_table(n_groups=1, group_size=2, seed=2, options=RowOptions(id_prefix="p"))
     wide = table.set_column(table.schema.get_field_index("response_token_ids"), "response_token_ids",
                             table.column("response_token_ids").cast(pa.list_(pa.int64())))
     assert cli("import", buffer_dir, write_parquet(wide, tmp_path / "wide.parquet")).code == 0
@@ -305,11 +305,15 @@ def test_where_reading_a_file_outside_is_refused(cli, filled, tmp_path):
 
 
 # ---- 6: curate --timeout covers user SQL ----------------------------------------------------
-def test_curate_timeout_stops_a_where_that_never_ends(cli, filled):
+@pytest.mark.parametrize("engine", [[], ["--engine", "dask", "--scheduler", "local:1"]], ids=["embedded", "dask"])
+def test_curate_timeout_stops_a_where_that_never_ends(cli, filled, engine):
+    """On Dask the predicate runs inside the map tasks, each under the timeout."""
     import time
 
+    if engine:
+        pytest.importorskip("distributed")
     start = time.monotonic()
-    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--dry-run", "--timeout", "1",
+    line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--dry-run", "--timeout", "1", *engine,
                               "--set", "where=(SELECT count(*) FROM range(10000000000000)) > 0"))
     assert "timeout of 1 s" in line
     assert time.monotonic() - start < 60
@@ -516,7 +520,7 @@ def test_reads_work_and_writes_fail_in_one_line_on_a_full_disk(cli, filled, tmp_
 
     monkeypatch.undo()
     monkeypatch.setattr(storage.shardio, "write_parquet", enospc)
-    rows = rollouts_table(n_groups=1, group_size=2, seed=9, id_prefix="full")
+    rows = rollouts_table(n_groups=1, group_size=2, seed=9, options=RowOptions(id_prefix="full"))
     line = one_error_line(cli("import", filled, write_parquet(rows, tmp_path / "f.parquet")))
     assert "No space left on device" in line
     line = one_error_line(cli("curate", filled, "--recipe", "grpo", "--set", "where=true"))

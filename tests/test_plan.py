@@ -257,13 +257,14 @@ def test_the_embedded_engine_executes_the_plan_steps_in_order(steps_buffer, monk
 def test_the_dask_engine_executes_the_plan_steps_in_order(steps_buffer, monkeypatch, recipe, sets):
     """In-process Dask workers (threads), so the spy sees every task's statements."""
     distributed = pytest.importorskip("distributed")
-    from curate.distributed import curate_dask
+    from curate.dask_client import curate_dask
+    from curate.options import Dask
 
     with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client, \
             Buffer.open(steps_buffer) as buf:
         embedded = curate(buf, load_recipe(recipe), sets, commit=False)
         spy = EngineSpy(monkeypatch)
-        result = curate_dask(buf, load_recipe(recipe), sets, scheduler=client, partitions=3, commit=False)
+        result = curate_dask(buf, load_recipe(recipe), sets, dask=Dask(client, 3), commit=False)
     assert result.curation_id == embedded.curation_id and result.audit.equals(embedded.audit)
     _check_engine_ran_the_plan(spy, _plan_of(result, recipe, sets), ordered=False)
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from rollout.backends import Generation
-from rollout.build import build_rollouts, make_group_id
+from rollout.build import StepStamp, build_rollouts, make_group_id
 from rollout.prompts import Prompt
 from rollout.reward import Verdict
 from storage.schema import ROLLOUTS
@@ -29,8 +29,8 @@ VERDICTS = [[Verdict(True, 1.0, None), Verdict(False, 0.0, None)],
 
 def test_rows_ids_and_nulls():
     when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
-    table = build_rollouts(PROMPTS, GENS, VERDICTS, run_id="r", step=4, policy_version=1, created_at=when,
-                           meta={"backend": "hf"}, prompt_offset=10)
+    table = build_rollouts(PROMPTS, GENS, VERDICTS, StepStamp("r", 4, policy_version=1, prompt_offset=10,
+                                                                created_at=when), meta={"backend": "hf"})
     assert table.schema == ROLLOUTS
     validate_rollouts(table, "built")
     rows = table.to_pylist()
@@ -51,8 +51,7 @@ def test_scores_fill_per_token_columns():
     old = [[np.array([-0.1, -0.2], np.float32), np.array([-1, -2, -3], np.float32)],
            [np.zeros(0, np.float32), np.array([-1, -1, -1], np.float32)]]
     ent = [[np.ones(2, np.float32), np.ones(3, np.float32)], [np.zeros(0, np.float32), np.ones(3, np.float32)]]
-    table = build_rollouts(PROMPTS, GENS, VERDICTS, run_id="r", step=0, policy_version=0,
-                           old_logprobs=old, entropies=ent)
+    table = build_rollouts(PROMPTS, GENS, VERDICTS, StepStamp("r", 0), old_logprobs=old, entropies=ent)
     validate_rollouts(table, "built")
     assert table.column("old_logprobs").to_pylist()[1] == [-1.0, -2.0, -3.0]
     assert table.column("old_logprobs").null_count == 0
@@ -65,9 +64,8 @@ def test_group_ids_are_unambiguous():
 
 def test_mismatched_inputs_are_refused():
     with pytest.raises(ValueError, match="one entry per prompt"):
-        build_rollouts(PROMPTS, GENS[:1], VERDICTS, run_id="r", step=0, policy_version=0)
+        build_rollouts(PROMPTS, GENS[:1], VERDICTS, StepStamp("r", 0))
     with pytest.raises(ValueError, match="verdicts"):
-        build_rollouts(PROMPTS, GENS, [VERDICTS[0], VERDICTS[1][:1]], run_id="r", step=0, policy_version=0)
+        build_rollouts(PROMPTS, GENS, [VERDICTS[0], VERDICTS[1][:1]], StepStamp("r", 0))
     with pytest.raises(ValueError, match="timezone"):
-        build_rollouts(PROMPTS, GENS, VERDICTS, run_id="r", step=0, policy_version=0,
-                       created_at=datetime(2026, 1, 1))
+        build_rollouts(PROMPTS, GENS, VERDICTS, StepStamp("r", 0, created_at=datetime(2026, 1, 1)))

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import write_jsonl
 from queries.session import Session
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer, Part
 from storage.errors import ManifestError
 from storage.schema import SELECTIONS
@@ -132,7 +132,7 @@ def test_leased_shards_are_not_merged(many_shards):
 
 
 def audit_rows(curation: str, n: int) -> pa.Table:
-    t = rollouts_table(n_groups=1, group_size=n, id_prefix=curation)
+    t = rollouts_table(n_groups=1, group_size=n, options=RowOptions(id_prefix=curation))
     given = {
         "curation_id": [curation] * n, "rollout_id": t.column("rollout_id"), "group_id": t.column("group_id"),
         "prompt_id": t.column("prompt_id"), "policy_version": t.column("policy_version"),

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 from queries.session import Session
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 from storage.errors import ValidationError
 
@@ -163,7 +163,8 @@ def test_concurrent_appenders_threads(buffer_dir):
                     # steps 0..2 are shared by both workers (same ids), 3..5 are their own
                     prefix = f"w{worker}-s{step}" if step >= 3 else f"shared-s{step}"
                     try:
-                        buf.append_rollouts(rollouts_table(n_groups=2, group_size=4, step=step, id_prefix=prefix))
+                        buf.append_rollouts(rollouts_table(n_groups=2, group_size=4, step=step,
+                                                           options=RowOptions(id_prefix=prefix)))
                     except ValidationError as exc:
                         rejected.append(str(exc))
         except BaseException as exc:

@@ -29,7 +29,7 @@ ZYGOTE = r"""
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import storage.buffer, storage.manifest, storage.shardio
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -65,7 +65,7 @@ for gen, line in enumerate(sys.stdin):
             i = 0
             while True:
                 buf.append_rollouts(rollouts_table(n_groups=1 + i % 3, group_size=4, mean_tokens=48,
-                                                   seed=i, step=i, id_prefix=f"c{{gen}}-{{i}}"))
+                                                   seed=i, step=i, options=RowOptions(id_prefix=f"c{{gen}}-{{i}}")))
                 i += 1
         finally:
             os._exit(3)
@@ -167,8 +167,8 @@ def test_sigkill_at_random_moments(cli, buffer_dir, tmp_path):
     assert verify_committed(buffer_dir, {}) == rows_seen[-1]  # gc touched no live shard
     assert whole_shards_only(buffer_dir) == rows_seen[-1]
     # the buffer still takes appends after all those crashes
-    from rollstore.synthetic import rollouts_table
+    from rollstore.synthetic import RowOptions, rollouts_table
 
     with Buffer.open(buffer_dir) as buf:
-        buf.append_rollouts(rollouts_table(n_groups=1, group_size=4, id_prefix="after"))
+        buf.append_rollouts(rollouts_table(n_groups=1, group_size=4, options=RowOptions(id_prefix="after")))
     assert whole_shards_only(buffer_dir) == rows_seen[-1] + 4

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from conftest import write_jsonl, write_parquet
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 from storage.schema import ROLLOUTS, TOKEN_LIST_COLUMNS
 
@@ -21,7 +21,7 @@ FLOAT_LEAVES = ("gen_logprobs.list.element", "old_logprobs.list.element", "entro
 
 def awkward_table(prefix: str) -> pa.Table:
     """Synthetic rows plus edge values: -0.0, 0.0, denormals, tiny/huge magnitudes, nulls, unicode."""
-    t = rollouts_table(n_groups=6, group_size=4, mean_tokens=12, seed=7, id_prefix=prefix)
+    t = rollouts_table(n_groups=6, group_size=4, mean_tokens=12, seed=7, options=RowOptions(id_prefix=prefix))
     rows = t.to_pylist()
     n = len(rows[0]["response_token_ids"])
     rows[0]["entropies"] = [-0.0, 0.0, 1e-45, 3.4e38, 1.0078124, 2.5][:n] + [1.0] * max(0, n - 6)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import write_parquet
 from queries.session import Session
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 from storage.errors import ManifestError
 from storage.schema import READ_SCHEMAS, TABLES
@@ -46,7 +46,7 @@ def test_file_dropped_by_hand_is_invisible(cli, buffer_dir, tmp_path):
         shard = buf.append_rollouts(rollouts_table(n_groups=2, group_size=4))
         # a copy of a real shard, and a foreign valid file, dropped straight into rollouts/
         shutil.copy(os.path.join(buffer_dir, shard.path), os.path.join(buffer_dir, "rollouts", "copy.parquet"))
-        write_parquet(rollouts_table(n_groups=3, group_size=4, id_prefix="x"),
+        write_parquet(rollouts_table(n_groups=3, group_size=4, options=RowOptions(id_prefix="x")),
                       os.path.join(buffer_dir, "rollouts", "foreign.parquet"))
         snap = buf.snapshot()
         assert assert_engines_agree(snap)[0] == 8

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROLLSTORE_BIN, write_parquet
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 
 
@@ -31,7 +31,8 @@ def shared_buffer(tmp_path_factory):
 @pytest.fixture
 def loaded(shared_buffer, tmp_path):
     """The shared buffer, plus a Parquet file OUTSIDE it (tmp_path/outside.parquet)."""
-    write_parquet(rollouts_table(n_groups=1, group_size=2, id_prefix="out"), tmp_path / "outside.parquet")
+    write_parquet(rollouts_table(n_groups=1, group_size=2, options=RowOptions(id_prefix="out")),
+                  tmp_path / "outside.parquet")
     yield shared_buffer
     for link in ("rollouts/sneaky.parquet", "curated/elsewhere"):
         if os.path.islink(os.path.join(shared_buffer, link)):

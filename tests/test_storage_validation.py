@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import ROLLSTORE_BIN
-from rollstore.synthetic import rollouts_table
+from rollstore.synthetic import RowOptions, rollouts_table
 from storage.buffer import Buffer
 from storage.schema import ROLLOUTS
 
@@ -26,13 +26,13 @@ LOOSE = pa.schema([f.with_nullable(True) for f in ROLLOUTS])
 
 def good_rows(n_groups: int = 3, group_size: int = 4, prefix: str = "new") -> list[dict]:
     return rollouts_table(n_groups=n_groups, group_size=group_size, mean_tokens=6, seed=1,
-                          id_prefix=prefix).to_pylist()
+                          options=RowOptions(id_prefix=prefix)).to_pylist()
 
 
 def seed(root: str) -> str:
     """A buffer holding one shard: groups old-g0 and old-g1 (rollouts old-g<g>-<i>)."""
     with Buffer.init(root) as buf:
-        buf.append_rollouts(rollouts_table(n_groups=2, group_size=4, mean_tokens=6, id_prefix="old"))
+        buf.append_rollouts(rollouts_table(n_groups=2, group_size=4, mean_tokens=6, options=RowOptions(id_prefix="old")))
     return root
 
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from rollout.arith import train_prompts  # noqa: E402
 from rollstore.cli import app  # noqa: E402
-from rollstore.trl import RollstoreGRPOTrainer  # noqa: E402
+from rollstore.trl import CorrectRule, RollstoreGRPOTrainer  # noqa: E402
 from storage.buffer import Buffer  # noqa: E402
 
 G = 4
@@ -251,6 +251,18 @@ def test_d3s_curation_records_entropies_and_masks_tokens(untrained_tiny, tmp_pat
         curated = snap.arrow("curated").to_table().to_pylist()
     assert len(sel) == len(rows) and all(s["reason"] for s in sel)
     assert curated and any(any(m) and not all(m) for m in (c["loss_mask"] for c in curated))  # top-|A|*H tokens
+
+
+def test_correct_rule_names_the_function_and_its_threshold(untrained_tiny, tmp_path):  # noqa: F811
+    """correct_reward=CorrectRule(name, threshold): correct = that function's reward >= threshold."""
+    buf = str(tmp_path / "buf")
+    tr = make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [parity, scaled], steps=1, buffer=buf,
+              correct_reward=CorrectRule("scaled", threshold=3000.0))
+    tr.train()
+    rows = rollouts(buf)
+    scores = [json.loads(r["meta"])["rewards"]["scaled"] for r in rows]
+    assert [r["correct"] for r in rows] == [v >= 3000.0 for v in scores]
+    assert len(set(r["correct"] for r in rows)) == 2  # the threshold splits this batch
 
 
 def test_curate_without_a_correct_function_is_refused(untrained_tiny, tmp_path):  # noqa: F811

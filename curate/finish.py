@@ -1,5 +1,5 @@
 """What a curation produces, shared by both engines: the record, the audit, the cut of curated
-rows into shards, and the one commit that publishes them.
+rows into shards, and the one commit that publishes them. Both engines end in `finish_curation`.
 
 Invariants:
 - The record's numbers come from the plan's record steps over every candidate; its variances are
@@ -20,19 +20,22 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from storage.buffer import Buffer
+from storage.buffer import Buffer, Part, WrittenPart
 from storage.references import null_lists
-from storage.schema import CURATED_REFS
+from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 from storage.shardio import ROW_GROUP_BYTES
 
 from .params import CurationError, token_budget
@@ -283,3 +286,57 @@ def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, reference
             raise
         out.already_existed = True
     return out
+
+
+@dataclass
+class Decided:
+    """What a curation decided, before anything is written: the plan and the snapshot it ran on,
+    the summary of the record steps, the run's $values (with `curation_id`) and the audit."""
+
+    plan: Plan
+    snapshot_seq: int
+    summary: dict
+    values: dict
+    audit: pa.Table
+
+
+# An engine's curated shards, in order (shard k is `part_name(curation_id, k)`): each as a `Part`
+# (rows in memory) or a `WrittenPart` (a file a worker wrote under tmp/), with its count of rows
+# whose old log-probs fell back to gen_logprobs.
+CuratedParts = Callable[[], Iterator[tuple[Part | WrittenPart, int]]]
+
+
+def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, referenced: list[str], *,
+                    commit: bool, dry_run: bool,
+                    audit_part: Callable[[], Part | WrittenPart] | None = None) -> CurationResult:
+    """The end both engines share. The record; a dry run returns it with the audit and writes
+    nothing; otherwise the curated shards, the audit (`audit_part`: a file the engine wrote, else
+    the audit rows) and the record go out in ONE commit (`publish`: `referenced` are the rollouts
+    shards the curated rows point to), or, with `commit=False`, the curated rows come back in
+    memory and nothing is committed."""
+    cid = decided.values["curation_id"]
+    record = new_record(decided.plan, cid, decided.snapshot_seq, decided.summary, decided.values)
+    audit = decided.audit.cast(SELECTIONS)
+    out = CurationResult(cid, record, decided.summary["reasons"], decided.snapshot_seq, committed=False, audit=audit)
+    if dry_run:
+        return out
+
+    def parts():
+        record["old_logprobs_fallback"] = 0
+        files = []
+        for k, (part, fallback) in enumerate(curated()):
+            record["old_logprobs_fallback"] += fallback
+            files.append(part_name(cid, k)[1])
+            yield part
+        files.append(audit_path(cid))
+        out.output_files = files
+        record["output_files"] = json.dumps(files)
+        yield audit_part() if audit_part is not None else Part("selections", audit, cid, cid, "audit")
+        yield Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), cid)
+
+    if not commit:
+        tables = [p.table if isinstance(p, Part) else pq.read_table(os.path.join(buf.root, p.tmp_relpath))
+                  for p in parts() if p.table_name == "curated"]
+        out.curated = pa.concat_tables(tables).cast(CURATED_REFS) if tables else CURATED_REFS.empty_table()
+        return out
+    return publish(buf, lambda: ahead(parts()), cid, out, referenced)

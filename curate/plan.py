@@ -164,106 +164,134 @@ def values_of(p: Params) -> dict:
     }
 
 
-def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -> Plan:
-    """The plan of a run with these parameters (`where` and `current_version` resolved)."""
-    p = params
-    token, sample, amplify = p["token"], p["sample"], p["amplify"]
-    pods = sample == "pods"
-    steps: list[Step] = []
+class _Steps(list):
+    """The plan's steps as they are added, each rendered from its SQL file and fragments."""
 
-    def add(sql: str, phase: str, scope: str, reads: tuple, writes: tuple, relations: tuple = (),
+    def add(self, sql: str, phase: str, scope: str, reads: tuple, writes: tuple, relations: tuple = (),
             guard: str | None = None, merge: str | None = None, result: str | None = None, **fragments: str) -> None:
         frags = tuple(sorted(fragments.items()))
         source = load_sql(sql)
-        steps.append(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
-                          render(sql, dict(frags), text=source), source, result))
+        self.append(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
+                         render(sql, dict(frags), text=source), source, result))
 
+
+def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -> Plan:
+    """The plan of a run with these parameters (`where` and `current_version` resolved): the
+    candidates, the group statistics and difficulty, the selection, the record, then tokens and
+    output, in that order."""
+    steps = _Steps()
+    _candidate_steps(steps, params)
+    _group_steps(steps, params)
+    _selection_steps(steps, params, recipe, custom_statement)
+    _record_steps(steps)
+    _token_and_output_steps(steps, params)
+    return Plan(recipe.name, params, tuple(steps), values_of(params))
+
+
+def _candidate_steps(steps: _Steps, p: Params) -> None:
+    """The candidates (the batch and the replay window), their lengths, the history they need."""
+    token, amplify = p["token"], p["amplify"]
     replay = p["replay"] != "none"
-    add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
-        relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
-        window=replay_window(p["where"]) if replay else "false", behaviour=BEHAVIOUR if replay else "true",
-        length="len(entropies)" if token != "none" else "len(response_token_ids)")
+    steps.add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
+              relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
+              window=replay_window(p["where"]) if replay else "false", behaviour=BEHAVIOUR if replay else "true",
+              length="len(entropies)" if token != "none" else "len(response_token_ids)")
     if token != "none":
-        add("curate_lengths", "candidates", ROW, ("work", "rollouts"), ("work",), relations=("rollouts",),
-            guard=MISSING_LENGTHS, rollouts="rollouts")
+        steps.add("curate_lengths", "candidates", ROW, ("work", "rollouts"), ("work",), relations=("rollouts",),
+                  guard=MISSING_LENGTHS, rollouts="rollouts")
     if amplify == "da3po":  # read with the candidates: the only other read of rollouts before the tokens
-        add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
-            rows=HISTORY_ROWS, out="history_parts")
-    add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",), merge="nonempty")
+        steps.add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
+                  rows=HISTORY_ROWS, out="history_parts")
+    steps.add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",), merge="nonempty")
     if replay:
-        add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",), merge="one_run")
-        add("curate_replay_behaviour", "candidates", GLOBAL, ("work",), ("error if no behaviour log-probs",),
-            merge="first_without_behaviour")
+        steps.add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",), merge="one_run")
+        steps.add("curate_replay_behaviour", "candidates", GLOBAL, ("work",), ("error if no behaviour log-probs",),
+                  merge="first_without_behaviour")
 
+
+def _group_steps(steps: _Steps, p: Params) -> None:
+    """Group statistics, advantages and the filter; the replay choice; the difficulty."""
+    replay = p["replay"] != "none"
     stats_rows = AS_GENERATED if replay else ELIGIBLE
-    add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=stats_rows, out="full_groups")
-    add("curate_advantages", "groups", GROUP, ("work", "full_groups"), ("full_adv",),
-        rows=stats_rows, groups="full_groups", out="full_adv")
-    add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",))
+    steps.add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=stats_rows, out="full_groups")
+    steps.add("curate_advantages", "groups", GROUP, ("work", "full_groups"), ("full_adv",),
+              rows=stats_rows, groups="full_groups", out="full_adv")
+    steps.add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",))
     if replay:
-        add("curate_replay", "replay", GLOBAL, ("work",), ("replay_choice",), merge="whole")
-        add("curate_replay_apply", "replay", ROW, ("work", "replay_choice"), ("work",))
+        steps.add("curate_replay", "replay", GLOBAL, ("work",), ("replay_choice",), merge="whole")
+        steps.add("curate_replay_apply", "replay", ROW, ("work", "replay_choice"), ("work",))
 
-    if amplify == "da3po":
-        add("curate_batch_accuracy", "difficulty", GLOBAL, ("work",), ("$mu",), merge="mu")
-        add("curate_history_total", "difficulty", PROMPT, ("history_parts",), ("prompt_history",))
-        add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",))
+    if p["amplify"] == "da3po":
+        steps.add("curate_batch_accuracy", "difficulty", GLOBAL, ("work",), ("$mu",), merge="mu")
+        steps.add("curate_history_total", "difficulty", PROMPT, ("history_parts",), ("prompt_history",))
+        steps.add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",))
     else:
-        add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",))
+        steps.add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",))
 
-    def amplification(phase: str) -> None:
-        add("curate_amplify", phase, GROUP, ("work", "subset_adv", "difficulty"), ("work",))
 
+def _amplification(steps: _Steps, phase: str) -> None:
+    steps.add("curate_amplify", phase, GROUP, ("work", "subset_adv", "difficulty"), ("work",))
+
+
+def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement: str | None) -> None:
+    """Amplification, then the sample stage (built-in or the custom recipe's SELECT)."""
+    sample = p["sample"]
+    pods = sample == "pods"
     if not pods:
-        add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",))
-        amplification("amplify")
+        steps.add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",))
+        _amplification(steps, "amplify")
 
     if recipe.sql is not None:
-        add("curate_custom_candidates", "select", ROW, ("work", "rollouts"), ("candidates",))
+        steps.add("curate_custom_candidates", "select", ROW, ("work", "rollouts"), ("candidates",))
         steps.append(Step("custom", "select", GLOBAL, ("candidates",), ("custom_choice",), merge="custom",
                           text=custom_statement or ""))
-        add("curate_custom_apply", "apply", ROW, ("work", "custom_choice"), ("work",))
+        steps.add("curate_custom_apply", "apply", ROW, ("work", "custom_choice"), ("work",))
     else:
         if sample == "none":
-            add("curate_select_all", "select", ROW, ("work",), ("picked",))
+            steps.add("curate_select_all", "select", ROW, ("work",), ("picked",))
         else:
             cross = sample == "cross_group"
-            add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
-                merge="whole" if cross else None, pool_key="'batch'" if cross else "group_id",
-                value="reward" if pods else "advantage_final")
-        add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",))
+            steps.add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
+                      merge="whole" if cross else None, pool_key="'batch'" if cross else "group_id",
+                      value="reward" if pods else "advantage_final")
+        steps.add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",))
         if pods:
-            add("curate_group_stats", "apply", GROUP, ("work",), ("subset_groups",), rows=CHOSEN, out="subset_groups")
-            add("curate_advantages", "apply", GROUP, ("work", "subset_groups"), ("subset_adv",),
-                rows=CHOSEN, groups="subset_groups", out="subset_adv")
-            amplification("apply")
+            steps.add("curate_group_stats", "apply", GROUP, ("work",), ("subset_groups",), rows=CHOSEN, out="subset_groups")
+            steps.add("curate_advantages", "apply", GROUP, ("work", "subset_groups"), ("subset_adv",),
+                      rows=CHOSEN, groups="subset_groups", out="subset_adv")
+            _amplification(steps, "apply")
 
-    add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="whole", result="counts")
-    add("curate_record_values", "record", GLOBAL, ("work",), ("record",), merge="whole", result="variances")
-    add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="whole", result="reasons")
-    add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",), merge="whole", result="files")
 
+def _record_steps(steps: _Steps) -> None:
+    steps.add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="whole", result="counts")
+    steps.add("curate_record_values", "record", GLOBAL, ("work",), ("record",), merge="whole", result="variances")
+    steps.add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="whole", result="reasons")
+    steps.add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",), merge="whole", result="files")
+
+
+def _token_and_output_steps(steps: _Steps, p: Params) -> None:
+    """The token threshold, the kept counts, the audit and the materialisation."""
+    token = p["token"]
     if token != "none":
-        add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
-            relations=("rollouts",), rollouts="rollouts")
-        add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
-            merge="first_missing")
-        add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_buckets", "token_scores"),
-            score=score_expression(token))
-        add("curate_token_histogram", "tokens", GLOBAL, ("token_buckets",), ("$bucket", "$n"), merge="histogram")
-        add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
-            merge="heads")
+        steps.add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
+                  relations=("rollouts",), rollouts="rollouts")
+        steps.add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
+                  merge="first_missing")
+        steps.add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_buckets", "token_scores"),
+                  score=score_expression(token))
+        steps.add("curate_token_histogram", "tokens", GLOBAL, ("token_buckets",), ("$bucket", "$n"), merge="histogram")
+        steps.add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
+                  merge="heads")
     else:
-        add("curate_no_entropies", "tokens", SHARD, (), ("selected_entropies",))
+        steps.add("curate_no_entropies", "tokens", SHARD, (), ("selected_entropies",))
 
-    add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
-        kept=kept_expression(token))
-    add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept")
-    add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="whole", result="audit")
-    add("curate_materialise", "materialise", SHARD,
-        ("work", "selected_entropies", "rollouts.token_ids", "rollouts.logprobs"), ("curated",),
-        relations=("rollouts",), rollouts="rollouts", loss_mask=mask_expression(token))
-    return Plan(recipe.name, params, tuple(steps), values_of(params))
+    steps.add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
+              kept=kept_expression(token))
+    steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept")
+    steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="whole", result="audit")
+    steps.add("curate_materialise", "materialise", SHARD,
+              ("work", "selected_entropies", "rollouts.token_ids", "rollouts.logprobs"), ("curated",),
+              relations=("rollouts",), rollouts="rollouts", loss_mask=mask_expression(token))
 
 
 def explain(plan: Plan) -> list[dict]:

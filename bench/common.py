@@ -166,7 +166,7 @@ def step_table(step: int, shard_tokens: int, seed: int = 0, mean_tokens: int = M
 
 def build_buffer(root: str, tokens: int, shard_tokens: int = 1_000_000, seed: int = 0) -> dict:
     """Create (or extend) a buffer until it holds at least `tokens` response tokens."""
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     info = describe(root) if os.path.exists(os.path.join(root, "manifest.sqlite")) else None
     buf = Buffer.open(root) if info else Buffer.init(root)
@@ -198,7 +198,7 @@ def measured_buffer(root: str | None, prefix: str, tokens: int, shard_tokens: in
 
 def describe(root: str) -> dict:
     """Tokens, rows, shards and bytes of the buffer's rollouts table (latest snapshot)."""
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         shards = snap.shards("rollouts")
@@ -207,7 +207,7 @@ def describe(root: str) -> dict:
 
 
 def rollout_files(root: str) -> list[str]:
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         return list(snap.files("rollouts"))

@@ -82,8 +82,8 @@ class StageClock:
         setattr(owner, attr, timed)
 
     def install(self):
-        from curate.steps import Runner
-        from storage.buffer import Buffer
+        from rollstore.curate.steps import Runner
+        from rollstore.storage.buffer import Buffer
 
         for method in ("run", "rows", "table"):
             self.wrap(Runner, method, lambda a: a[1].sql)
@@ -91,8 +91,8 @@ class StageClock:
 
 
 def child_floor(root: str, memory_limit: str, where: str) -> dict:
-    from queries.session import Session
-    from storage.buffer import Buffer
+    from rollstore.queries.session import Session
+    from rollstore.storage.buffer import Buffer
 
     base = common.rss_mib()
     t0 = time.perf_counter()
@@ -104,8 +104,8 @@ def child_floor(root: str, memory_limit: str, where: str) -> dict:
 def child_copy(root: str, memory_limit: str, ids: str, out: str) -> dict:
     """The copy floor: one DuckDB COPY of the selected rows' curated columns (ids from a curate
     child's output) to Parquet, with the codec rollstore writes (zstd level 3)."""
-    from queries.session import Session
-    from storage.buffer import Buffer
+    from rollstore.queries.session import Session
+    from rollstore.storage.buffer import Buffer
 
     base = common.rss_mib()
     t0 = time.perf_counter()
@@ -117,10 +117,10 @@ def child_copy(root: str, memory_limit: str, ids: str, out: str) -> dict:
 
 def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where: str, out: str | None,
                  prof: bool, dry_run: bool = False) -> dict:
-    from curate.options import Limits
-    from curate.params import load_recipe
-    from curate.run import curate
-    from storage.buffer import Buffer
+    from rollstore.curate.options import Limits
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.buffer import Buffer
 
     base = common.rss_mib()
 

@@ -63,10 +63,10 @@ def _worker_rss() -> dict:
 
 
 def child(kind: str, root: str, recipe: str, progress: str, workers: int, memory_limit: str) -> dict:
-    from curate.options import Dask, Limits
-    from curate.params import load_recipe
-    from curate.run import curate
-    from storage.buffer import Buffer
+    from rollstore.curate.options import Dask, Limits
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.buffer import Buffer
 
     sets = {"where": "true", "progress": progress}
     out: dict = {}

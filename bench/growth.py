@@ -21,7 +21,7 @@ from bench.memory import slope
 
 
 def batch_tokens(root: str, k: int) -> tuple[int, int]:
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         shards = snap.shards("rollouts")[:k]

@@ -51,9 +51,9 @@ def tiny_rollouts(n_rows: int, mean_tokens: int, seed: int = 0, step: int = 0):
 
 
 def prepare(root: str, n_rows: int, mean_tokens: int, recipe: str, progress: str) -> list[str]:
-    from curate.params import load_recipe
-    from curate.run import curate
-    from storage.buffer import Buffer
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.buffer import Buffer
 
     with Buffer.init(root) as buf:
         buf.append_rollouts(tiny_rollouts(n_rows, mean_tokens), "bench-tiny")
@@ -66,12 +66,12 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    import learner.trainer as trainer
-    from learner.batches import iter_rank_steps, read_curated
-    from learner.config import TrainConfig
+    import rollstore.learner.trainer as trainer
+    from rollstore.learner.batches import iter_rank_steps, read_curated
+    from rollstore.learner.config import TrainConfig
 
     if model is None:
-        from learner.policy_loading import load_policy
+        from rollstore.learner.policy_loading import load_policy
         from rollstore.resolve import resolve_model
 
         model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))

@@ -26,9 +26,9 @@ def _rank(root, shards, rank, world, rendezvous, batch, out_dir):
 
     import torch
 
-    from learner.config import TrainConfig, TrainContext
-    from learner.parallel import SINGLE, close, current, wrap
-    from learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
+    from rollstore.learner.config import TrainConfig, TrainContext
+    from rollstore.learner.parallel import SINGLE, close, current, wrap
+    from rollstore.learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
     from learner_util import tiny_llama
 
     deterministic_cpu(0, threads=1)
@@ -58,7 +58,7 @@ def main() -> None:
     import json
 
     from learner_util import commit_curated, curated_rows
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
     from test_checkpoint import fork, wait
 
     tmp = tempfile.mkdtemp(prefix="bench-distributed-")

@@ -72,10 +72,10 @@ def run_one(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from learner.config import TrainConfig
+    from rollstore.learner.config import TrainConfig
     from rollstore.generate import GenerationConfig
     from rollstore.loop import LoopConfig, run_loop
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     root = os.path.join(job["out_root"], f"{job['split']}-{job['name']}-s{job['seed']}")
     if os.path.exists(root):

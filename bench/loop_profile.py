@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rollstore.loop import PHASES, LoopConfig, run_loop
     from rollstore.resolve import resolve_model
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     defaults = LoopConfig(buffer="")
     iterations = args.iterations or defaults.iterations

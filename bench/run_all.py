@@ -48,7 +48,7 @@ def worst_ratios(results: dict) -> list[tuple[float, str, str]]:
 
 
 def profile_storage(shard_tokens: int) -> str:
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     table = common.step_table(0, shard_tokens)
     root = tempfile.mkdtemp(prefix="rs-bench-prof-")

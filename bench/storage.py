@@ -184,7 +184,7 @@ def measure(tokens: int, shard_tokens: int = 1_000_000, workdir: str | None = No
             formats=tuple(FORMATS)) -> dict:
     import torch  # noqa: F401  (imported before any timing)
 
-    from storage.buffer import Buffer, token_count
+    from rollstore.storage.buffer import Buffer, token_count
 
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="rs-bench-storage-")

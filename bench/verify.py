@@ -58,8 +58,8 @@ def run_watched(cmd: list[str]) -> dict:
 
 
 def measure(root: str, repeat: int) -> dict:
-    from storage import verify as v
-    from storage.buffer import Buffer
+    from rollstore.storage import verify as v
+    from rollstore.storage.buffer import Buffer
 
     with Buffer.open(root) as buf:
         shards = buf.manifest.shards("rollouts")

@@ -17,8 +17,8 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from queries.session import Session
-from storage.errors import RollstoreError
+from rollstore.queries.session import Session
+from rollstore.storage.errors import RollstoreError
 
 
 

@@ -45,11 +45,11 @@ import uuid
 
 import pyarrow as pa
 
-from queries.session import Session
-from storage.buffer import Buffer
-from storage.owners import owned_name
-from storage.schema import SELECTIONS
-from storage.shardio import READ_THREADS
+from rollstore.queries.session import Session
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.owners import owned_name
+from rollstore.storage.schema import SELECTIONS
+from rollstore.storage.shardio import READ_THREADS
 
 from . import dask_tasks as tasks
 from .finish import (CurationResult, Decided, already_committed, finish_curation, part_layout, referenced_paths,

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from queries.session import Session
-from storage.buffer import WrittenPart, token_count
-from storage.schema import SELECTIONS, TABLES
-from storage.shardio import write_tmp
-from storage.snapshot import SnapshotFiles
+from rollstore.queries.session import Session
+from rollstore.storage.buffer import WrittenPart, token_count
+from rollstore.storage.schema import SELECTIONS, TABLES
+from rollstore.storage.shardio import write_tmp
+from rollstore.storage.snapshot import SnapshotFiles
 
 from .finish import audit_path, curated_table, part_name, sorted_by_rollout, summarise
 from .merges import MERGES

@@ -33,10 +33,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.buffer import Buffer, Part, WrittenPart
-from storage.references import null_lists
-from storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
-from storage.shardio import ROW_GROUP_BYTES
+from rollstore.storage.buffer import Buffer, Part, WrittenPart
+from rollstore.storage.references import null_lists
+from rollstore.storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
+from rollstore.storage.shardio import ROW_GROUP_BYTES
 
 from .params import CurationError, token_budget
 from .plan import Plan

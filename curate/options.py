@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from queries.session import DEFAULT_MEMORY_LIMIT
+from rollstore.queries.session import DEFAULT_MEMORY_LIMIT
 
 from .params import ParamError
 

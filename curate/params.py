@@ -23,8 +23,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from storage.errors import RollstoreError
-from storage.snapshot import sql_string
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.snapshot import sql_string
 
 
 class ParamError(RollstoreError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from queries import load_sql, parameters_of, render
+from rollstore.queries import load_sql, parameters_of, render
 
 from .params import Params, Recipe
 from .tokens import kept_expression, mask_expression, score_expression

@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from queries.session import Session
-from storage.buffer import Buffer, Part
+from rollstore.queries.session import Session
+from rollstore.storage.buffer import Buffer, Part
 
 from .custom import choose_custom
 from .finish import (

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from queries import bind, load_sql, render
-from queries.session import Session
+from rollstore.queries import bind, load_sql, render
+from rollstore.queries.session import Session
 
-from storage.snapshot import sql_string
+from rollstore.storage.snapshot import sql_string
 
 from .params import CurationError, Params, step_where
 from .plan import Plan, Step

@@ -50,10 +50,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from rollout.arith import train_prompts
+    from rollstore.rollout.arith import train_prompts
     from rollstore.resolve import resolve_model
     from rollstore.trl import RollstoreGRPOTrainer
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     torch.set_num_threads(1)
     model_dir = resolve_model(args.model)

@@ -28,9 +28,9 @@ import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
-from storage.errors import RollstoreError
-from storage.references import read_curated_file
-from storage.schema import CURATED
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.references import read_curated_file
+from rollstore.storage.schema import CURATED
 
 from .parallel import passes, rank_block
 

@@ -42,11 +42,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from storage.shardio import fsync_dir
-from storage.buffer import Buffer, Part
-from storage.errors import RollstoreError
-from storage.owners import owned_name
-from storage.schema import CHECKPOINTS, TRAINING
+from rollstore.storage.shardio import fsync_dir
+from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.owners import owned_name
+from rollstore.storage.schema import CHECKPOINTS, TRAINING
 
 TRAINER_STATE = "trainer_state.pt"
 LEDGER = "ledger.json"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from storage.manifest import Shard
+from rollstore.storage.manifest import Shard
 
 from .parallel import SINGLE, Dist
 from .losses import LossConfig

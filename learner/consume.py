@@ -27,9 +27,9 @@ import os
 from dataclasses import replace
 from typing import Iterable, Sequence
 
-from storage.buffer import Buffer
-from storage.manifest import Shard
-from storage.timing import Stopwatch
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.manifest import Shard
+from rollstore.storage.timing import Stopwatch
 
 from .batches import check_vocabulary
 from .checkpoint import (

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from storage.schema import TRAINING
+from rollstore.storage.schema import TRAINING
 
-from storage.timing import Stopwatch
+from rollstore.storage.timing import Stopwatch
 
 from .batches import Batch, iter_rank_steps, read_curated
 from .parallel import Dist, grad_norm_value, sync_gradients

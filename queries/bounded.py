@@ -24,8 +24,8 @@ import time
 
 import pyarrow as pa
 
-from storage.errors import RollstoreError
-from storage.maintenance import spill_prefix
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.maintenance import spill_prefix
 
 from .session import MemoryLimitError, Session, SqlRefused, SqlTimeout, parse_memory_limit
 

@@ -29,9 +29,9 @@ from typing import Iterator
 import duckdb
 import pyarrow as pa
 
-from storage.errors import RollstoreError
-from storage.maintenance import spill_prefix
-from storage.snapshot import Snapshot, sql_string
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.maintenance import spill_prefix
+from rollstore.storage.snapshot import Snapshot, sql_string
 
 from . import load_sql
 

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 
-from storage.schema import ROLLOUTS
+from rollstore.storage.schema import ROLLOUTS
 
 from .backends import Generation
 from .prompts import Prompt

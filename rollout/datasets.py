@@ -22,7 +22,7 @@ import json
 import os
 import re
 
-from storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError
 
 from .prompts import Prompt, prompt_hash
 

@@ -23,12 +23,12 @@ import pyarrow as pa
 from rich.console import Console
 from rich.text import Text
 
-from queries import load_sql
-from queries.session import Session
+from rollstore.queries import load_sql
+from rollstore.queries.session import Session
 from rollstore.result_formats import csv_ready, jsonable, render_table
 from rollstore.token_text import TokenText
-from storage.buffer import Buffer
-from storage.errors import RollstoreError
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import RollstoreError
 
 FORMATS = ("table", "json", "csv")
 RECORD_FIELDS = ("curation_id", "recipe", "snapshot_seq", "progress", "n_candidates", "n_selected", "sample_budget",

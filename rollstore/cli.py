@@ -19,7 +19,7 @@ from rich.console import Console
 
 from rollstore.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
                                seconds, seed as seed_, seq)
-from storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError
 
 # transformers' own progress bars and notices would interleave with ours on stderr.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -34,7 +34,7 @@ err = Console(stderr=True, soft_wrap=True)
 
 def _losses() -> tuple:
     """The learner's loss names (read when a command that takes --loss is parsed; imports torch)."""
-    from learner.losses import LOSSES
+    from rollstore.learner.losses import LOSSES
 
     return tuple(sorted(LOSSES))
 
@@ -77,7 +77,7 @@ def guarded(fn):
         except sqlite3.OperationalError as exc:
             fail(f"manifest: {one_line(str(exc))}")
         except sqlite3.DatabaseError as exc:  # found damaged while reading (a corrupt page)
-            from storage.manifest import DAMAGED_ADVICE
+            from rollstore.storage.manifest import DAMAGED_ADVICE
 
             where = kwargs.get("buffer")
             where = os.path.join(where, "manifest.sqlite") if isinstance(where, str) else "manifest"
@@ -101,7 +101,7 @@ def one_line(text: str) -> str:
 
 
 def open_buffer(path: str):
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     return Buffer.open(path)
 
@@ -110,7 +110,7 @@ def open_buffer(path: str):
 @guarded
 def init(buffer: str = typer.Argument(..., help="Directory of the new (or existing) buffer.")):
     """Create a buffer directory with its manifest."""
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     Buffer.init(buffer).close()
     out.print(f"initialised {os.path.abspath(buffer)}", highlight=False, markup=False)
@@ -131,7 +131,7 @@ def import_(
 ):
     """Append rollouts from files: one all-or-nothing append per file. With --from, convert another
     framework's dump (docs/importers.md); importing the same file twice adds nothing."""
-    from storage.importer import read_rows_file
+    from rollstore.storage.importer import read_rows_file
 
     if from_ is None:
         if tokenizer or score_model or run_id or rewards or correct_threshold is not None:
@@ -192,7 +192,7 @@ def sql(
 ):
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
     and time are bounded by --memory-limit and --timeout)."""
-    from queries.bounded import run_bounded
+    from rollstore.queries.bounded import run_bounded
     from rollstore.result_formats import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
@@ -226,7 +226,7 @@ def info(buffer: str, format: str = typer.Option("table", "--format", "-f", help
 @guarded
 def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an orphan must be old before removal.")):
     """Remove orphaned files (crashed writes) and files of compacted shards no snapshot needs."""
-    from storage.maintenance import gc
+    from rollstore.storage.maintenance import gc
 
     with open_buffer(buffer) as buf:
         r = gc(buf, grace)
@@ -247,7 +247,7 @@ def verify(
     quarantine: bool = typer.Option(False, "--quarantine", help="Retire every bad shard (moved to BUFFER/quarantine/)."),
 ):
     """Check every live shard against the manifest (exists, size, sha256); name each bad file."""
-    from storage import verify as v
+    from rollstore.storage import verify as v
 
     with open_buffer(buffer) as buf:
         shards = buf.manifest.shards()
@@ -281,7 +281,7 @@ def compact(
     target_mb: float = positive(128.0, "--target-mb", high=2**40, help="Size of merged shards."),
 ):
     """Merge small shards into large ones in one manifest transaction."""
-    from storage.maintenance import compact as run
+    from rollstore.storage.maintenance import compact as run
 
     with open_buffer(buffer) as buf:
         r = run(buf, table, int(small_mb * 2**20), int(target_mb * 2**20))
@@ -304,9 +304,9 @@ def curate_(
     timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
-    from curate.options import Limits, engine_option
-    from curate.params import load_recipe
-    from curate.run import curate
+    from rollstore.curate.options import Limits, engine_option
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
     from rollstore.curation_cli import curation_values, print_summary
 
     chosen = engine_option(engine, scheduler, partitions)
@@ -375,7 +375,7 @@ def generate(
     set_: List[str] = typer.Option([], "--set", help="With --follow: curation parameter overrides."),
 ):
     """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
-    from curate.params import parse_sets
+    from rollstore.curate.params import parse_sets
     from rollstore.generate import GenerationConfig
     from rollstore.generate_cli import Follow, PromptSource, run_generate
 
@@ -408,7 +408,7 @@ def train(
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
-    from learner.config import TrainConfig
+    from rollstore.learner.config import TrainConfig
     from rollstore.train_cli import check_curations, launch_torchrun, run_train
 
     if curation and "LOCAL_RANK" not in os.environ:
@@ -454,10 +454,10 @@ def loop(
     Options left out take the defaults of `rollstore.loop.LoopConfig` (the demo's settings)."""
     from dataclasses import replace
 
-    from curate.params import parse_sets
+    from rollstore.curate.params import parse_sets
     from rollstore.loop import LoopConfig
     from rollstore.loop_view import run_with_display
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     def given(**kw):
         return {k: v for k, v in kw.items() if v is not None}
@@ -537,7 +537,7 @@ def recipes(
     set_: List[str] = typer.Option([], "--set", help="name=value parameter override (with --explain), repeatable."),
 ):
     """List the built-in recipes, or explain one as the plan it runs."""
-    from curate.params import builtin_recipes, load_recipe
+    from rollstore.curate.params import builtin_recipes, load_recipe
 
     if explain is None:
         if set_:

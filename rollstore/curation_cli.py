@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from curate.params import parse_sets
-from curate.run import CurationResult
-from storage.errors import RollstoreError
+from rollstore.curate.params import parse_sets
+from rollstore.curate.run import CurationResult
+from rollstore.storage.errors import RollstoreError
 
 
 def curation_values(sets: list[str], progress: str | None) -> dict[str, str]:

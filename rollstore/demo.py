@@ -14,8 +14,8 @@ from rich.console import Console
 
 from rollstore.loop import LoopConfig
 from rollstore.loop_view import run_with_display
-from storage.buffer import Buffer
-from storage.errors import RollstoreError
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import RollstoreError
 
 MARKER = ".rollstore-demo"
 

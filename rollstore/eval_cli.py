@@ -7,14 +7,14 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from learner.passk import summarize
+from rollstore.learner.passk import summarize
 from rollstore.generate import GenerationConfig
 
 
 def evaluate(model_dir: str, prompts, samples: int, ks: list[int], temperature: float, max_new_tokens: int,
              seed: int, backend="hf") -> dict:
-    from rollout.backends import get_backend
-    from rollout.reward import RewardPool
+    from rollstore.rollout.backends import get_backend
+    from rollstore.rollout.reward import RewardPool
 
     be = get_backend(backend, model_dir) if isinstance(backend, str) else backend
     gens = be.generate([p.prompt for p in prompts], samples, max_new_tokens, temperature=temperature, seed=seed)
@@ -38,7 +38,7 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
     samples, temperature, seed = config.group_size, config.temperature, config.seed
 
     if any(k > samples for k in ks):
-        from storage.errors import RollstoreError
+        from rollstore.storage.errors import RollstoreError
 
         raise RollstoreError(f"pass@{max(ks)} needs --samples ≥ {max(ks)}")
     model_dir = resolve_model(model)
@@ -46,7 +46,7 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
     metrics = evaluate(model_dir, prompts, samples, ks, temperature, config.max_new_tokens, seed)
     if buffer:
         from rollstore.loop import record_eval
-        from storage.buffer import Buffer
+        from rollstore.storage.buffer import Buffer
 
         with Buffer.open(buffer) as buf:
             record_eval(buf, "eval", -1, -1, prompts_ref, metrics, len(prompts), samples)

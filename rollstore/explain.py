@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from curate.params import Params, load_recipe, parse_sets, resolve
-from curate.plan import build, explain
+from rollstore.curate.params import Params, load_recipe, parse_sets, resolve
+from rollstore.curate.plan import build, explain
 
 LATEST = "run_id = <the latest run> AND step = <its latest step>"  # resolved at run time
 

@@ -32,9 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollstore.outfile import check_output_dir, partial_dir
-from storage.buffer import Buffer
-from storage.references import read_curated_file
-from storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.references import read_curated_file
+from rollstore.storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES
 
 
 @dataclass

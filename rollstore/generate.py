@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rollout.backends import Backend, get_backend
-from rollout.build import StepStamp, build_rollouts
-from rollout.prompts import Prompt
-from rollout.reward import Overlong, RewardPool
-from storage.timing import Stopwatch
+from rollstore.rollout.backends import Backend, get_backend
+from rollstore.rollout.build import StepStamp, build_rollouts
+from rollstore.rollout.prompts import Prompt
+from rollstore.rollout.reward import Overlong, RewardPool
+from rollstore.storage.timing import Stopwatch
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def generate_step(
 
 
 def _score(be, model_dir: str, device: str, flat, batch_size: int):
-    from learner.policy_loading import load_policy
-    from learner.score import score as score_tokens
+    from rollstore.learner.policy_loading import load_policy
+    from rollstore.learner.score import score as score_tokens
 
     # The HF backend already holds these exact weights in memory; other backends load them again.
     if getattr(be, "name", None) == "hf" and getattr(be, "model_dir", None) == model_dir:

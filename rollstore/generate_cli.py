@@ -15,11 +15,11 @@ from rich.console import Console
 from rich.progress import Progress
 
 from rollstore.generate import GenerationConfig, StepStamp
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 def _next_step(buf: Buffer, run_id: str) -> int:
-    from queries.session import Session
+    from rollstore.queries.session import Session
 
     with buf.snapshot() as snap, Session(snap) as s:
         row = s.one("SELECT max(step) FROM rollouts WHERE run_id = $r", {"r": run_id})
@@ -50,9 +50,9 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
                  err: Console, *, policy_version: int | None = None, compact: bool = False,
                  follow: Follow | None = None) -> list[str]:
     """Generate `steps` steps (one shard each) after the run's last; return the shards' paths."""
-    from learner.checkpoint import latest_checkpoint
-    from rollout.backends import get_backend
-    from rollout.reward import RewardPool
+    from rollstore.learner.checkpoint import latest_checkpoint
+    from rollstore.rollout.backends import get_backend
+    from rollstore.rollout.reward import RewardPool
     from rollstore.resolve import resolve_model, resolve_prompts
     from rollstore.step import StepWriter
 
@@ -93,7 +93,7 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
 
 def _wait_for_learner(buf, backend, version, i, lag, poll=0.5, timeout=3600.0):
     """Block until the newest checkpoint is ≥ i − lag; load it whenever a newer one appears."""
-    from learner.checkpoint import latest_checkpoint
+    from rollstore.learner.checkpoint import latest_checkpoint
 
     deadline = time.monotonic() + timeout
     while True:

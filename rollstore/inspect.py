@@ -6,9 +6,9 @@ from rich.console import Console
 from rich.text import Text
 from rich.table import Table
 
-from queries.session import Session
-from storage.buffer import Buffer
-from storage.schema import TABLES
+from rollstore.queries.session import Session
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.schema import TABLES
 
 
 def buffer_info(buf: Buffer) -> dict:

@@ -30,13 +30,13 @@ from typing import Callable
 
 import pyarrow as pa
 
-from curate.params import load_recipe, resolve
-from curate.run import CurationResult
-from learner.config import TrainConfig
-from queries.session import Session
+from rollstore.curate.params import load_recipe, resolve
+from rollstore.curate.run import CurationResult
+from rollstore.learner.config import TrainConfig
+from rollstore.queries.session import Session
 from rollstore.generate import GenerationConfig, StepStamp
-from storage.buffer import Buffer
-from storage.timing import Stopwatch
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.timing import Stopwatch
 
 
 def _loop_generation() -> GenerationConfig:
@@ -159,7 +159,7 @@ def greedy_accuracy(backend, prompts, reward_pool, max_new_tokens: int) -> float
 
 def sampled_metrics(backend, prompts, reward_pool, cfg: "LoopConfig") -> dict[str, float]:
     """pass@k (unbiased) and avg@n from cfg.eval_samples samples per prompt at the sampling temperature."""
-    from learner.passk import summarize
+    from rollstore.learner.passk import summarize
 
     n = cfg.eval_samples
     g = cfg.generation
@@ -180,13 +180,13 @@ def record_eval(buf: Buffer, run_id: str, version: int, iteration: int, split: s
     rows = [{"eval_id": uuid.uuid4().hex, "created_at": now, "run_id": run_id, "policy_version": version,
              "iteration": iteration, "split": split, "metric": k, "value": float(v),
              "n_problems": n_problems, "n_samples": n_samples} for k, v in metrics.items()]
-    from storage.schema import EVALUATIONS
+    from rollstore.storage.schema import EVALUATIONS
 
     buf.append("evaluations", pa.Table.from_pylist(rows, schema=EVALUATIONS))
 
 
 def _step_rollouts(buf: Buffer, run_id: str, step: int) -> int:
-    from queries.session import Session
+    from rollstore.queries.session import Session
 
     with buf.snapshot() as snap, Session(snap) as s:
         return int(s.one("SELECT count(*) FROM rollouts WHERE run_id = $r AND step = $s", {"r": run_id, "s": step})[0])
@@ -226,12 +226,12 @@ def run_loop(cfg: LoopConfig, on_iteration: Callable[[IterationReport], None] | 
 
 def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     """run_loop's body, under the chosen thread count."""
-    from learner.checkpoint import latest_checkpoint
-    from learner.consume import resume
-    from learner.policy_loading import load_policy
-    from learner.trainer import make_optimizer
-    from rollout.backends import get_backend
-    from rollout.reward import RewardPool
+    from rollstore.learner.checkpoint import latest_checkpoint
+    from rollstore.learner.consume import resume
+    from rollstore.learner.policy_loading import load_policy
+    from rollstore.learner.trainer import make_optimizer
+    from rollstore.rollout.backends import get_backend
+    from rollstore.rollout.reward import RewardPool
     from rollstore.resolve import resolve_model
     from rollstore.step import StepWriter
 
@@ -315,8 +315,8 @@ class _Run:
 
     def train(self, it: int, cur: CurationResult, phases: dict) -> float | None:
         """Train the curation once, publish it, load its weights into the sampler; its mean loss."""
-        from learner.config import Pending, RunPosition, TrainContext
-        from learner.consume import train_pending
+        from rollstore.learner.config import Pending, RunPosition, TrainContext
+        from rollstore.learner.consume import train_pending
 
         model, optimizer, scheduler = self.learner
         published = train_pending(
@@ -366,7 +366,7 @@ class _Run:
 
 
 def _batch_accuracy(buf: Buffer, run_id: str, step: int) -> tuple[float, int]:
-    from queries.session import Session
+    from rollstore.queries.session import Session
 
     with buf.snapshot() as snap, Session(snap) as s:
         acc, n = s.one("SELECT avg(coalesce(correct, false)::DOUBLE), count(*) FROM rollouts "

@@ -38,10 +38,10 @@ def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: floa
     """Run cfg.iterations steps with an N-rank learner; return the last published version."""
     import os
 
-    from learner.checkpoint import latest_checkpoint
+    from rollstore.learner.checkpoint import latest_checkpoint
     from rollstore.generate_cli import Follow, PromptSource, run_generate
     from rollstore.resolve import resolve_model
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     run_id = cfg.run_name
     model_dir = resolve_model(cfg.model)

@@ -135,7 +135,7 @@ def memory(default: Any, *names: str, **kw) -> Any:
     def check(ctx: typer.Context, param: typer.CallbackParam, value: Any):
         if value is None or ctx.resilient_parsing:
             return value
-        from queries.session import MemoryLimitError, parse_memory_limit
+        from rollstore.queries.session import MemoryLimitError, parse_memory_limit
 
         try:
             parse_memory_limit(value)

@@ -20,10 +20,10 @@ import shutil
 import stat
 from typing import Callable
 
-from storage.buffer import refuse_managed
-from storage.errors import RollstoreError
-from storage.owners import owned_name, owner_gone
-from storage.shardio import fsync_dir
+from rollstore.storage.buffer import refuse_managed
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.owners import owned_name, owner_gone
+from rollstore.storage.shardio import fsync_dir
 
 _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))

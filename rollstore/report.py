@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from html import escape
 
-from queries import load_sql
-from queries.session import Session
+from rollstore.queries import load_sql
+from rollstore.queries.session import Session
 from rollstore.result_formats import jsonable
 from rollstore.report_svg import (
     PALETTE,
@@ -40,9 +40,9 @@ from rollstore.report_svg import (
 )
 from rollstore.outfile import check_output_file, write_output
 from rollstore.token_text import TokenText
-from storage.buffer import Buffer
-from storage.errors import RollstoreError
-from storage.snapshot import sql_string
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.snapshot import sql_string
 
 # (section id, heading): the page's sections, in order.
 SECTIONS = [

@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError
 
 TINY_REF = "builtin:tiny"
 ARITH_REF = "builtin:arith"
@@ -51,8 +51,8 @@ def cache_root() -> str:
 
 def tiny_spec(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES) -> dict:
     """Everything that determines the weights of a built tiny policy (its cache key)."""
-    from learner.tiny import CHARS, SPECIALS, TinyConfig, WarmStart
-    from rollout import arith
+    from rollstore.learner.tiny import CHARS, SPECIALS, TinyConfig, WarmStart
+    from rollstore.rollout import arith
 
     schedule = WarmStart()
     return {
@@ -107,17 +107,17 @@ def heldout_accuracy(model_dir: str, n: int = HELDOUT_EVAL, split: str = "train"
     `accuracy` weighs every prompt equally; `level_mean` weighs every difficulty level equally;
     `per_level` / `sampled_per_level` have each level's.
     """
-    from rollout import arith
-    from rollout.backends.hf import HFBackend
+    from rollstore.rollout import arith
+    from rollstore.rollout.backends.hf import HFBackend
 
     return level_accuracy(HFBackend(model_dir), arith.heldout_prompts(n, split=split), samples)
 
 
 def _target_check(checks: list[dict]):
     """The warm start's stop rule (module invariants): a callback for `build_tiny`."""
-    from learner.tiny import build_tokenizer
-    from rollout import arith
-    from rollout.backends.hf import HFBackend
+    from rollstore.learner.tiny import build_tokenizer
+    from rollstore.rollout import arith
+    from rollstore.rollout.backends.hf import HFBackend
 
     dev = arith.heldout_prompts(HELDOUT_EVAL + WARM_DEV_PROMPTS)[HELDOUT_EVAL:]
     tokenizer = build_tokenizer()
@@ -138,8 +138,8 @@ def _target_check(checks: list[dict]):
 def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES,
                       quiet: bool = False) -> str:
     """The cached tiny policy for these warm-start settings, built on first use."""
-    from learner.tiny import build_tiny
-    from rollout import arith
+    from rollstore.learner.tiny import build_tiny
+    from rollstore.rollout import arith
 
     spec = tiny_spec(steps, seed, examples)
     final = tiny_dir(spec)
@@ -207,8 +207,8 @@ def resolve_prompts(
     deterministic by seed) or `heldout` / `heldout-harder` for the fixed held-out prompts.
     A file: all its prompts, or n of them chosen by a seeded shuffle (cycling if n exceeds them).
     """
-    from rollout import arith
-    from rollout.datasets import load_prompts
+    from rollstore.rollout import arith
+    from rollstore.rollout.datasets import load_prompts
 
     if ref == ARITH_REF or ref.startswith(ARITH_REF + ":"):
         if ref != ARITH_REF:  # builtin:arith:harder; asked for its held-out prompts: heldout-harder

@@ -16,14 +16,14 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from curate.params import load_recipe, step_where
-from curate.run import CurationResult, curate
-from rollout.backends import Backend
-from rollout.prompts import Prompt
-from rollout.reward import RewardPool
-from storage.buffer import Buffer
-from storage.manifest import Shard
-from storage.timing import Stopwatch
+from rollstore.curate.params import load_recipe, step_where
+from rollstore.curate.run import CurationResult, curate
+from rollstore.rollout.backends import Backend
+from rollstore.rollout.prompts import Prompt
+from rollstore.rollout.reward import RewardPool
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.manifest import Shard
+from rollstore.storage.timing import Stopwatch
 
 from .generate import GenerationConfig, StepStamp, generate_step
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from storage.schema import ROLLOUTS
+from rollstore.storage.schema import ROLLOUTS
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from queries.session import Session
+from rollstore.queries.session import Session
 
 
 class TokenText:

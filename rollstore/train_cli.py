@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from storage.buffer import Buffer
-from storage.errors import RollstoreError
-from storage.verify import verify_references, verify_shards
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import RollstoreError
+from rollstore.storage.verify import verify_references, verify_shards
 
 if TYPE_CHECKING:
-    from learner.config import TrainConfig
+    from rollstore.learner.config import TrainConfig
 
 
 def check_curations(buffer: str, curations: list[str]) -> None:
@@ -63,11 +63,11 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     with `follow`, lease curated shards as they appear until `max_idle` idle seconds (0: never)."""
     import torch
 
-    from learner import parallel as ranks
-    from learner.config import Pending, RunPosition, TrainContext
-    from learner.consume import resume, train_pending
-    from learner.policy_loading import load_policy
-    from learner.trainer import make_optimizer
+    from rollstore.learner import parallel as ranks
+    from rollstore.learner.config import Pending, RunPosition, TrainContext
+    from rollstore.learner.consume import resume, train_pending
+    from rollstore.learner.policy_loading import load_policy
+    from rollstore.learner.trainer import make_optimizer
     from rollstore.resolve import resolve_model
 
     dist = ranks.init(parallel)

@@ -92,15 +92,15 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("rollstore.trl needs TRL: pip install -e '.[trl]'") from exc
 
-from curate.params import Recipe, load_recipe, resolve, step_where
-from curate.run import curate as run_curation
-from learner.losses import LossConfig
-from rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
-from rollout.build import StepStamp, build_rollouts
-from rollout.prompts import Prompt, prompt_hash
-from rollout.reward import Verdict
-from storage.buffer import Buffer
-from storage.references import runs_to_mask
+from rollstore.curate.params import Recipe, load_recipe, resolve, step_where
+from rollstore.curate.run import curate as run_curation
+from rollstore.learner.losses import LossConfig
+from rollstore.rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
+from rollstore.rollout.build import StepStamp, build_rollouts
+from rollstore.rollout.prompts import Prompt, prompt_hash
+from rollstore.rollout.reward import Verdict
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.references import runs_to_mask
 
 from .trl_errors import TRLPluginError
 from .trl_replay import replay_into, stored_rows

@@ -3,7 +3,7 @@ its own so that both can raise it without importing each other."""
 
 from __future__ import annotations
 
-from storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError
 
 
 class TRLPluginError(RollstoreError):

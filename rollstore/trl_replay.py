@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import pyarrow.dataset as ds
 import torch
 
-from rollout.backends import FINISH_LENGTH
+from rollstore.rollout.backends import FINISH_LENGTH
 
 from .trl_errors import TRLPluginError
 

@@ -45,7 +45,7 @@ def cli():
 @pytest.fixture
 def buffer_dir(tmp_path):
     """An initialised, empty buffer; returns its path."""
-    from storage.buffer import Buffer
+    from rollstore.storage.buffer import Buffer
 
     root = tmp_path / "buf"
     Buffer.init(str(root)).close()

@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from storage.buffer import Buffer, Part
-from storage.schema import CURATED
+from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.schema import CURATED
 
 VOCAB = 32
 
@@ -73,8 +73,8 @@ def curated_rows(
 
 
 def with_model_logprobs(table: pa.Table, model) -> pa.Table:
-    from learner.batches import collate
-    from learner.trainer import response_logprobs
+    from rollstore.learner.batches import collate
+    from rollstore.learner.trainer import response_logprobs
 
     batch = collate(table)
     with torch.no_grad():

@@ -45,7 +45,7 @@ def small_tiny(tiny_cache):
 @pytest.fixture(scope="session")
 def untrained_tiny(tmp_path_factory):
     """The tiny policy at initialisation: samples pad/bos/eos anywhere (for the EOS-mask tests)."""
-    from learner.tiny import build_tiny
+    from rollstore.learner.tiny import build_tiny
 
     path = str(tmp_path_factory.mktemp("untrained-tiny"))
     build_tiny(path, [("1+1=", "2")], steps=0, seed=0)

@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from curate.params import load_recipe
-from curate.run import curate
+from rollstore.curate.params import load_recipe
+from rollstore.curate.run import curate
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 @pytest.fixture(scope="module")

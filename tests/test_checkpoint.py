@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from learner.checkpoint import (
+from rollstore.learner.checkpoint import (
     CheckpointError,
     Publish,
     append_training_metrics,
@@ -23,11 +23,11 @@ from learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from learner.config import RunPosition, TrainConfig, TrainContext
-from learner.consume import pending_shards, resume, train_pending
-from learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
+from rollstore.learner.config import RunPosition, TrainConfig, TrainContext
+from rollstore.learner.consume import pending_shards, resume, train_pending
+from rollstore.learner.trainer import deterministic_cpu, make_optimizer, train_on_curation
 from learner_util import commit_curated, curated_rows, one_thread, tiny_llama
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 _threads = pytest.fixture(autouse=True)(one_thread)
 
@@ -210,7 +210,7 @@ def learner_process(root: str, kill: str | None = None) -> None:
 
         os.rename = rename
     elif kill == "after_commit":
-        import learner.consume as consume
+        import rollstore.learner.consume as consume
 
         real_save = consume.save_checkpoint
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROLLSTORE_BIN
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 def one_error_line(res) -> str:
@@ -139,7 +139,7 @@ def test_sql_timeout_beyond_a_timer_is_refused_without_a_thread_traceback(curate
 
 
 def test_session_deadline_beyond_a_timer_never_fires(curated):
-    from queries.session import Session, SqlTimeout
+    from rollstore.queries.session import Session, SqlTimeout
 
     with Buffer.open(curated) as buf, buf.snapshot() as snap, Session(snap) as session:
         with session.deadline(1e308):

@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curate.options import Limits
-from curate.params import ParamError, load_recipe
-from curate.run import curate
+from rollstore.curate.options import Limits
+from rollstore.curate.params import ParamError, load_recipe
+from rollstore.curate.run import curate
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
 BIN = os.path.join(os.path.dirname(sys.executable), "rollstore")
@@ -203,8 +203,8 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
     curated shards up to the shard names each buffer draws (their references compare by shard order)."""
     import hashlib
 
-    import curate.finish as output_module
-    import curate.run as run_module
+    import rollstore.curate.finish as output_module
+    import rollstore.curate.run as run_module
 
     monkeypatch.setattr(output_module, "CURATED_SHARD_BYTES", 10_000)
     digests = {}
@@ -242,7 +242,7 @@ def test_ahead_keeps_order_and_hands_errors_and_early_stops_back():
     caller that stops early stops the producer and closes its generator."""
     import threading
 
-    from curate.finish import ahead
+    from rollstore.curate.finish import ahead
 
     assert list(ahead(iter(range(7)))) == list(range(7))
     assert list(ahead(iter([]))) == []

@@ -23,13 +23,13 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-import curate.finish as output_module  # noqa: E402
-from curate.dask_client import curate_dask  # noqa: E402
-from curate.options import Dask, engine_option  # noqa: E402
-from curate.params import ParamError, load_recipe  # noqa: E402
-from curate.run import CurationError, curate  # noqa: E402
+import rollstore.curate.finish as output_module  # noqa: E402
+from rollstore.curate.dask_client import curate_dask  # noqa: E402
+from rollstore.curate.options import Dask, engine_option  # noqa: E402
+from rollstore.curate.params import ParamError, load_recipe  # noqa: E402
+from rollstore.curate.run import CurationError, curate  # noqa: E402
 from rollstore.synthetic import RowOptions, rollouts_table  # noqa: E402
-from storage.buffer import Buffer  # noqa: E402
+from rollstore.storage.buffer import Buffer  # noqa: E402
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
 ALL = {"where": "true", "progress": "0.4"}
@@ -224,7 +224,7 @@ def test_an_inexact_token_threshold_is_refused_and_leaves_nothing(pair, client, 
     """Both engines prove the threshold before writing: a threshold that is not the K-th token
     (here: one after every token, as a non-monotone bucket key would give) keeps a number of tokens
     other than K, and the run stops with the same one-line error and nothing visible."""
-    import curate.merges as merges_module
+    import rollstore.curate.merges as merges_module
 
     def wrong(heads, offset):
         return float("inf"), "", 0
@@ -361,9 +361,9 @@ def test_killed_worker_with_no_retries_fails_cleanly(pair):
 def test_written_parts_publish_in_one_commit_or_not_at_all(tmp_path):
     """Storage side: files a worker wrote under tmp/ are linked into place by `Buffer.commit`, in
     its one transaction; a failing commit unlinks them; bad paths and sizes are refused."""
-    from storage.buffer import WrittenPart, token_count
-    from storage.schema import ROLLOUTS
-    from storage.shardio import write_tmp
+    from rollstore.storage.buffer import WrittenPart, token_count
+    from rollstore.storage.schema import ROLLOUTS
+    from rollstore.storage.shardio import write_tmp
 
     root = str(tmp_path / "buf")
     table = rollouts_table(n_groups=2, group_size=2).cast(ROLLOUTS)

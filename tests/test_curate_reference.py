@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from curate.params import load_recipe
-from curate.run import curate
-from learner.batches import read_curated
-from storage.buffer import Buffer
-from storage.schema import ROLLOUTS
+from rollstore.curate.params import load_recipe
+from rollstore.curate.run import curate
+from rollstore.learner.batches import read_curated
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.schema import ROLLOUTS
 import pyarrow as pa
 
 from reference import reference_curate

@@ -18,16 +18,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from curate.params import CurationError, load_recipe
-from curate.run import curate
-from learner.batches import collate, read_curated
-from queries.session import Session
+from rollstore.curate.params import CurationError, load_recipe
+from rollstore.curate.run import curate
+from rollstore.learner.batches import collate, read_curated
+from rollstore.queries.session import Session
 from rollstore.synthetic import rollouts_table
-from storage import maintenance
-from storage.buffer import Buffer
-from storage.errors import ManifestError
-from storage.references import UnresolvedReference, read_curated_file, resolve, runs_to_mask
-from storage.schema import CURATED, CURATED_REFS, ROLLOUTS, TOKEN_LIST_COLUMNS
+from rollstore.storage import maintenance
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import ManifestError
+from rollstore.storage.references import UnresolvedReference, read_curated_file, resolve, runs_to_mask
+from rollstore.storage.schema import CURATED, CURATED_REFS, ROLLOUTS, TOKEN_LIST_COLUMNS
 
 
 @pytest.fixture
@@ -224,7 +224,7 @@ def test_compaction_rolls_back_when_a_curation_commits_meanwhile(curated_buffer,
 
 def test_curation_refuses_references_to_a_shard_retired_while_it_ran(curated_buffer, monkeypatch):
     root, _ = curated_buffer
-    import curate.finish as finish
+    import rollstore.curate.finish as finish
 
     real = finish.publish
 
@@ -256,7 +256,7 @@ def test_export_materialises_curated_rows(curated_buffer, cli, tmp_path):
 
 
 def test_null_lists_from_statistics_or_the_column(tmp_path):
-    from storage.references import null_lists
+    from rollstore.storage.references import null_lists
 
     table = rollouts_table(n_groups=8, group_size=4, mean_tokens=6, seed=4).cast(ROLLOUTS)
     old = table.column("old_logprobs").to_pylist()

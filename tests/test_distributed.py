@@ -27,13 +27,13 @@ import time
 import pytest
 import torch
 
-from learner.checkpoint import consumed_ledger, list_checkpoints
-from learner.config import RunPosition, TrainConfig, TrainContext
-from learner.consume import pending_shards, resume, train_pending
-from learner.parallel import SINGLE, close, current, passes, rank_block, wrap
-from learner.trainer import deterministic_cpu, make_optimizer
+from rollstore.learner.checkpoint import consumed_ledger, list_checkpoints
+from rollstore.learner.config import RunPosition, TrainConfig, TrainContext
+from rollstore.learner.consume import pending_shards, resume, train_pending
+from rollstore.learner.parallel import SINGLE, close, current, passes, rank_block, wrap
+from rollstore.learner.trainer import deterministic_cpu, make_optimizer
 from learner_util import one_thread, tiny_llama
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 from test_checkpoint import RUN, TRAIN, final_state, fork, make_buffer
 
 _threads = pytest.fixture(autouse=True)(one_thread)

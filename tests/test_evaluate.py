@@ -8,7 +8,7 @@ from math import comb
 import pytest
 from hypothesis import given, strategies as st
 
-from learner.passk import pass_at_k, summarize
+from rollstore.learner.passk import pass_at_k, summarize
 
 
 @given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 @pytest.fixture

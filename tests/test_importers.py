@@ -15,14 +15,14 @@ import duckdb
 import pandas as pd
 import pytest
 
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 EOS = 2  # the tiny tokenizer's eos id (SPECIALS = pad, bos, eos, unk)
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from learner.tiny import build_tokenizer
+    from rollstore.learner.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("tok")
     build_tokenizer().save_pretrained(str(path))
@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory):
     import torch
     from transformers import LlamaForCausalLM
 
-    from learner.tiny import build_tokenizer, tiny_model_config
+    from rollstore.learner.tiny import build_tokenizer, tiny_model_config
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("model")
@@ -92,7 +92,7 @@ def trl_run(out, conversational: bool, steps: int = 1, logging_steps: int = 1, s
     from transformers import LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from learner.tiny import build_tokenizer, tiny_model_config
+    from rollstore.learner.tiny import build_tokenizer, tiny_model_config
 
     def length_reward(completions, **kw):
         return [float(len(c if isinstance(c, str) else c[0]["content"]) % 2) for c in completions]
@@ -122,7 +122,7 @@ def trl_run(out, conversational: bool, steps: int = 1, logging_steps: int = 1, s
 
 @pytest.fixture(scope="module")
 def chat_tok_dir(tmp_path_factory):
-    from learner.tiny import build_tokenizer
+    from rollstore.learner.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("chat-tok")
     tok = build_tokenizer()
@@ -194,7 +194,7 @@ def test_trl_batch_logged_twice_by_a_real_grpo_trainer(tmp_path, cli, buf, tok_d
 
 
 def tok_dir_plain(tmp_path):
-    from learner.tiny import build_tokenizer
+    from rollstore.learner.tiny import build_tokenizer
 
     path = tmp_path / "plain-tok"
     build_tokenizer().save_pretrained(str(path))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import write_jsonl, write_parquet
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 def one_error_line(res) -> str:
@@ -96,7 +96,8 @@ def test_damaged_shard_is_one_line_everywhere(cli, filled, damage):
 CURATE_ZYGOTE = r"""
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import storage.shardio, storage.manifest, storage.buffer
+import rollstore.storage.shardio, rollstore.storage.manifest, rollstore.storage.buffer
+from rollstore import storage
 from typer.main import get_command
 from rollstore.cli import app
 
@@ -375,7 +376,8 @@ def test_unrepresentable_values_print_in_every_format(cli, filled):
 
 
 def test_unexpected_exception_is_one_line_with_debug_hint(cli, filled, monkeypatch):
-    import storage.buffer
+    import rollstore.storage.buffer
+    from rollstore import storage
 
     def boom(*a, **k):
         raise KeyError("surprise")
@@ -475,7 +477,7 @@ def test_report_with_hostile_text_renders_in_chromium(cli, buffer_dir, tmp_path)
 
 # ---- 7: the memory limit holds (a worker process watched from outside) ----------------------
 def test_memory_bomb_stops_at_the_limit(cli, filled):
-    from queries.bounded import Usage
+    from rollstore.queries.bounded import Usage
 
     with Buffer.open(filled) as buf:
         seq = buf.manifest.latest_seq()
@@ -501,8 +503,11 @@ def test_reads_work_and_writes_fail_in_one_line_on_a_full_disk(cli, filled, tmp_
     import errno
     import sqlite3
 
-    import storage.manifest
-    import storage.shardio
+    import rollstore.storage.manifest
+
+    from rollstore import storage
+    import rollstore.storage.shardio
+    from rollstore import storage
 
     def full(*a, **k):
         raise sqlite3.OperationalError("database or disk is full")
@@ -536,7 +541,7 @@ def test_gc_removes_spill_folders_of_dead_processes(cli, filled):
     import subprocess
     import sys
 
-    from storage.maintenance import spill_prefix
+    from rollstore.storage.maintenance import spill_prefix
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)

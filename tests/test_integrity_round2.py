@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROLLSTORE_BIN, write_jsonl
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 def one_error_line(res) -> str:
@@ -204,7 +204,7 @@ def test_a_killed_export_leaves_a_partial_that_the_next_export_removes(curated, 
     assert res.returncode == -9, res.stderr
     left = [n for n in os.listdir(tmp_path) if n.startswith(".exp.partial-")]
     assert len(left) == 1 and not os.path.exists(to)
-    from storage.owners import owned_name  # a live writer's partial (ours) is kept
+    from rollstore.storage.owners import owned_name  # a live writer's partial (ours) is kept
     live = tmp_path / (".exp." + owned_name("partial"))
     live.mkdir()
     res = subprocess.run([ROLLSTORE_BIN, "export", curated, "--to", to], capture_output=True, text=True,
@@ -232,7 +232,7 @@ app()
 """
 
 PAUSE_BEFORE_COMMIT = """
-import storage.manifest as m
+import rollstore.storage.manifest as m
 real = m.Manifest.new_commit
 def new_commit(self, con, kind, detail=None):
     if kind == "append":
@@ -242,7 +242,7 @@ m.Manifest.new_commit = new_commit
 """
 
 PAUSE_IN_TMP = """
-import storage.shardio as s
+import rollstore.storage.shardio as s
 real = s.write_parquet
 def write_parquet(table, path, threads=None):
     real(table, path, threads)
@@ -252,7 +252,7 @@ s.write_parquet = write_parquet
 """
 
 PAUSE_AFTER_LINKS = """
-import storage.buffer as b
+import rollstore.storage.buffer as b
 real = b.publish_file
 def publish_file(table, root, relpath, is_orphan=None):
     out = real(table, root, relpath, is_orphan)
@@ -319,7 +319,7 @@ def test_imports_beside_gc_lose_nothing(buffer_dir, tmp_path):
 
 
 def test_gc_removes_a_dead_writers_temp_files_and_keeps_a_live_ones(cli, buffer_dir):
-    from storage.owners import owned_name
+    from rollstore.storage.owners import owned_name
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     mine = owned_name("tmp", ".parquet")
@@ -443,7 +443,7 @@ def _reads_work(cli, root, out):
 
 def test_reads_work_on_a_really_full_disk(cli, small_fs, tmp_path):
     root = _buffer_on(small_fs, cli)
-    from storage.owners import owned_name
+    from rollstore.storage.owners import owned_name
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = os.path.join(root, "tmp", owned_name("tmp", ".parquet").replace(f"-{os.getpid()}-", f"-{dead.stdout.strip()}-"))
@@ -550,7 +550,7 @@ def test_verify_refuses_what_readers_refuse(cli, curated, tmp_path, how):
 # ---- 4: a row id covers everything that makes the row, also what is not in the file's bytes -----
 def test_byte_identical_nemo_rl_dumps_of_two_steps_are_both_imported(cli, buffer_dir, tmp_path):
     from test_importers import EOS, nemo_file
-    from learner.tiny import build_tokenizer
+    from rollstore.learner.tiny import build_tokenizer
 
     tok = tmp_path / "tok"
     build_tokenizer().save_pretrained(str(tok))
@@ -640,7 +640,7 @@ def test_generate_refuses_a_negative_policy_version(cli, buffer_dir):
 
 def test_a_big_jsonl_import_streams(cli, buffer_dir, tmp_path, monkeypatch):
     """Many chunks (forced small): the same rows, checks and errors as one chunk would give."""
-    import storage.importer as importer
+    import rollstore.storage.importer as importer
 
     monkeypatch.setattr(importer, "JSONL_CHUNK_ROWS", 7)
     table = rollouts_table(n_groups=40, group_size=1, step=0, policy_version=0, seed=9)

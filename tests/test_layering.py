@@ -78,3 +78,23 @@ def test_the_check_sees_both_spellings(tmp_path):
         "storage/b.py:2 imports rollstore.curate.run",
         "storage/c.py:1 imports rollstore.learner",
     ]
+
+
+def test_every_import_uses_the_installed_names():
+    """`storage`, `queries`, ... are folders of the checkout but install as `rollstore.storage`, ...
+    (the wheel has one top-level package). A bare `import storage` works only from the checkout,
+    and beside `rollstore.storage` it would load a second copy of every module (two classes of each
+    error, two buffers' caches), so none is left anywhere: product, tests, benchmarks, examples."""
+    bare = []
+    for top in ("rollstore", *[k for k in ALLOWED if k != "rollstore"], "tests", "bench", "examples"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as fh:
+                    tree = ast.parse(fh.read(), path)
+                for line, module in imported(tree):
+                    if module.split(".")[0] in ALLOWED and module.split(".")[0] != "rollstore":
+                        bare.append(f"{os.path.relpath(path, ROOT)}:{line} imports {module}")
+    assert bare == []

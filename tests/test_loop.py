@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from learner.checkpoint import consumed_ledger, latest_checkpoint, list_checkpoints
-from queries.session import Session
+from rollstore.learner.checkpoint import consumed_ledger, latest_checkpoint, list_checkpoints
+from rollstore.queries.session import Session
 from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 from rollstore.loop import LoopConfig, run_loop
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 BIN = os.path.join(os.path.dirname(sys.executable), "rollstore")
 
@@ -157,7 +157,7 @@ def test_the_demo_settings_learn_by_a_wide_margin(tmp_path, default_tiny):
     """The demo's settings (d3s, LoopConfig defaults, one torch thread) for 12 iterations: the start
     has mixed groups on every level, and greedy accuracy on the distinct held-out prompts gains at
     least 15 points (this machine: about +60), so other CPUs' float kernels cannot flip it."""
-    from rollout import arith
+    from rollstore.rollout import arith
 
     root = str(tmp_path / "learn")
     Buffer.init(root).close()

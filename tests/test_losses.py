@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.losses import LOSSES, LossConfig, Normalizer, compute_loss, get_loss
+from rollstore.learner.losses import LOSSES, LossConfig, Normalizer, compute_loss, get_loss
 
 ALL = ("grpo", "dapo", "gspo", "dr_grpo")
 

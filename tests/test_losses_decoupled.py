@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.losses import LOSSES, LossConfig, compute_loss
+from rollstore.learner.losses import LOSSES, LossConfig, compute_loss
 
 ALL = sorted(LOSSES)
 

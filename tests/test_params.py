@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from curate.params import (
+from rollstore.curate.params import (
     DEFAULTS, ParamError, budget, builtin_recipes, load_recipe, parse_sets, resolve, token_budget,
 )
 

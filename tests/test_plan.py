@@ -9,14 +9,14 @@ import re
 
 import pytest
 
-import curate.run as run_module
-from curate import plan as plan_module
-from curate.params import builtin_recipes, load_recipe, resolve
-from curate.run import curate
-from curate.steps import Runner
-from queries import load_sql, render
+import rollstore.curate.run as run_module
+from rollstore.curate import plan as plan_module
+from rollstore.curate.params import builtin_recipes, load_recipe, resolve
+from rollstore.curate.run import curate
+from rollstore.curate.steps import Runner
+from rollstore.queries import load_sql, render
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 TOKEN_COLUMNS = ("response_token_ids", "prompt_token_ids", "gen_logprobs", "old_logprobs")
 
@@ -171,7 +171,7 @@ class EngineSpy:
     def __init__(self, monkeypatch):
         import threading
 
-        from queries.session import Session
+        from rollstore.queries.session import Session
 
         self.executed: list[str] = []
         self.steps: list[tuple[str, str]] = []  # (step id, rendered text)
@@ -257,8 +257,8 @@ def test_the_embedded_engine_executes_the_plan_steps_in_order(steps_buffer, monk
 def test_the_dask_engine_executes_the_plan_steps_in_order(steps_buffer, monkeypatch, recipe, sets):
     """In-process Dask workers (threads), so the spy sees every task's statements."""
     distributed = pytest.importorskip("distributed")
-    from curate.dask_client import curate_dask
-    from curate.options import Dask
+    from rollstore.curate.dask_client import curate_dask
+    from rollstore.curate.options import Dask
 
     with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client, \
             Buffer.open(steps_buffer) as buf:
@@ -270,8 +270,8 @@ def test_the_dask_engine_executes_the_plan_steps_in_order(steps_buffer, monkeypa
 
 
 def test_every_global_step_has_a_registered_merge_with_a_handler_in_both_engines():
-    from curate.merges import MERGES
-    from curate.run import HANDLERS
+    from rollstore.curate.merges import MERGES
+    from rollstore.curate.run import HANDLERS
 
     for name in builtin_recipes():
         recipe = load_recipe(name)

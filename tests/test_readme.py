@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from curate.params import CurationError, ParamError, load_recipe
-from curate.run import curate
+from rollstore.curate.params import CurationError, ParamError, load_recipe
+from rollstore.curate.run import curate
 from reference import reference_replay_curate
-from storage.buffer import Buffer
-from storage.schema import ROLLOUTS
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.schema import ROLLOUTS
 from test_curate_reference import compare
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -133,8 +133,8 @@ def test_replay_refuses_a_batch_of_several_runs_and_bad_parameters(tmp_path):
 
 
 def test_the_plan_and_the_record_name_the_replay_parameters():
-    from curate import plan as plan_module
-    from curate.params import resolve
+    from rollstore.curate import plan as plan_module
+    from rollstore.curate.params import resolve
 
     recipe = load_recipe("replay-groups")
     plan = plan_module.build(resolve(recipe, {"where": "step = 3", "current_version": "3"}), recipe)

@@ -19,10 +19,10 @@ import duckdb
 import pytest
 from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
-from queries import load_sql
+from rollstore.queries import load_sql
 from rollstore.report import QUERIES, SECTIONS, bind, build_report
 from rollstore.report_svg import Series, fmt, line_chart, nice_ticks
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -294,8 +294,8 @@ def test_report_command_scope_and_errors(cli, loop_buffer, tmp_path, buffer_dir)
 def test_report_of_100k_rollouts_is_small(tmp_path):
     """10 steps × 10 000 rollouts (~3.2 M tokens), one d3s + DA3PO curation per step. The page stays
     a few hundred KB: token views are sampled and everything else is aggregated in SQL."""
-    from curate.params import load_recipe
-    from curate.run import curate
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
     from rollstore.synthetic import rollouts_table
 
     root = str(tmp_path / "big")

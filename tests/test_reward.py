@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout.reward import Overlong, RewardPool, Verdict, compute_rewards, judge_math, overlong_penalty
+from rollstore.rollout.reward import Overlong, RewardPool, Verdict, compute_rewards, judge_math, overlong_penalty
 
 
 # Judges for the failure tests. Module-level, so the spawned workers can import them by name.
@@ -108,7 +108,7 @@ def test_unguarded_script_is_not_rerun_by_the_workers(tmp_path):
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {root!r})\n"
-        "from rollout.reward import RewardPool\n"
+        "from rollstore.rollout.reward import RewardPool\n"
         "print('top-level run', flush=True)\n"
         "with RewardPool(workers=1) as pool:\n"
         "    print(pool.verify('2', '2'), flush=True)\n"
@@ -123,7 +123,7 @@ def test_integer_fast_path_agrees_with_math_verify():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from rollout.reward import integer_verdict
+    from rollstore.rollout.reward import integer_verdict
 
     ints = st.integers(min_value=-10**6, max_value=10**6)
     text = st.one_of(ints.map(str), ints.map(lambda x: f" {x} "), ints.map(lambda x: f"0{abs(x)}"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout import arith
-from rollout.prompts import prompt_hash
+from rollstore.rollout import arith
+from rollstore.rollout.prompts import prompt_hash
 
 
 def test_prompts_are_deterministic_by_seed():

@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollout.backends import Generation
-from rollout.build import StepStamp, build_rollouts, make_group_id
-from rollout.prompts import Prompt
-from rollout.reward import Verdict
-from storage.schema import ROLLOUTS
-from storage.validate import validate_rollouts
+from rollstore.rollout.backends import Generation
+from rollstore.rollout.build import StepStamp, build_rollouts, make_group_id
+from rollstore.rollout.prompts import Prompt
+from rollstore.rollout.reward import Verdict
+from rollstore.storage.schema import ROLLOUTS
+from rollstore.storage.validate import validate_rollouts
 
 
 def gen(tokens, reason="stop"):

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout.datasets import DatasetError, gsm8k_answer, last_boxed, load_prompts, reduce_answer
-from rollout.prompts import prompt_hash
+from rollstore.rollout.datasets import DatasetError, gsm8k_answer, last_boxed, load_prompts, reduce_answer
+from rollstore.rollout.prompts import prompt_hash
 
 
 def write_jsonl(path, rows, raw_lines=()):

@@ -11,15 +11,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-from learner.policy_loading import load_policy
-from learner.score import score
-from rollout import arith
-from rollout.backends import cut_at_first_eos, get_backend
-from rollout.backends.hf import HFBackend
+from rollstore.learner.policy_loading import load_policy
+from rollstore.learner.score import score
+from rollstore.rollout import arith
+from rollstore.rollout.backends import cut_at_first_eos, get_backend
+from rollstore.rollout.backends.hf import HFBackend
 from rollstore.generate import GenerationConfig, StepStamp, generate_step
 from rollout_helpers import default_tiny, small_tiny, tiny_cache, untrained_tiny  # noqa: F401
-from storage.schema import ROLLOUTS
-from storage.validate import validate_rollouts
+from rollstore.storage.schema import ROLLOUTS
+from rollstore.storage.validate import validate_rollouts
 
 PROMPTS = [p.prompt for p in arith.train_prompts(64, seed=0)]
 
@@ -183,7 +183,7 @@ def test_generate_step_is_deterministic_and_can_skip_scoring(default_tiny, step_
 
 
 def test_appends_to_the_buffer_and_reads_back(step_table, tmp_path):
-    buffer = pytest.importorskip("storage.buffer")
+    buffer = pytest.importorskip("rollstore.storage.buffer")
     _, table = step_table
     root = str(tmp_path / "buf")
     buffer.Buffer.init(root).close()

@@ -11,7 +11,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from rollout import arith
+from rollstore.rollout import arith
 from rollout_helpers import default_tiny, small_tiny, tiny_cache  # noqa: F401
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -27,7 +27,7 @@ PROMPTS = [p.prompt for p in arith.train_prompts(16, seed=0)]
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
 def test_missing_vllm_gives_an_install_hint(tmp_path):
-    from rollout.backends import get_backend
+    from rollstore.rollout.backends import get_backend
 
     with pytest.raises(ImportError, match=r"pip install 'rollstore\[vllm\]'"):
         get_backend("vllm", str(tmp_path))
@@ -36,7 +36,7 @@ def test_missing_vllm_gives_an_install_hint(tmp_path):
 @pytest.fixture(scope="module")
 def vllm_backend(default_tiny):  # noqa: F811
     pytest.importorskip("vllm")
-    from rollout.backends.vllm import VLLMBackend
+    from rollstore.rollout.backends.vllm import VLLMBackend
 
     return VLLMBackend(default_tiny, dtype="float32", max_model_len=64, enforce_eager=True)
 
@@ -47,9 +47,9 @@ def flat(groups):
 
 @vllm_test
 def test_vllm_contract_and_trainer_logprobs(vllm_backend, default_tiny):  # noqa: F811
-    from learner.policy_loading import load_policy
-    from learner.score import score
-    from rollout.backends.hf import HFBackend
+    from rollstore.learner.policy_loading import load_policy
+    from rollstore.learner.score import score
+    from rollstore.rollout.backends.hf import HFBackend
 
     groups = vllm_backend.generate(PROMPTS, 8, 12, temperature=1.0, top_p=1.0, seed=0)
     assert len(groups) == len(PROMPTS) and all(len(g) == 8 for g in groups)
@@ -78,7 +78,7 @@ def test_vllm_same_seed_same_rollouts(vllm_backend):
 def test_vllm_temperature_logprobs(vllm_backend, default_tiny):  # noqa: F811
     import torch
 
-    from learner.policy_loading import load_policy
+    from rollstore.learner.policy_loading import load_policy
 
     model, _ = load_policy(default_tiny)
     for g in flat(vllm_backend.generate(PROMPTS[:4], 4, 12, temperature=0.7, seed=1)):
@@ -93,8 +93,8 @@ def test_vllm_temperature_logprobs(vllm_backend, default_tiny):  # noqa: F811
 
 @vllm_test
 def test_vllm_load_weights_switches_policy_version(vllm_backend, default_tiny, small_tiny):  # noqa: F811
-    from learner.policy_loading import load_policy
-    from learner.score import score
+    from rollstore.learner.policy_loading import load_policy
+    from rollstore.learner.score import score
 
     try:
         vllm_backend.load_weights(small_tiny)

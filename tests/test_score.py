@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from learner import score as score_mod
-from learner.policy_loading import load_policy
-from learner.score import score
+from rollstore.learner import score as score_mod
+from rollstore.learner.policy_loading import load_policy
+from rollstore.learner.score import score
 from rollout_helpers import untrained_tiny  # noqa: F401  (fixture)
 
 

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_jsonl
-from queries.session import Session
+from rollstore.queries.session import Session
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer, Part
-from storage.errors import ManifestError
-from storage.schema import SELECTIONS
+from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.errors import ManifestError
+from rollstore.storage.schema import SELECTIONS
 
 QUERIES = [
     "SELECT count(*), count(DISTINCT group_id), count(DISTINCT prompt_id), sum(len(response_token_ids)) FROM rollouts",
@@ -120,7 +120,7 @@ def test_uniqueness_survives_compaction_and_gc(cli, many_shards, tmp_path):
 
 
 def test_leased_shards_are_not_merged(many_shards):
-    from storage.maintenance import compact
+    from rollstore.storage.maintenance import compact
 
     with Buffer.open(many_shards) as buf:
         _, (held,) = buf.lease("rollouts", 1, "learner")
@@ -144,7 +144,7 @@ def audit_rows(curation: str, n: int) -> pa.Table:
 def test_compaction_never_mixes_curations(cli, buffer_dir):
     """Audit shards are keyed by curation (audit/<id>/audit.parquet, named in the curation record):
     compaction merges only shards of one key and folder, and refuses the curated table outright."""
-    from storage.maintenance import compact
+    from rollstore.storage.maintenance import compact
 
     with Buffer.open(buffer_dir) as buf:
         for cid in ("c1", "c2", "c3"):

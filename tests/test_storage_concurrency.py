@@ -13,10 +13,10 @@ import polars as pl
 import pytest
 
 from conftest import ROOT
-from queries.session import Session
+from rollstore.queries.session import Session
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
-from storage.errors import ValidationError
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import ValidationError
 
 GROUP = 4
 
@@ -24,7 +24,7 @@ APPENDER = """
 import os, sys
 sys.path.insert(0, {root!r})
 from rollstore.synthetic import rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 buf = Buffer.open({buffer!r})
 print("ready", flush=True)
 step = 0
@@ -130,8 +130,9 @@ def test_lease_expiry_returns_unacked_shards(leasable):
 @pytest.mark.parametrize("same", ["rollout_id", "group_id"])
 def test_racing_appenders_of_the_same_ids(buffer_dir, monkeypatch, same):
     """Both pass validation (the race); the manifest's keys let exactly one commit."""
-    import storage.buffer
-    from storage.validate import validate_rollouts
+    import rollstore.storage.buffer
+    from rollstore import storage
+    from rollstore.storage.validate import validate_rollouts
 
     table = rollouts_table(n_groups=2, group_size=4)
     other = table

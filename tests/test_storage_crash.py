@@ -18,9 +18,9 @@ import time
 import pyarrow.parquet as pq
 
 from conftest import ROOT
-from queries.session import Session
-from storage.buffer import Buffer
-from storage.shardio import sha256_file
+from rollstore.queries.session import Session
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.shardio import sha256_file
 
 RANDOM_KILLS = 20
 INJECTED = ("tmp", "linked", "in-txn")  # killed: after the temp write / after the link / inside the txn
@@ -28,7 +28,8 @@ INJECTED = ("tmp", "linked", "in-txn")  # killed: after the temp write / after t
 ZYGOTE = r"""
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import storage.buffer, storage.manifest, storage.shardio
+import rollstore.storage.buffer, rollstore.storage.manifest, rollstore.storage.shardio
+from rollstore import storage
 from rollstore.synthetic import RowOptions, rollouts_table
 
 def die():

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 
 from conftest import write_jsonl, write_parquet
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
-from storage.schema import ROLLOUTS, TOKEN_LIST_COLUMNS
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.schema import ROLLOUTS, TOKEN_LIST_COLUMNS
 
 FLOAT_LEAVES = ("gen_logprobs.list.element", "old_logprobs.list.element", "entropies.list.element", "reward")
 

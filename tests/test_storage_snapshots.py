@@ -11,11 +11,11 @@ import polars as pl
 import pytest
 
 from conftest import write_parquet
-from queries.session import Session
+from rollstore.queries.session import Session
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
-from storage.errors import ManifestError
-from storage.schema import READ_SCHEMAS, TABLES
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import ManifestError
+from rollstore.storage.schema import READ_SCHEMAS, TABLES
 
 
 def counts(snap) -> dict:

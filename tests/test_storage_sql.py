@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROLLSTORE_BIN, write_parquet
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
+from rollstore.storage.buffer import Buffer
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_sql_through_the_installed_command(loaded, tmp_path):
 def test_rebind_drops_the_previous_jobs_macros_and_keeps_the_views_macros(loaded):
     """A curation creates a temporary macro (curate_token_scores.sql); a session reused for the next
     job (`Session.rebind`) drops it with the job's tables and views, and re-creates views.sql's."""
-    from queries.session import Session
+    from rollstore.queries.session import Session
 
     with Buffer.open(loaded) as buf, buf.snapshot() as snap, Session(snap) as s:
         s.execute("CREATE OR REPLACE TEMP MACRO token_score_bucket(score) AS score")

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROLLSTORE_BIN
 from rollstore.synthetic import RowOptions, rollouts_table
-from storage.buffer import Buffer
-from storage.schema import ROLLOUTS
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.schema import ROLLOUTS
 
 # A schema with every field nullable, so that bad files (nulls where banned) can be written.
 LOOSE = pa.schema([f.with_nullable(True) for f in ROLLOUTS])

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-from learner.policy_loading import load_policy
-from learner.tiny import build_tiny, build_tokenizer
-from rollout import arith
+from rollstore.learner.policy_loading import load_policy
+from rollstore.learner.tiny import build_tiny, build_tokenizer
+from rollstore.rollout import arith
 from rollout_helpers import SMALL_STEPS, default_tiny, small_tiny, tiny_cache  # noqa: F401
 from rollstore.resolve import WARM_TARGET, resolve_model, resolve_prompts, tiny_info
-from storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError
 
 
 def test_character_tokenizer_round_trips(tmp_path):

@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from learner.batches import collate, iter_steps, read_curated
-from learner.config import TrainConfig
-from learner.trainer import make_optimizer, response_logprobs, train_on_curation
+from rollstore.learner.batches import collate, iter_steps, read_curated
+from rollstore.learner.config import TrainConfig
+from rollstore.learner.trainer import make_optimizer, response_logprobs, train_on_curation
 from learner_util import commit_curated, curated_rows, one_thread, tiny_llama
-from storage.buffer import Buffer
-from storage.schema import TRAINING
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.schema import TRAINING
 
 _threads = pytest.fixture(autouse=True)(one_thread)
 
@@ -167,7 +167,7 @@ def _lagged(table: pa.Table, lagged_rows: set[int], version: int) -> pa.Table:
 def test_decoupled_training_without_lag_is_todays_training_bit_for_bit(buf):
     """Every row sampled by the weights' own version: the decoupled objective changes nothing
     (same weights, torch.equal), and no proximal forward runs."""
-    from learner.losses import LossConfig
+    from rollstore.learner.losses import LossConfig
 
     shard = paths(buf, commit_curated(buf, "c", [_lagged(curated_rows("c", 8, seed=9, model=tiny_llama(1)), set(), 0)]))
     models = []
@@ -184,8 +184,8 @@ def test_decoupled_training_without_lag_is_todays_training_bit_for_bit(buf):
 def test_lagged_rows_are_scored_by_the_weights_at_the_start_of_the_step(buf, monkeypatch):
     """Only lagged rows go through the proximal forward, once per optimiser step, before its first
     backward; the loss then sees π_prox for them and π_old for the others."""
-    import learner.trainer as trainer
-    from learner.losses import LOSSES
+    import rollstore.learner.trainer as trainer
+    from rollstore.learner.losses import LOSSES
 
     table = _lagged(curated_rows("c", 8, seed=10, model=tiny_llama(1)), {1, 4, 6}, 3)
     shard = paths(buf, commit_curated(buf, "c", [table]))

@@ -20,10 +20,10 @@ from rollout_helpers import untrained_tiny  # noqa: E402,F401
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from rollout.arith import train_prompts  # noqa: E402
+from rollstore.rollout.arith import train_prompts  # noqa: E402
 from rollstore.cli import app  # noqa: E402
 from rollstore.trl import CorrectRule, RollstoreGRPOTrainer  # noqa: E402
-from storage.buffer import Buffer  # noqa: E402
+from rollstore.storage.buffer import Buffer  # noqa: E402
 
 G = 4
 CONSTANT = "1+1="

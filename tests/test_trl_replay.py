@@ -15,10 +15,10 @@ from rollout_helpers import untrained_tiny  # noqa: E402,F401
 from test_trl import G, make, parity, rollouts  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from learner.losses import LossConfig, Normalizer, compute_loss  # noqa: E402
+from rollstore.learner.losses import LossConfig, Normalizer, compute_loss  # noqa: E402
 from rollstore.cli import app  # noqa: E402
 from rollstore.trl import RollstoreGRPOTrainer, TRLPluginError  # noqa: E402
-from storage.buffer import Buffer  # noqa: E402
+from rollstore.storage.buffer import Buffer  # noqa: E402
 
 CAP = LossConfig().decoupled_cap
 

@@ -81,7 +81,7 @@ def _scorer(model_dir: str):
             raise ImportRefused("--score-model: a row has an empty prompt; its first token cannot be scored")
         if "model" not in held:
             held["model"] = load()
-        from learner.score import score as score_rows
+        from rollstore.learner.score import score as score_rows
 
         logprobs, _ = score_rows(held["model"], 0, [list(prompt_ids)], [list(response_ids)], batch_size=1)
         return [float(v) for v in logprobs[0]]

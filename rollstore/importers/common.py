@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
-from storage.errors import RollstoreError, ValidationError
-from storage.schema import ROLLOUTS
-from storage.shardio import sha256_file as file_digest  # noqa: F401  (the importers' file hash)
+from rollstore.storage.errors import RollstoreError, ValidationError
+from rollstore.storage.schema import ROLLOUTS
+from rollstore.storage.shardio import sha256_file as file_digest  # noqa: F401  (the importers' file hash)
 
 
 class ImportRefused(RollstoreError):

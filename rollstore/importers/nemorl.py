@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import re
 
-from storage.importer import read_jsonl_objects
+from rollstore.storage.importer import read_jsonl_objects
 from .common import (Rows, TextCodec, bad, empty, file_digest, file_time, finish_from_eos, float_list,
                      group_ids, groups_from_order, int_list, kind, missing, number, sample_idx, stable_id)
 from .tokens import response_span

@@ -43,7 +43,7 @@ import glob
 import os
 import re
 
-from storage.importer import read_jsonl_objects
+from rollstore.storage.importer import read_jsonl_objects
 from .common import (ImportRefused, Rows, TextCodec, bad, empty, file_digest, file_time, finish_from_eos,
                      float_list, group_ids, groups_by_key, int_list, kind, missing, number, sample_idx, stable_id)
 from .tokens import response_span

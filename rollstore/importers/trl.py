@@ -40,7 +40,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.errors import ValidationError
+from rollstore.storage.errors import ValidationError
 from .common import (Rows, TextCodec, bad, empty, file_time, group_ids, groups_from_order, kind, missing,
                      sample_idx, stable_id)
 from .text import fill_text

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 
-from storage.importer import read_jsonl_objects
+from rollstore.storage.importer import read_jsonl_objects
 from .common import (Rows, TextCodec, bad, empty, file_digest, file_time, group_ids, groups_by_key, kind,
                      number, sample_idx, stable_id)
 from .text import fill_text

@@ -44,20 +44,25 @@ def imported(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
-def violations(root: str = ROOT) -> list[str]:
-    bad = []
-    for pkg, ok in ALLOWED.items():
-        for folder, _, files in os.walk(os.path.join(root, pkg)):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
+def imports_under(root: str, top: str):
+    """(file relative to root, line, module) of every import in the Python files under root/top."""
+    for folder, _, files in os.walk(os.path.join(root, top)):
+        for name in sorted(files):
+            if name.endswith(".py"):
                 path = os.path.join(folder, name)
                 with open(path, encoding="utf-8") as fh:
                     tree = ast.parse(fh.read(), path)
                 for line, module in imported(tree):
-                    layer = layer_of(module)
-                    if layer is not None and layer != pkg and layer not in ok:
-                        bad.append(f"{os.path.relpath(path, root)}:{line} imports {module}")
+                    yield os.path.relpath(path, root), line, module
+
+
+def violations(root: str = ROOT) -> list[str]:
+    bad = []
+    for pkg, ok in ALLOWED.items():
+        for path, line, module in imports_under(root, pkg):
+            layer = layer_of(module)
+            if layer is not None and layer != pkg and layer not in ok:
+                bad.append(f"{path}:{line} imports {module}")
     return bad
 
 
@@ -85,16 +90,8 @@ def test_every_import_uses_the_installed_names():
     (the wheel has one top-level package). A bare `import storage` works only from the checkout,
     and beside `rollstore.storage` it would load a second copy of every module (two classes of each
     error, two buffers' caches), so none is left anywhere: product, tests, benchmarks, examples."""
-    bare = []
-    for top in ("rollstore", *[k for k in ALLOWED if k != "rollstore"], "tests", "bench", "examples"):
-        for folder, _, files in os.walk(os.path.join(ROOT, top)):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
-                path = os.path.join(folder, name)
-                with open(path, encoding="utf-8") as fh:
-                    tree = ast.parse(fh.read(), path)
-                for line, module in imported(tree):
-                    if module.split(".")[0] in ALLOWED and module.split(".")[0] != "rollstore":
-                        bare.append(f"{os.path.relpath(path, ROOT)}:{line} imports {module}")
+    bare = [f"{path}:{line} imports {module}"
+            for top in ("rollstore", *[k for k in ALLOWED if k != "rollstore"], "tests", "bench", "examples")
+            for path, line, module in imports_under(ROOT, top)
+            if module.split(".")[0] in ALLOWED and module.split(".")[0] != "rollstore"]
     assert bare == []

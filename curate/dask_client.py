@@ -58,7 +58,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import build
-from .steps import CURATION_INPUTS, Runner, latest_checkpoint, run_values, with_defaults
+from .steps import Runner, latest_checkpoint, run_values, verified_inputs, with_defaults
 
 
 def require_dask():
@@ -150,7 +150,7 @@ def curate_dask(
     if dask.partitions is not None and dask.partitions < 1:
         raise ParamError(f"partitions must be >= 1, got {dask.partitions}")
     with buf.snapshot(snapshot_seq, pin=True) as snap, \
-            Session(snap.verify(CURATION_INPUTS), limits.memory_limit, limits.threads) as session, \
+            Session(verified_inputs(snap, dry_run), limits.memory_limit, limits.threads) as session, \
             _client(dask.scheduler) as client:
         client.wait_for_workers(1, timeout=120)
         versions = client.run(tasks.library_versions)

@@ -48,13 +48,13 @@ from .options import Dask, Limits
 from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
 from .steps import (
-    CURATION_INPUTS,
     Runner,
     latest_checkpoint,
     latest_policy,
     latest_step,
     parquet,
     run_values,
+    verified_inputs,
     with_defaults,
 )
 
@@ -113,8 +113,8 @@ def curate(
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
     with buf.snapshot(snapshot_seq, pin=True) as snap, (
-            contextlib.nullcontext(session.rebind(snap.verify(CURATION_INPUTS))) if session is not None
-            else Session(snap.verify(CURATION_INPUTS), limits.memory_limit, limits.threads)) as session:
+            contextlib.nullcontext(session.rebind(verified_inputs(snap, dry_run))) if session is not None
+            else Session(verified_inputs(snap, dry_run), limits.memory_limit, limits.threads)) as session:
         files = snap.files("rollouts")
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")

@@ -23,6 +23,13 @@ from .plan import Plan, Step
 CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
 
+def verified_inputs(snap, dry_run: bool):
+    """The snapshot, its curation inputs hashed against the manifest (sha256) before anything is
+    committed from them; a dry run commits nothing, so it skips the hashing (at 1 B tokens, 10 GiB
+    read once more) and keeps the size check every read makes."""
+    return snap if dry_run else snap.verify(CURATION_INPUTS)
+
+
 def run_values(plan: Plan) -> dict:
     """The values a run starts with: the plan's, and what the merges' errors name."""
     return {**plan.values, "where_text": plan.params["where"], "token_mode": plan.params["token"]}

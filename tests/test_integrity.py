@@ -74,6 +74,25 @@ def test_corrupted_shard_refused_by_curate_and_named_by_verify(cli, filled):
         assert buf.manifest.latest_seq() == seq + 2  # quarantine, then the curation
 
 
+def test_only_a_committing_curation_hashes_its_inputs(cli, filled, monkeypatch):
+    """sha256 before anything is committed: the curation hashes, its dry run (nothing committed)
+    does not, and still checks sizes (a truncated shard is refused by both)."""
+    from rollstore.storage.snapshot import Snapshot
+
+    hashed = []
+    real = Snapshot.verify
+    monkeypatch.setattr(Snapshot, "verify", lambda self, tables=None: hashed.append(tables) or real(self, tables))
+    assert cli("curate", filled, "--recipe", "grpo", "--set", "where=true", "--dry-run").code == 0
+    assert hashed == []
+    assert cli("curate", filled, "--recipe", "grpo", "--set", "where=true").code == 0
+    assert len(hashed) == 1 and "rollouts" in hashed[0]
+    bad = rollout_shards(filled)[0]
+    with open(bad, "r+b") as fh:
+        fh.truncate(os.path.getsize(bad) // 2)
+    line = one_error_line(cli("curate", filled, "--recipe", "dapo", "--set", "where=true", "--dry-run"))
+    assert bad in line
+
+
 @pytest.mark.parametrize("damage", ["truncate", "empty", "delete"])
 def test_damaged_shard_is_one_line_everywhere(cli, filled, damage):
     bad = rollout_shards(filled)[1]

@@ -12,7 +12,7 @@ pytest.importorskip("trl", reason="the TRL plug-in needs the optional extra: pip
 
 import torch  # noqa: E402
 from rollout_helpers import untrained_tiny  # noqa: E402,F401
-from test_trl import G, make, parity, rollouts  # noqa: E402
+from test_trl import G, _one_thread, make, parity, rollouts  # noqa: E402,F401  (_one_thread: autouse)
 from typer.testing import CliRunner  # noqa: E402
 
 from rollstore.learner.losses import LossConfig, Normalizer, compute_loss  # noqa: E402
@@ -21,14 +21,6 @@ from rollstore.trl import RollstoreGRPOTrainer, TRLPluginError  # noqa: E402
 from rollstore.storage.buffer import Buffer  # noqa: E402
 
 CAP = LossConfig().decoupled_cap
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _clone(d: dict) -> dict:

@@ -19,6 +19,7 @@ import sysconfig
 import zipfile
 
 import pytest
+from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("storage", "queries", "curate", "rollout", "learner")
@@ -46,7 +47,8 @@ def test_the_wheel_holds_one_top_level_package(wheel):
 
 
 @pytest.mark.slow
-def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
+def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path, default_tiny):  # noqa: F811
+    """`default_tiny`: the demo reuses the session's tiny policy (ROLLSTORE_CACHE), never ~/.cache."""
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = str(env / "bin" / "python")

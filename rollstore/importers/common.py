@@ -147,6 +147,18 @@ class Rows:
     def set(self, name: str, values: list) -> None:
         self.columns[name] = values
 
+    def identify(self, rids: list[str], gidx: list[int], prompts: list[str], run_id: str, steps: list[int]) -> None:
+        """The identity columns every format fills the same way: ids, the group (`gidx`: each row's
+        group index), the prompt id from the prompt's text, the sample index within the group, the
+        run, and `step`, which is also the policy version (no format records another)."""
+        self.set("rollout_id", rids)
+        self.set("group_id", group_ids(self.fmt, gidx, rids))
+        self.set("prompt_id", [stable_id("prompt", p) for p in prompts])
+        self.set("sample_idx", sample_idx(gidx))
+        self.set("run_id", [run_id] * len(rids))
+        self.set("step", steps)
+        self.set("policy_version", steps)
+
     def note(self, text: str) -> None:
         if text not in self.lossy:
             self.lossy.append(text)

@@ -35,7 +35,7 @@ import re
 
 from rollstore.storage.importer import read_jsonl_objects
 from .common import (Rows, TextCodec, bad, empty, file_digest, file_time, finish_from_eos, float_list,
-                     group_ids, groups_from_order, int_list, kind, missing, number, sample_idx, stable_id)
+                     groups_from_order, int_list, kind, missing, number, stable_id)
 from .tokens import response_span
 
 FORMAT = "nemo-rl"
@@ -104,13 +104,7 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
     rows.note("policy_version is the step")
     rows.note("prompt and response text decoded from token ids")
     prompts = [codec.decode(p) for p in p_ids]
-    rows.set("rollout_id", rids)
-    rows.set("group_id", group_ids(FORMAT, gidx, rids))
-    rows.set("prompt_id", [stable_id("prompt", p) for p in prompts])
-    rows.set("sample_idx", sample_idx(gidx))
-    rows.set("run_id", [run_id] * len(rids))
-    rows.set("step", [step] * len(rids))
-    rows.set("policy_version", [step] * len(rids))
+    rows.identify(rids, gidx, prompts, run_id, [step] * len(rids))
     rows.set("prompt", prompts)
     rows.set("prompt_token_ids", p_ids)
     rows.set("response", [codec.decode(r) for r in r_ids])

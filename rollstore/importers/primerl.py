@@ -44,8 +44,8 @@ import os
 import re
 
 from rollstore.storage.importer import read_jsonl_objects
-from .common import (ImportRefused, Rows, TextCodec, bad, empty, file_digest, file_time, finish_from_eos,
-                     float_list, group_ids, groups_by_key, int_list, kind, missing, number, sample_idx, stable_id)
+from .common import (ImportRefused, Rows, TextCodec, bad, empty, file_digest, file_time, finish_from_eos, float_list,
+                     groups_by_key, int_list, kind, missing, number, stable_id)
 from .tokens import response_span
 
 FORMAT = "prime-rl"
@@ -193,13 +193,7 @@ def _rows(path: str, files: list[str], codec: TextCodec, run_id: str, cols: dict
     rows.note("policy_version is the step")
     rows.note("prompt and response text decoded from token ids")
     prompts = [codec.decode(p) for p in cols["prompt_ids"]]
-    rows.set("rollout_id", cols["rid"])
-    rows.set("group_id", group_ids(FORMAT, gidx, cols["rid"]))
-    rows.set("prompt_id", [stable_id("prompt", p) for p in prompts])
-    rows.set("sample_idx", sample_idx(gidx))
-    rows.set("run_id", [run_id] * len(gidx))
-    rows.set("step", cols["step"])
-    rows.set("policy_version", cols["step"])
+    rows.identify(cols["rid"], gidx, prompts, run_id, cols["step"])
     rows.set("prompt", prompts)
     rows.set("prompt_token_ids", cols["prompt_ids"])
     rows.set("response", [codec.decode(r) for r in cols["resp"]])

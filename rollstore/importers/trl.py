@@ -41,8 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollstore.storage.errors import ValidationError
-from .common import (Rows, TextCodec, bad, empty, file_time, group_ids, groups_from_order, kind, missing,
-                     sample_idx, stable_id)
+from .common import (Rows, TextCodec, bad, empty, file_time, groups_from_order, kind, missing, stable_id)
 from .text import fill_text
 
 FORMAT = "trl-completions"
@@ -95,13 +94,7 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
     rows.note("group rebuilt from order (consecutive rows with the same prompt)")
     rows.note("step and policy_version are the step the file was written at")
     file_step = _step(data, path)
-    rows.set("rollout_id", rids)
-    rows.set("group_id", group_ids(FORMAT, gidx, rids))
-    rows.set("prompt_id", [stable_id("prompt", p) for p in prompts])
-    rows.set("sample_idx", sample_idx(gidx))
-    rows.set("run_id", [run_id] * len(data))
-    rows.set("step", [file_step] * len(data))
-    rows.set("policy_version", [file_step] * len(data))
+    rows.identify(rids, gidx, prompts, run_id, [file_step] * len(data))
     fill_text(rows, codec, prompts, responses, p_ids if codec is not None else None)
     rows.note("prompt tokenised as TRL tokenises it (special tokens added, or the chat template)")
     rewards = []

@@ -29,8 +29,7 @@ from __future__ import annotations
 import json
 
 from rollstore.storage.importer import read_jsonl_objects
-from .common import (Rows, TextCodec, bad, empty, file_digest, file_time, group_ids, groups_by_key, kind,
-                     number, sample_idx, stable_id)
+from .common import (Rows, TextCodec, bad, empty, file_digest, file_time, groups_by_key, kind, number, stable_id)
 from .text import fill_text
 
 FORMAT = "verl-jsonl"
@@ -62,13 +61,7 @@ def convert(path: str, codec: TextCodec | None, run_id: str) -> Rows:
         rows.note("group rebuilt from (step, input): rows with the same prompt text in a step are one group")
         gidx = groups_by_key([(obj["step"], obj["input"]) for obj in objs])
     rows.note("policy_version is the step")
-    rows.set("rollout_id", rids)
-    rows.set("group_id", group_ids(FORMAT, gidx, rids))
-    rows.set("prompt_id", [stable_id("prompt", obj["input"]) for obj in objs])
-    rows.set("sample_idx", sample_idx(gidx))
-    rows.set("run_id", [run_id] * len(objs))
-    rows.set("step", [obj["step"] for obj in objs])
-    rows.set("policy_version", [obj["step"] for obj in objs])
+    rows.identify(rids, gidx, [obj["input"] for obj in objs], run_id, [obj["step"] for obj in objs])
     fill_text(rows, codec, [obj["input"] for obj in objs], [obj["output"] for obj in objs])
     rows.set("reward", [float(obj["score"]) for obj in objs])
     rows.set("correct", [obj["acc"] if isinstance(obj.get("acc"), bool) else None for obj in objs])

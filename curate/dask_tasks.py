@@ -34,7 +34,7 @@ from rollstore.storage.schema import SELECTIONS, TABLES
 from rollstore.storage.shardio import write_tmp
 from rollstore.storage.snapshot import SnapshotFiles
 
-from .finish import audit_path, curated_table, part_name, sorted_by_rollout, summarise
+from .finish import audit_path, curated_table, masked, part_name, sorted_by_rollout, summarise
 from .merges import MERGES
 from .plan import GLOBAL, PROMPT, ROW, SELECTION_PHASES, Plan, Step
 from .steps import Runner, latest_policy, latest_step, parquet
@@ -258,7 +258,8 @@ def materialise_part(ctx: TaskContext, curation_id: str, k: int, slices: list, v
         with _session(ctx) as s:
             for name, table in state.tables.items():
                 s.load(name, table)
-            table = Runner(s, values).table(step, {"rollouts": parquet([ctx.shard(i)], numbered=True)})
+            table = masked(Runner(s, values).table(step, {"rollouts": parquet([ctx.shard(i)], numbered=True)}),
+                           ctx.plan.params["token"], values)
             pieces.append(sorted_by_rollout(table).slice(start, rows))
     table, fallback = curated_table(pieces, curation_id, ctx.files.root)
     name, path = part_name(curation_id, k)

@@ -40,6 +40,7 @@ from rollstore.storage.shardio import ROW_GROUP_BYTES
 
 from .params import CurationError, token_budget
 from .plan import Plan
+from .tokens import check_runs, keep_runs
 
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
 
@@ -159,12 +160,21 @@ def sorted_by_rollout(table: pa.Table) -> pa.Table:
     return table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
 
 
+def masked(table: pa.Table, token: str, values: dict) -> pa.Table:
+    """Rows of `curate_materialise.sql` with their loss masks as kept runs (`keep_runs`, for the
+    run's `token` mode and threshold `values`) in place of their entropies, each checked against
+    the row's audited tokens_kept. Done before the rows are sorted: a sort then moves no token list."""
+    runs = keep_runs(table, token, values)
+    check_runs(runs, table.column("tokens_kept"))
+    return table.drop_columns(["entropies", "tokens_kept"]).append_column("keep_runs", runs)
+
+
 def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[pa.Table, int]:
     """One curated shard's table (references, schema CURATED_REFS) from consecutive slices of
-    materialised input shards, and how many of its rows fell back to gen_logprobs (`fallback`: no
-    old_logprobs, told by the rollouts shards' column statistics, `storage.references.null_lists`,
-    without reading the column where they rule nulls out). `root`: the buffer root; each row's
-    input shard is stored as the manifest's path under it."""
+    materialised input shards (`masked`), and how many of its rows fell back to gen_logprobs
+    (`fallback`: no old_logprobs, told by the rollouts shards' column statistics,
+    `storage.references.null_lists`, without reading the column where they rule nulls out).
+    `root`: the buffer root; each row's input shard is stored as the manifest's path under it."""
     table = pa.concat_tables(pieces)
     flags = null_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(), "old_logprobs")
     fallback = int(flags.sum())

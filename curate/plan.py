@@ -28,7 +28,7 @@ import duckdb
 from rollstore.queries import load_sql, parameters_of, render
 
 from .params import Params, Recipe
-from .tokens import kept_expression, mask_expression, score_expression
+from .tokens import kept_expression, score_expression
 
 ROW, PROMPT, GROUP, SHARD, GLOBAL = "row", "prompt", "group", "shard", "global"
 PHASES = ("candidates", "groups", "replay", "difficulty", "amplify", "select", "apply", "record", "tokens", "output",
@@ -290,8 +290,8 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept")
     steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="whole", result="audit")
     steps.add("curate_materialise", "materialise", SHARD,
-              ("work", "selected_entropies", "rollouts.token_ids", "rollouts.logprobs"), ("curated",),
-              relations=("rollouts",), rollouts="rollouts", loss_mask=mask_expression(token))
+              ("work", "kept_counts", "selected_entropies", "rollouts"), ("curated",),
+              relations=("rollouts",), rollouts="rollouts")
 
 
 def explain(plan: Plan) -> list[dict]:

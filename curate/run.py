@@ -36,6 +36,7 @@ from .finish import (
     Decided,
     curated_table,
     finish_curation,
+    masked,
     part_layout,
     part_name,
     referenced_paths,
@@ -181,7 +182,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
 
     def curated():
         current = (None, None)
-        shards = _materialised(runner, plan.phase("materialise")[0], opened, summary["selected_files"])
+        shards = _materialised(runner, plan, opened, summary["selected_files"])
         for k, slices in enumerate(layout):
             pieces = []
             for i, start, rows in slices:
@@ -194,14 +195,16 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     return finish_curation(buf, decided, curated, referenced_paths(opened, buf.root), commit=commit, dry_run=dry_run)
 
 
-def _materialised(runner: Runner, materialise: Step, opened: list[str], expected: dict[str, int]):
+def _materialised(runner: Runner, plan: Plan, opened: list[str], expected: dict[str, int]):
     """The materialised selected rows of each opened input shard, in order, each sorted by
     rollout_id. One query reads as many shards as the session has threads, up to
     MATERIALISE_GROUP_BYTES of Parquet (a bigger shard alone): DuckDB parallelises a scan by row
     group, and a small shard is one row group, so shard-by-shard reads ran on one thread. Memory
     stays bounded by one group's selected rows."""
+    materialise = plan.phase("materialise")[0]
     for group in _shard_groups(opened, max(1, runner.session.threads())):
-        table = runner.table(materialise, {"rollouts": parquet(group, numbered=True)})
+        table = masked(runner.table(materialise, {"rollouts": parquet(group, numbered=True)}), plan.params["token"],
+                       runner.values)
         where = pc.index_in(table.column("shard_file"), value_set=pa.array(group, pa.string()))
         if where.null_count:
             raise CurationError(f"materialisation read a row of a shard outside {len(group)} opened shards; "

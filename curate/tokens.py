@@ -5,20 +5,26 @@ A newcomer reads token pruning here and in four SQL files, in the order they run
 `curate_token_scores.sql` (one score per token: |A|·H or H, and its monotone `bucket`),
 `curate_token_histogram.sql` + `curate_token_bucket.sql` (the K-th token in (score desc,
 rollout_id asc, position asc) order, K = ⌈κ·N⌉, in two passes over the in-session table), then
-`curate_tokens_kept.sql` / `curate_materialise.sql` (the mask: a token is kept when its order is not
-after the K-th token's).
+`curate_tokens_kept.sql` (tokens kept per row: a token is kept when its order is not after the
+K-th token's). `curate_materialise.sql` hands each selected row's entropies to `keep_runs`, which
+writes the same mask as kept runs in numpy (a `list_filter` over mask positions in SQL cost twice
+the rest of the materialisation).
 
 Invariants:
 - The threshold is exact: histogram counts add up exactly across shards (`merge_histograms`), and
   the K-th token lies in the heads of its bucket, whichever shards they come from (`threshold_of`).
   Both rest on the bucket key being monotone in the score; the engines check the result anyway
   (`check_exact`: the mask keeps exactly K tokens) before anything is written.
-- The score and mask expressions below are the only SQL text of token pruning outside those files;
-  they are fragments of the plan, so they are hashed into the curation id.
+- The score and kept-count expressions below are the only SQL text of token pruning outside those
+  files; they are fragments of the plan, so they are hashed into the curation id.
+- `keep_runs` applies the kept-count predicate to the same float64 scores; the engines check that
+  every row's runs keep exactly its `tokens_kept` (`check_runs`) before anything is written, so the
+  mask written is the one the audit counted.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -46,17 +52,106 @@ def _per_row(token: str, over: str) -> str:
             f"ELSE {over.format(lam=f'lambda h, i: ({score}) > $thr OR (({score}) = $thr AND i <= $thr_pos)')} END")
 
 
-def mask_expression(token: str) -> str:
-    """The loss mask of a selected row (`e` = its selected_entropies row, `r` its rollout): with a
-    token stage, each token's order against the K-th token's ($thr, $thr_rollout, $thr_pos)."""
+KEEP_RUNS_CHUNK_TOKENS = 1 << 19
+
+
+def keep_runs(rows: pa.Table, token: str, values: dict) -> pa.Array:
+    """`_keep_runs` over consecutive slices of about KEEP_RUNS_CHUNK_TOKENS tokens: the same
+    result; its float64 scores stay small enough to be reused from the allocator instead of
+    mapping fresh memory per call (which cost as much as the arithmetic)."""
+    tokens = rows.column("tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(tokens)
+    cuts = [0]
+    while cuts[-1] < rows.num_rows:
+        limit = (ends[cuts[-1] - 1] if cuts[-1] else 0) + KEEP_RUNS_CHUNK_TOKENS
+        cuts.append(max(cuts[-1] + 1, int(np.searchsorted(ends, limit, side="right"))))
+    if len(cuts) <= 2:
+        return _keep_runs(rows, token, values)
+    parts = [_keep_runs(rows.slice(a, b - a), token, values) for a, b in zip(cuts[:-1], cuts[1:])]
+    return pa.concat_arrays(parts)
+
+
+def _keep_runs(rows: pa.Table, token: str, values: dict) -> pa.Array:
+    """The loss masks of selected rows as kept runs [s0, e0, s1, e1, ...] (0-based, end exclusive):
+    the same predicate as `kept_expression`, in numpy over the rows' stored entropies. `rows` holds
+    rollout_id, advantage (advantage_final), tokens and entropies (null without a token stage, when
+    every token is kept); `values` the threshold ($thr, $thr_rollout, $thr_pos). The score is
+    the same float64 as in SQL: a product of two float32 values is exact in float64, and strings
+    compare bytewise in DuckDB and Arrow alike."""
+    tokens = rows.column("tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+    n = len(tokens)
     if token == "none":
-        return "list_transform(range(w.tokens_total), lambda i: true)"
-    return _per_row(token, "list_transform(e.entropies, {lam})")
+        full = tokens > 0
+        counts = 2 * full.astype(np.int64)
+        bounds = np.zeros(int(counts.sum()), np.int32)
+        bounds[1::2] = tokens[full]
+        return _lists(counts, bounds)
+    ents = rows.column("entropies").combine_chunks()
+    if len(ents.flatten()) == 0:  # no row has a token: no runs
+        return _lists(np.zeros(n, np.int64), np.zeros(0, np.int32))
+    offsets = ents.offsets.to_numpy().astype(np.int64)
+    offsets -= offsets[0]
+    lens = np.diff(offsets)
+    if ents.null_count or not np.array_equal(lens, tokens):
+        raise CurationError("a selected row's entropies do not match its token count; nothing was written "
+                            "(please report this)")
+    h = ents.flatten().to_numpy(zero_copy_only=False)
+    if token == "entropy":
+        score = h.astype(np.float64)
+    else:  # |A|·h, written into the repeated |A| (one float64 array per call: fresh memory is slow)
+        score = np.repeat(np.abs(rows.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)), lens)
+        np.multiply(score, h, out=score)
+    thr = values["thr"]
+    keep = score > thr
+    ties = np.flatnonzero(score == thr)  # rare: decided by the row's place against the K-th token's
+    if len(ties):
+        rid = rows.column("rollout_id")
+        row = np.searchsorted(offsets, ties, side="right") - 1
+        before = pc.less(rid, values["thr_rollout"]).to_numpy(zero_copy_only=False)[row]
+        at = pc.equal(rid, values["thr_rollout"]).to_numpy(zero_copy_only=False)[row]
+        keep[ties] = before | (at & (ties - offsets[row] < values["thr_pos"]))
+    change = np.diff(keep.view(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(change == 1), np.flatnonzero(change == -1)
+    inner = np.unique(offsets[1:-1])  # empty rows repeat an offset
+    inner = inner[(inner > 0) & (inner < len(keep))]
+    split = inner[keep[inner - 1] & keep[inner]]  # a run that crosses into the next row ends there
+    if len(split):
+        starts, ends = np.sort(np.concatenate([starts, split])), np.sort(np.concatenate([ends, split]))
+    row_of = np.searchsorted(offsets, starts, side="right") - 1
+    bounds = np.empty(2 * len(starts), np.int32)
+    bounds[0::2] = starts - offsets[row_of]
+    bounds[1::2] = ends - offsets[row_of]
+    return _lists(2 * np.bincount(row_of, minlength=n), bounds)
+
+
+def check_runs(runs: pa.Array, kept: pa.ChunkedArray | pa.Array) -> None:
+    """Every row's kept runs hold exactly its audited tokens_kept (the SQL count)."""
+    got = run_lengths(runs)
+    want = kept.to_numpy(zero_copy_only=False).astype(np.int64)
+    if not np.array_equal(got, want):
+        row = int(np.flatnonzero(got != want)[0])
+        raise CurationError(f"the loss mask of a selected row keeps {int(got[row])} tokens, its audit row says "
+                            f"{int(want[row])}; nothing was written (please report this)")
+
+
+def _lists(counts: np.ndarray, values: np.ndarray) -> pa.Array:
+    offsets = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int32()))
+
+
+def run_lengths(runs: pa.Array) -> np.ndarray:
+    """Tokens kept per row of kept runs."""
+    bounds = runs.values.to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = runs.offsets.to_numpy().astype(np.int64)
+    per_run = bounds[1::2] - bounds[0::2]
+    cum = np.concatenate([[0], np.cumsum(per_run)])
+    return cum[offsets[1:] // 2] - cum[offsets[:-1] // 2]
 
 
 def kept_expression(token: str) -> str:
     """Tokens kept by a selected row: the true entries of its mask (all of them without a token
-    stage), counted with the same predicate as `mask_expression`, without building the mask."""
+    stage), counted with the predicate of `keep_runs`, without building the mask."""
     if token == "none":
         return "w.tokens_total"
     return _per_row(token, "len(list_filter(e.entropies, {lam}))")

@@ -1,0 +1,92 @@
+"""The loss mask a curation writes (kept runs, numpy) against the brute-force order of
+docs/curation.md §Token selection, and against the SQL count the audit records (tokens_kept)."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollstore.curate import tokens as tokens_mod
+from rollstore.curate.params import CurationError
+from rollstore.curate.tokens import check_runs, keep_runs, kept_expression, mask_values, run_lengths
+from rollstore.storage.references import runs_to_mask
+
+ENTROPIES = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 3.0])  # few values: ties across rows and positions
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(0, 6))
+    ids = draw(st.lists(st.text("abc", min_size=1, max_size=3), min_size=n, max_size=n, unique=True))
+    rows = [{"rollout_id": rid,
+             "advantage": draw(st.sampled_from([0.0, -1.5, 0.5, 1.0, 2.0])),
+             "entropies": draw(st.lists(ENTROPIES, max_size=6))} for rid in ids]
+    token = draw(st.sampled_from(["entropy", "abs_adv_entropy"]))
+    tokens = [(-_score(token, r, h), r["rollout_id"], pos + 1) for r in rows for pos, h in enumerate(r["entropies"])]
+    k = draw(st.integers(0, len(tokens)))
+    return rows, token, sorted(tokens), k
+
+
+def _score(token: str, row: dict, h: float) -> float:
+    return float(h) if token == "entropy" else abs(float(row["advantage"])) * float(h)
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    return pa.table({
+        "rollout_id": pa.array([r["rollout_id"] for r in rows], pa.string()),
+        "advantage": pa.array([r["advantage"] for r in rows], pa.float32()),
+        "tokens": pa.array([len(r["entropies"]) for r in rows], pa.int32()),
+        "entropies": pa.array([r["entropies"] for r in rows], pa.list_(pa.float32())),
+    })
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_kept_runs_keep_exactly_the_first_k_tokens_in_the_threshold_order(batch):
+    rows, token, order, k = batch
+    threshold = None if k == 0 else (-order[k - 1][0], order[k - 1][1], order[k - 1][2])
+    values = mask_values(threshold)
+    kept = {(rid, pos) for _, rid, pos in order[:k]}
+    table = _table(rows)
+    runs = keep_runs(table, token, values)
+    masks = runs_to_mask(runs, table.column("tokens").to_numpy()).to_pylist()
+    for row, mask in zip(rows, masks):
+        assert mask == [(row["rollout_id"], p + 1) in kept for p in range(len(row["entropies"]))]
+    bounds = runs.to_pylist()
+    saved, tokens_mod.KEEP_RUNS_CHUNK_TOKENS = tokens_mod.KEEP_RUNS_CHUNK_TOKENS, 3
+    try:  # slices of a few tokens each (the size cuts a batch at row boundaries): the same runs
+        assert keep_runs(table, token, values).to_pylist() == bounds
+    finally:
+        tokens_mod.KEEP_RUNS_CHUNK_TOKENS = saved
+    assert all(b == sorted(set(b)) and len(b) % 2 == 0 for b in bounds)  # strictly increasing [start, end) pairs
+
+    # The audit's count (SQL, the plan's fragment) agrees with the runs row by row.
+    con = duckdb.connect()
+    con.register("e_rows", table.rename_columns(["rollout_id", "advantage_final", "tokens_total", "entropies"]))
+    by_id = dict(con.execute(f"SELECT e.rollout_id, ({kept_expression(token)})::INTEGER FROM e_rows e",
+                             values).fetchall())
+    counts = [by_id[r["rollout_id"]] for r in rows]
+    assert counts == [int(n) for n in run_lengths(runs)]
+    check_runs(runs, pa.array(counts, pa.int32()))
+
+
+def test_without_a_token_stage_every_token_is_one_run():
+    table = pa.table({"rollout_id": ["a", "b", "c"], "advantage": pa.array([1.0, 0.0, -2.0], pa.float32()),
+                      "tokens": pa.array([3, 0, 1], pa.int32()),
+                      "entropies": pa.array([None, None, None], pa.list_(pa.float32()))})
+    assert keep_runs(table, "none", {}).to_pylist() == [[0, 3], [], [0, 1]]
+
+
+def test_runs_that_disagree_with_the_audit_are_refused():
+    runs = pa.array([[0, 2], [1, 3, 4, 5]], pa.list_(pa.int32()))
+    assert list(run_lengths(runs)) == [2, 3]
+    try:
+        check_runs(runs, pa.array([2, 2], pa.int32()))
+    except CurationError as exc:
+        assert "keeps 3 tokens, its audit row says 2" in str(exc)
+    else:
+        raise AssertionError("a mask that disagrees with tokens_kept was accepted")
+    np.testing.assert_array_equal(run_lengths(pa.array([[]], pa.list_(pa.int32()))), [0])

@@ -12,6 +12,9 @@ Invariants:
   ids or log-probs (the fallback flag comes from the shards' column statistics, reading
   `old_logprobs` only in row groups that may hold a null). A dry run materialises nothing.
 - The commit refuses when a rollouts shard the curated rows refer to was retired meanwhile.
+- Every input shard is hashed against the manifest (sha256) before anything is written or
+  committed; the hashes are taken on a thread beside the queries (`steps.verifying_inputs`), and a
+  mismatch is raised in place of any error of the run.
 - Every candidate gets exactly one audit row with exactly one reason.
 - Curated shards, audit rows and the record are published in ONE manifest commit (`output.publish`);
   a failure before it leaves nothing visible. Re-running the same curation (same id, on either
@@ -55,7 +58,7 @@ from .steps import (
     latest_step,
     parquet,
     run_values,
-    verified_inputs,
+    verifying_inputs,
     with_defaults,
 )
 
@@ -113,9 +116,9 @@ def curate(
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
-    with buf.snapshot(snapshot_seq, pin=True) as snap, (
-            contextlib.nullcontext(session.rebind(verified_inputs(snap, dry_run))) if session is not None
-            else Session(verified_inputs(snap, dry_run), limits.memory_limit, limits.threads)) as session:
+    with buf.snapshot(snapshot_seq, pin=True) as snap, verifying_inputs(snap, dry_run) as verified, (
+            contextlib.nullcontext(session.rebind(snap)) if session is not None
+            else Session(snap, limits.memory_limit, limits.threads)) as session:
         files = snap.files("rollouts")
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")
@@ -129,7 +132,7 @@ def curate(
             runner = Runner(session, run_values(plan))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES), {"rollouts": everything}, results)
-        return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run)
+        return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified)
 
 
 def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:
@@ -167,7 +170,7 @@ def _run(runner: Runner, plan: Plan, phases: tuple[str, ...], relations: dict[st
 
 
 def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, plan: Plan, results: dict,
-            commit: bool, dry_run: bool) -> CurationResult:
+            commit: bool, dry_run: bool, verified) -> CurationResult:
     curation_id = plan.curation_id(snapshot_seq)
     runner.values["curation_id"] = curation_id
     _run(runner, plan, ("record",), {}, results)
@@ -192,6 +195,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
             table, fallback = curated_table(pieces, curation_id, buf.root)
             yield Part("curated", table, curation_id, curation_id, part_name(curation_id, k)[0]), fallback
 
+    verified()  # the inputs' hashes, taken beside the queries so far: before anything is written or committed
     return finish_curation(buf, decided, curated, referenced_paths(opened, buf.root), commit=commit, dry_run=dry_run)
 
 

@@ -9,6 +9,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
 import pyarrow as pa
 
 from rollstore.queries import bind, load_sql, render
@@ -21,6 +24,27 @@ from .plan import Plan, Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
 CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
+
+
+@contextlib.contextmanager
+def verifying_inputs(snap, dry_run: bool):
+    """`verified_inputs` on a background thread beside the run's queries (most selection steps
+    leave a core idle): yields `done`, which returns once every curation input is hashed and raises
+    the first mismatch; the engine calls it before anything is committed. When the run fails while
+    the hashes are taken, a mismatch is raised in its place (a corrupt file explains the failed
+    query). A dry run hashes nothing: `done` returns at once."""
+    if dry_run:
+        yield lambda: None
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollstore-verify") as pool:
+        hashed = pool.submit(snap.verify, CURATION_INPUTS)
+        try:
+            yield hashed.result
+        except BaseException:
+            if hashed.exception() is not None:
+                raise hashed.exception() from None
+            raise
+        hashed.result()
 
 
 def verified_inputs(snap, dry_run: bool):

@@ -62,8 +62,10 @@ from .steps import (
     with_defaults,
 )
 
-# Parquet bytes one materialisation query may read (several small shards, or one big one).
+# Parquet bytes one materialisation query may read (several small shards, or one big one), and
+# shards: each query pays a fixed cost, and DuckDB spreads one query's files over its threads.
 MATERIALISE_GROUP_BYTES = 256 * 1024 * 1024
+MATERIALISE_GROUP_SHARDS = 16
 
 
 __all__ = ["CurationError", "CurationResult", "curate"]
@@ -201,12 +203,13 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
 
 def _materialised(runner: Runner, plan: Plan, opened: list[str], expected: dict[str, int]):
     """The materialised selected rows of each opened input shard, in order, each sorted by
-    rollout_id. One query reads as many shards as the session has threads, up to
-    MATERIALISE_GROUP_BYTES of Parquet (a bigger shard alone): DuckDB parallelises a scan by row
-    group, and a small shard is one row group, so shard-by-shard reads ran on one thread. Memory
-    stays bounded by one group's selected rows."""
+    rollout_id. One query reads up to MATERIALISE_GROUP_SHARDS shards and MATERIALISE_GROUP_BYTES
+    of Parquet (a bigger shard alone): DuckDB parallelises a scan by row group, and a small shard
+    is one row group, so shard-by-shard reads ran on one thread (and a query per pair of shards
+    paid its fixed cost five times at 10 M tokens). Memory stays bounded by one group's selected
+    rows."""
     materialise = plan.phase("materialise")[0]
-    for group in _shard_groups(opened, max(1, runner.session.threads())):
+    for group in _shard_groups(opened, MATERIALISE_GROUP_SHARDS):
         table = masked(runner.table(materialise, {"rollouts": parquet(group, numbered=True)}), plan.params["token"],
                        runner.values)
         where = pc.index_in(table.column("shard_file"), value_set=pa.array(group, pa.string()))

@@ -196,8 +196,8 @@ def test_curation_spills_beyond_memory_limit(tmp_path):
 
 
 def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeypatch):
-    """The embedded engine reads as many input shards per materialisation query as it has threads,
-    within a byte cap. Shards appended newest step first make the manifest order differ from
+    """The embedded engine reads several input shards per materialisation query, within a byte cap
+    (groups of `threads` shards here, MATERIALISE_GROUP_SHARDS). Shards appended newest step first make the manifest order differ from
     rollout_id order: the curated rows must still come input shard by input shard, then by
     rollout_id, the same rows as when each shard is read alone (threads=1); the audit byte for byte,
     curated shards up to the shard names each buffer draws (their references compare by shard order)."""
@@ -214,6 +214,7 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
             for step in (4, 3, 2, 1, 0):
                 buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, mean_tokens=24, seed=5, step=step))
             files = buf.snapshot().files("rollouts")
+            monkeypatch.setattr(run_module, "MATERIALISE_GROUP_SHARDS", threads)
             if key == "3 capped":  # room for two shards per query: groups of 3 become 2, 2, 1
                 monkeypatch.setattr(run_module, "MATERIALISE_GROUP_BYTES", 2 * max(map(os.path.getsize, files)))
             assert [len(g) for g in run_module._shard_groups(files, threads)] == (

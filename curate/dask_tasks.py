@@ -144,7 +144,8 @@ def map_shard(ctx: TaskContext, i: int) -> list[tuple[pa.Table, pa.Table | None]
         history = None
         for step in ctx.plan.steps:
             if step.phase == "candidates" and step.scope == ROW:
-                runner.run(step, {"rollouts": parquet([ctx.shard(i)], located=True)} if step.relations else None)
+                shard = parquet([ctx.shard(i)], located=True, numbered=True)
+                runner.run(step, {"rollouts": shard} if step.relations else None)
             elif step.scope == PROMPT and step.relations:
                 runner.run(step, {"rows": parquet([ctx.shard(i)])})
                 history = _tag(s.unload(step.writes[0]), None, ctx.partitions)
@@ -258,8 +259,7 @@ def materialise_part(ctx: TaskContext, curation_id: str, k: int, slices: list, v
         with _session(ctx) as s:
             for name, table in state.tables.items():
                 s.load(name, table)
-            table = masked(Runner(s, values).table(step, {"rollouts": parquet([ctx.shard(i)], numbered=True)}),
-                           ctx.plan.params["token"], values)
+            table = masked(Runner(s, values).table(step, shards=[ctx.shard(i)]), ctx.plan.params["token"], values)
             pieces.append(sorted_by_rollout(table).slice(start, rows))
     table, fallback = curated_table(pieces, curation_id, ctx.files.root)
     name, path = part_name(curation_id, k)

@@ -332,9 +332,6 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
         return out
 
     def parts():
-        # The audit first: it is decided already, so the committer writes it while the curated
-        # shards are materialised (`ahead`); the record lists the curated shards, then the audit.
-        yield audit_part() if audit_part is not None else Part("selections", audit, cid, cid, "audit")
         record["old_logprobs_fallback"] = 0
         files = []
         for k, (part, fallback) in enumerate(curated()):
@@ -344,6 +341,7 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
         files.append(audit_path(cid))
         out.output_files = files
         record["output_files"] = json.dumps(files)
+        yield audit_part() if audit_part is not None else Part("selections", audit, cid, cid, "audit")
         yield Part("curations", pa.Table.from_pylist([record], schema=CURATIONS), cid)
 
     if not commit:

@@ -124,7 +124,7 @@ def curate(
         files = snap.files("rollouts")
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")
-        everything = parquet(files, located=True)
+        everything = parquet(files, located=True, numbered=True)
         version = latest_checkpoint(session)
         params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None,
                                version if version is not None else latest_policy(session, everything))
@@ -210,8 +210,7 @@ def _materialised(runner: Runner, plan: Plan, opened: list[str], expected: dict[
     rows."""
     materialise = plan.phase("materialise")[0]
     for group in _shard_groups(opened, MATERIALISE_GROUP_SHARDS):
-        table = masked(runner.table(materialise, {"rollouts": parquet(group, numbered=True)}), plan.params["token"],
-                       runner.values)
+        table = masked(runner.table(materialise, shards=group), plan.params["token"], runner.values)
         where = pc.index_in(table.column("shard_file"), value_set=pa.array(group, pa.string()))
         if where.null_count:
             raise CurationError(f"materialisation read a row of a shard outside {len(group)} opened shards; "

@@ -1,8 +1,9 @@
 -- Eligibility (docs/curation.md §Eligibility). The batch is every snapshot row matched by the
 -- `where` predicate; each candidate gets the first reason that applies, in this order: invalid,
 -- truncated, stale, reused. NULL reason = eligible. Per-token arrays stay in the rollouts shards;
--- `work` holds one narrow row per candidate, with the shard (`filename`) it lives in, so later steps
--- open only the shards that hold a selected row. `{length}` counts a row's response tokens: from
+-- `work` holds one narrow row per candidate, with the shard (`filename`) it lives in and its
+-- position there (`rollouts_row`, DuckDB's `file_row_number`): what a curated row refers to, so
+-- materialisation reads no Parquet, and the token stage opens only the shards with a selected row. `{length}` counts a row's response tokens: from
 -- `entropies` when the plan prunes tokens (a dry run then never reads token ids), else from
 -- `response_token_ids`.
 -- Replay (docs/replay.md): with {window} not `false`, the batch also holds the replay window — rows
@@ -13,7 +14,7 @@
 CREATE OR REPLACE TEMP TABLE work AS
 WITH batch AS (
     SELECT rollout_id, group_id, prompt_id, run_id, policy_version, reward, correct, verify_error,
-           finish_reason, ({length})::INTEGER AS tokens_total, filename,
+           finish_reason, ({length})::INTEGER AS tokens_total, filename, file_row_number AS rollouts_row,
            NOT coalesce(({where}), false) AS replayed,
            ({behaviour}) AS has_behaviour
     FROM {rollouts} AS rollouts

@@ -111,8 +111,9 @@ def test_dry_run_never_reads_token_ids_or_logprobs(steps_buffer, monkeypatch):
 
 
 def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(steps_buffer, monkeypatch):
-    """A batch of one step in a four-step buffer: the token and materialisation steps read that
-    step's shard only, and the entropies are read from Parquet by one statement."""
+    """A batch of one step in a four-step buffer: the token step reads that step's shard only, the
+    entropies are read from Parquet by one statement, and materialisation reads no Parquet (the
+    candidates' scan took each row's position)."""
     files: list[list[str]] = []
     original = run_module.parquet
 
@@ -127,7 +128,8 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
         result = curate(buf, load_recipe("d3s"), {"where": "step = 1", "progress": "0.3"}, commit=False)
     assert result.record["n_selected"] > 0 and result.curated.num_rows == result.record["n_selected"]
     per_step = {name: bound for name, bound in rec.bound if bound}
-    assert set(per_step) == {"curate_candidates", "curate_token_entropies", "curate_materialise"}
+    assert set(per_step) == {"curate_candidates", "curate_token_entropies"}
+    assert all("read_parquet" not in sql for name, sql in rec.sql if name == "curate_materialise")
     assert files[0] == shards  # the candidates: every shard (the `where` may match any row)
     assert all(f == [shards[1]] for f in files[1:]), files
     reads_entropies = [name for name, sql in rec.sql if re.search(r"(?<!e\.)\bentropies\b", _code(sql))

@@ -5,12 +5,13 @@ plan (`curate.plan`) runs in one DuckDB session over one pinned snapshot, in the
 
 Invariants:
 - The run executes the plan it hashes: each step's text as built by `curate.plan.build`, with only
-  its declared relations bound to files (all rollouts shards for the candidates; for the token and
-  materialisation steps, only the shards that hold a selected row).
+  its declared relations bound to files (all rollouts shards for the candidates; for the token
+  step, only the shards that hold a selected row).
 - Token data is read at most once: the selected rows' entropies once (curate_token_entropies.sql).
-  Materialisation writes references (shard, row position, rollout_id) and kept runs, never token
-  ids or log-probs (the fallback flag comes from the shards' column statistics, reading
-  `old_logprobs` only in row groups that may hold a null). A dry run materialises nothing.
+  Materialisation reads no Parquet (the candidates' scan kept each row's shard and position) and
+  writes references (shard, row position, rollout_id) and kept runs, never token ids or log-probs
+  (the fallback flag comes from the shards' column statistics, reading `old_logprobs` only in row
+  groups that may hold a null). A dry run materialises nothing.
 - The commit refuses when a rollouts shard the curated rows refer to was retired meanwhile.
 - Every input shard is hashed against the manifest (sha256) before anything is written or
   committed; the hashes are taken on a thread beside the queries (`steps.verifying_inputs`), and a

@@ -234,7 +234,7 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
                               *[per_shard[i] for i, _, _ in slices])
                    for k, slices in enumerate(layout)]
         for w in job.gather(written):
-            yield w.part, w.fallback
+            yield w.part, w.counts
 
     return finish_curation(buf, Decided(plan, snap.seq, summary, values, audit), curated,
                            referenced_paths([ctx.shard(i) for i in shards], buf.root), commit=commit,

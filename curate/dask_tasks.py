@@ -34,7 +34,7 @@ from rollstore.storage.schema import SELECTIONS, TABLES
 from rollstore.storage.shardio import write_tmp
 from rollstore.storage.snapshot import SnapshotFiles
 
-from .finish import audit_path, curated_table, masked, part_name, sorted_by_rollout, summarise
+from .finish import PartCounts, audit_path, curated_table, masked, part_name, sorted_by_rollout, summarise
 from .merges import MERGES
 from .plan import GLOBAL, PROMPT, ROW, SELECTION_PHASES, Plan, Step
 from .steps import Runner, latest_policy, latest_step, parquet
@@ -114,7 +114,7 @@ class State:
 @dataclass
 class Written:
     part: WrittenPart
-    fallback: int = 0
+    counts: PartCounts
 
 
 def get_attr(obj, name: str):
@@ -261,9 +261,9 @@ def materialise_part(ctx: TaskContext, curation_id: str, k: int, slices: list, v
                 s.load(name, table)
             table = masked(Runner(s, values).table(step, shards=[ctx.shard(i)]), ctx.plan.params["token"], values)
             pieces.append(sorted_by_rollout(table).slice(start, rows))
-    table, fallback = curated_table(pieces, curation_id, ctx.files.root)
+    table, counts = curated_table(pieces, curation_id, ctx.files.root)
     name, path = part_name(curation_id, k)
-    return Written(_write(ctx, "curated", table, path, curation_id), fallback)
+    return Written(_write(ctx, "curated", table, path, curation_id), counts)
 
 
 def whole_step(ctx: TaskContext, idx: int, values: dict, tables: dict[str, pa.Table]) -> pa.Table:

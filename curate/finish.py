@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +40,7 @@ from rollstore.storage.shardio import ROW_GROUP_BYTES
 
 from .params import CurationError, token_budget
 from .plan import Plan
-from .tokens import check_runs, keep_runs
+from .tokens import check_kept, keep_runs, run_lengths
 
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
 
@@ -162,26 +162,33 @@ def sorted_by_rollout(table: pa.Table) -> pa.Table:
 
 def masked(table: pa.Table, token: str, values: dict) -> pa.Table:
     """Rows of `curate_materialise.sql` with their loss masks as kept runs (`keep_runs`, for the
-    run's `token` mode and threshold `values`) in place of their entropies, each checked against
-    the row's audited tokens_kept. Done before the rows are sorted: a sort then moves no token list."""
-    runs = keep_runs(table, token, values)
-    check_runs(runs, table.column("tokens_kept"))
-    return table.drop_columns(["entropies", "tokens_kept"]).append_column("keep_runs", runs)
+    run's `token` mode and threshold `values`) in place of their entropies. Done before the rows
+    are sorted: a sort then moves no token list."""
+    return table.drop_columns(["entropies"]).append_column("keep_runs", keep_runs(table, token, values))
 
 
-def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[pa.Table, int]:
+class PartCounts(NamedTuple):
+    """What one curated shard adds to the record: rows that fell back to gen_logprobs, tokens kept."""
+
+    fallback: int
+    kept: int
+
+
+def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[pa.Table, PartCounts]:
     """One curated shard's table (references, schema CURATED_REFS) from consecutive slices of
     materialised input shards (`masked`), and how many of its rows fell back to gen_logprobs
     (`fallback`: no old_logprobs, told by the rollouts shards' column statistics,
     `storage.references.null_lists`, without reading the column where they rule nulls out).
-    `root`: the buffer root; each row's input shard is stored as the manifest's path under it."""
+    and the tokens its masks keep. `root`: the buffer root; each row's input shard is stored as
+    the manifest's path under it."""
     table = pa.concat_tables(pieces)
     flags = null_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(), "old_logprobs")
     fallback = int(flags.sum())
     table = table.append_column("fallback", pa.array(flags, pa.bool_()))
     table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
     table = table.append_column("rollouts_shard", manifest_paths(table.column("shard_file"), root))
-    return table.select(CURATED_REFS.names).cast(CURATED_REFS), fallback
+    kept = int(run_lengths(table.column("keep_runs").combine_chunks()).sum())
+    return table.select(CURATED_REFS.names).cast(CURATED_REFS), PartCounts(fallback, kept)
 
 
 def manifest_paths(files: pa.ChunkedArray, root: str) -> pa.Array:
@@ -311,9 +318,8 @@ class Decided:
 
 
 # An engine's curated shards, in order (shard k is `part_name(curation_id, k)`): each as a `Part`
-# (rows in memory) or a `WrittenPart` (a file a worker wrote under tmp/), with its count of rows
-# whose old log-probs fell back to gen_logprobs.
-CuratedParts = Callable[[], Iterator[tuple[Part | WrittenPart, int]]]
+# (rows in memory) or a `WrittenPart` (a file a worker wrote under tmp/), with its `PartCounts`.
+CuratedParts = Callable[[], Iterator[tuple[Part | WrittenPart, PartCounts]]]
 
 
 def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, referenced: list[str], *,
@@ -332,12 +338,14 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
         return out
 
     def parts():
-        record["old_logprobs_fallback"] = 0
+        record["old_logprobs_fallback"] = kept = 0
         files = []
-        for k, (part, fallback) in enumerate(curated()):
-            record["old_logprobs_fallback"] += fallback
+        for k, (part, counts) in enumerate(curated()):
+            record["old_logprobs_fallback"] += counts.fallback
+            kept += counts.kept
             files.append(part_name(cid, k)[1])
             yield part
+        check_kept(kept, record["tokens_kept"])  # the masks written keep what the audit counted
         files.append(audit_path(cid))
         out.output_files = files
         record["output_files"] = json.dumps(files)

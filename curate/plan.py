@@ -290,7 +290,7 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept")
     steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="whole", result="audit")
     steps.add("curate_materialise", "materialise", SHARD,
-              ("work", "kept_counts", "selected_entropies"), ("curated",))
+              ("work", "selected_entropies"), ("curated",))
 
 
 def explain(plan: Plan) -> list[dict]:

@@ -195,8 +195,8 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
                 if current[0] != i:  # input shards come in order: each is materialised once
                     current = (i, next(shards))
                 pieces.append(current[1].slice(start, rows))
-            table, fallback = curated_table(pieces, curation_id, buf.root)
-            yield Part("curated", table, curation_id, curation_id, part_name(curation_id, k)[0]), fallback
+            table, counts = curated_table(pieces, curation_id, buf.root)
+            yield Part("curated", table, curation_id, curation_id, part_name(curation_id, k)[0]), counts
 
     verified()  # the inputs' hashes, taken beside the queries so far: before anything is written or committed
     return finish_curation(buf, decided, curated, referenced_paths(opened, buf.root), commit=commit, dry_run=dry_run)

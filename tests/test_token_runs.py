@@ -3,15 +3,16 @@ docs/curation.md §Token selection, and against the SQL count the audit records 
 
 from __future__ import annotations
 
+import os
+
 import duckdb
-import numpy as np
 import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollstore.curate import tokens as tokens_mod
 from rollstore.curate.params import CurationError
-from rollstore.curate.tokens import check_runs, keep_runs, kept_expression, mask_values, run_lengths
+from rollstore.curate.tokens import check_kept, keep_runs, kept_expression, mask_values, run_lengths
 from rollstore.storage.references import runs_to_mask
 
 ENTROPIES = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 3.0])  # few values: ties across rows and positions
@@ -70,7 +71,7 @@ def test_kept_runs_keep_exactly_the_first_k_tokens_in_the_threshold_order(batch)
                              values).fetchall())
     counts = [by_id[r["rollout_id"]] for r in rows]
     assert counts == [int(n) for n in run_lengths(runs)]
-    check_runs(runs, pa.array(counts, pa.int32()))
+    check_kept(int(run_lengths(runs).sum()), sum(counts))
 
 
 def test_without_a_token_stage_every_token_is_one_run():
@@ -80,13 +81,33 @@ def test_without_a_token_stage_every_token_is_one_run():
     assert keep_runs(table, "none", {}).to_pylist() == [[0, 3], [], [0, 1]]
 
 
-def test_runs_that_disagree_with_the_audit_are_refused():
-    runs = pa.array([[0, 2], [1, 3, 4, 5]], pa.list_(pa.int32()))
-    assert list(run_lengths(runs)) == [2, 3]
-    try:
-        check_runs(runs, pa.array([2, 2], pa.int32()))
-    except CurationError as exc:
-        assert "keeps 3 tokens, its audit row says 2" in str(exc)
-    else:
-        raise AssertionError("a mask that disagrees with tokens_kept was accepted")
-    np.testing.assert_array_equal(run_lengths(pa.array([[]], pa.list_(pa.int32()))), [0])
+def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed(tmp_path, monkeypatch):
+    import pytest
+
+    import rollstore.curate.finish as finish
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.buffer import Buffer
+    from rollstore.synthetic import rollouts_table
+
+    runs = pa.array([[0, 2], [1, 3, 4, 5], []], pa.list_(pa.int32()))
+    assert list(run_lengths(runs)) == [2, 3, 0]
+    check_kept(5, 5)
+    real = finish.keep_runs
+
+    def one_token_short(table, token, values):  # the last kept token of each part dropped
+        out = real(table, token, values).to_pylist()
+        last = max((i for i, r in enumerate(out) if r), default=None)
+        if last is not None:
+            out[last] = out[last][:-1] + [out[last][-1] - 1]
+        return pa.array(out, pa.list_(pa.int32()))
+
+    monkeypatch.setattr(finish, "keep_runs", one_token_short)
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=0, seed=3))
+        seq = buf.manifest.latest_seq()
+        with pytest.raises(CurationError, match="the curated loss masks keep .* tokens, the audit counts"):
+            curate(buf, load_recipe("d3s"), {"where": "true"})
+        assert buf.manifest.latest_seq() == seq
+    assert not [f for d in ("curated", "audit") for _, _, fs in os.walk(os.path.join(root, d)) for f in fs]

@@ -178,9 +178,9 @@ def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[
     """One curated shard's table (references, schema CURATED_REFS) from consecutive slices of
     materialised input shards (`masked`), and how many of its rows fell back to gen_logprobs
     (`fallback`: no old_logprobs, told by the rollouts shards' column statistics,
-    `storage.references.null_lists`, without reading the column where they rule nulls out).
-    and the tokens its masks keep. `root`: the buffer root; each row's input shard is stored as
-    the manifest's path under it."""
+    `storage.references.null_lists`, without reading the column where they rule nulls out), and
+    the tokens its masks keep. `root`: the buffer root; each row's input shard is stored as the
+    manifest's path under it."""
     table = pa.concat_tables(pieces)
     flags = null_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(), "old_logprobs")
     fallback = int(flags.sum())

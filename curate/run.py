@@ -63,8 +63,8 @@ from .steps import (
     with_defaults,
 )
 
-# Parquet bytes one materialisation query may read (several small shards, or one big one), and
-# shards: each query pays a fixed cost, and DuckDB spreads one query's files over its threads.
+# Input shards one materialisation query covers, by their Parquet bytes (several small shards, or
+# one big one) and by count: memory holds one group's selected entropies at a time.
 MATERIALISE_GROUP_BYTES = 256 * 1024 * 1024
 MATERIALISE_GROUP_SHARDS = 16
 
@@ -204,11 +204,10 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
 
 def _materialised(runner: Runner, plan: Plan, opened: list[str], expected: dict[str, int]):
     """The materialised selected rows of each opened input shard, in order, each sorted by
-    rollout_id. One query reads up to MATERIALISE_GROUP_SHARDS shards and MATERIALISE_GROUP_BYTES
-    of Parquet (a bigger shard alone): DuckDB parallelises a scan by row group, and a small shard
-    is one row group, so shard-by-shard reads ran on one thread (and a query per pair of shards
-    paid its fixed cost five times at 10 M tokens). Memory stays bounded by one group's selected
-    rows."""
+    rollout_id. The query reads the session's tables, no Parquet; one query covers up to
+    MATERIALISE_GROUP_SHARDS shards and MATERIALISE_GROUP_BYTES of their Parquet (a bigger shard
+    alone), so the selected rows' entropies held at once stay bounded by one group's, and each
+    query's fixed cost is paid once per group, not per shard."""
     materialise = plan.phase("materialise")[0]
     for group in _shard_groups(opened, MATERIALISE_GROUP_SHARDS):
         table = masked(runner.table(materialise, shards=group), plan.params["token"], runner.values)

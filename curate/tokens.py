@@ -87,15 +87,17 @@ def _keep_runs(rows: pa.Table, token: str, values: dict) -> pa.Array:
         bounds[1::2] = tokens[full]
         return _lists(counts, bounds)
     ents = rows.column("entropies").combine_chunks()
-    if len(ents.flatten()) == 0:  # no row has a token: no runs
+    h = ents.flatten().to_numpy(zero_copy_only=False)
+    if len(h) == 0:  # no row has a token: no runs
         return _lists(np.zeros(n, np.int64), np.zeros(0, np.int32))
     offsets = ents.offsets.to_numpy().astype(np.int64)
     offsets -= offsets[0]
     lens = np.diff(offsets)
-    if ents.null_count or not np.array_equal(lens, tokens):
-        raise CurationError("a selected row's entropies do not match its token count; nothing was written "
-                            "(please report this)")
-    h = ents.flatten().to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero((lens != tokens) | ents.is_null().to_numpy(zero_copy_only=False))
+    if len(bad):
+        raise CurationError(f"rollout_id={rows.column('rollout_id')[int(bad[0])].as_py()!r}: column 'entropies' holds "
+                            f"{int(lens[bad[0]])} values, its response has {int(tokens[bad[0]])} tokens; nothing "
+                            "was written (please report this)")
     if token == "entropy":
         score = h.astype(np.float64)
     else:  # |A|·h, written into the repeated |A| (one float64 array per call: fresh memory is slow)

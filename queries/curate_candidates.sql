@@ -3,7 +3,8 @@
 -- truncated, stale, reused. NULL reason = eligible. Per-token arrays stay in the rollouts shards;
 -- `work` holds one narrow row per candidate, with the shard (`filename`) it lives in and its
 -- position there (`rollouts_row`, DuckDB's `file_row_number`): what a curated row refers to, so
--- materialisation reads no Parquet, and the token stage opens only the shards with a selected row. `{length}` counts a row's response tokens: from
+-- materialisation reads no Parquet, and the token stage opens only the shards with a selected row.
+-- `{length}` counts a row's response tokens: from
 -- `entropies` when the plan prunes tokens (a dry run then never reads token ids), else from
 -- `response_token_ids`.
 -- Replay (docs/replay.md): with {window} not `false`, the batch also holds the replay window — rows

@@ -2,8 +2,8 @@
 -- without curation_id and with the row's input shard as a full path): the selected rows of the
 -- input shards $shards, each with a reference to its rollouts row (`shard_file`, `rollouts_row` as
 -- the candidates' scan read it, rollout_id), advantage_final, weight, the response length and
--- its entropies from `selected_entropies` (null without a token stage). Nothing is read from Parquet: everything is in the session already. The engine sorts the
--- rows (input shard, rollout_id), turns the entropies into the loss mask as kept runs
+-- its entropies from `selected_entropies` (null without a token stage). Nothing is read from
+-- Parquet: everything is in the session already. The engine sorts the rows (input shard, rollout_id), turns the entropies into the loss mask as kept runs
 -- (curate/tokens.py `keep_runs`, the predicate of curate_tokens_kept.sql; their total is checked
 -- against the audit's) and adds `fallback` (no old_logprobs) from the shards' column statistics; no
 -- token list is written. Run for a few input shards at a time (one per Dask task): memory stays

@@ -112,18 +112,21 @@ def _keep_runs(rows: pa.Table, token: str, values: dict) -> pa.Array:
         before = pc.less(rid, values["thr_rollout"]).to_numpy(zero_copy_only=False)[row]
         at = pc.equal(rid, values["thr_rollout"]).to_numpy(zero_copy_only=False)[row]
         keep[ties] = before | (at & (ties - offsets[row] < values["thr_pos"]))
-    change = np.diff(keep.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    starts, ends = np.flatnonzero(change == 1), np.flatnonzero(change == -1)
-    inner = np.unique(offsets[1:-1])  # empty rows repeat an offset
-    inner = inner[(inner > 0) & (inner < len(keep))]
-    split = inner[keep[inner - 1] & keep[inner]]  # a run that crosses into the next row ends there
-    if len(split):
-        starts, ends = np.sort(np.concatenate([starts, split])), np.sort(np.concatenate([ends, split]))
-    row_of = np.searchsorted(offsets, starts, side="right") - 1
+    # A run starts at a kept token whose predecessor is not kept or is in another row, and ends
+    # (exclusive) after a kept token whose successor is not kept or is in another row: O(tokens)
+    # masks, no sort (a sort of the starts and row-boundary splits cost as much as all the rest).
+    first, last = offsets[:-1][lens > 0], offsets[1:][lens > 0] - 1
+    opens, closes = keep.copy(), keep.copy()
+    opens[1:] &= ~keep[:-1]
+    closes[:-1] &= ~keep[1:]
+    opens[first], closes[last] = keep[first], keep[last]
+    starts, ends = np.flatnonzero(opens), np.flatnonzero(closes) + 1
+    per_row = np.diff(np.searchsorted(starts, offsets))  # runs of each row (its starts lie in it)
+    base = np.repeat(offsets[:-1], per_row)
     bounds = np.empty(2 * len(starts), np.int32)
-    bounds[0::2] = starts - offsets[row_of]
-    bounds[1::2] = ends - offsets[row_of]
-    return _lists(2 * np.bincount(row_of, minlength=n), bounds)
+    bounds[0::2] = starts - base
+    bounds[1::2] = ends - base
+    return _lists(2 * per_row, bounds)
 
 
 def check_kept(written: int, counted: int) -> None:

@@ -29,9 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollstore.queries.session import Session
-from rollstore.storage.buffer import WrittenPart, token_count
-from rollstore.storage.schema import SELECTIONS, TABLES
-from rollstore.storage.shardio import write_tmp
+from rollstore.storage.buffer import Part, WrittenPart, write_part
+from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.snapshot import SnapshotFiles
 
 from .finish import PartCounts, audit_path, curated_table, masked, part_name, sorted_by_rollout, summarise
@@ -244,10 +243,7 @@ def shard_advance(ctx: TaskContext, i: int, state: State, start: int, values: di
 
 
 def _write(ctx: TaskContext, table_name: str, table: pa.Table, relpath: str, key: str) -> WrittenPart:
-    schema = TABLES[table_name]
-    table = table.select(schema.names).cast(schema)  # exactly what Buffer.commit writes for a Part
-    tmp, nbytes, sha = write_tmp(table, ctx.files.root, ctx.folder, ctx.write_threads)
-    return WrittenPart(table_name, tmp, relpath, table.num_rows, token_count(table), nbytes, sha, key)
+    return write_part(ctx.files.root, Part(table_name, table, key), ctx.folder, relpath, ctx.write_threads)
 
 
 def materialise_part(ctx: TaskContext, curation_id: str, k: int, slices: list, values: dict, *states: State) -> Written:

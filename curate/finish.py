@@ -15,6 +15,9 @@ Invariants:
   it leaves nothing visible, and an identical curation already committed is never written twice.
 - `ahead` builds the next part on a second thread while the committer writes the current one; the
   parts, their order and the commit are the same as without it.
+- The audit is known before any curated row is made: the embedded engine writes it under its own
+  folder in tmp/ on a thread (`Beside`) while the curated rows are materialised, with the bytes a
+  `Part` would get; the commit links it into place, and the folder is removed whatever happens.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import json
 import math
 import os
 import queue
+import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
@@ -33,7 +38,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollstore.storage.buffer import Buffer, Part, WrittenPart
+from rollstore.storage.buffer import Buffer, Part, WrittenPart, write_part
+from rollstore.storage.owners import owned_name
 from rollstore.storage.references import null_lists
 from rollstore.storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 from rollstore.storage.shardio import ROW_GROUP_BYTES
@@ -337,7 +343,14 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
     if dry_run:
         return out
 
+    beside = None
+    if audit_part is None and commit:  # the audit is known: write it while the curated rows are made
+        beside = Beside(buf.root, Part("selections", audit, cid, cid, "audit"))
+        audit_part = beside.result
+
     def parts():
+        if beside is not None:
+            beside.start()
         record["old_logprobs_fallback"] = kept = 0
         files = []
         for k, (part, counts) in enumerate(curated()):
@@ -357,4 +370,35 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
                   for p in parts() if p.table_name == "curated"]
         out.curated = pa.concat_tables(tables).cast(CURATED_REFS) if tables else CURATED_REFS.empty_table()
         return out
-    return publish(buf, lambda: ahead(parts()), cid, out, referenced)
+    try:
+        return publish(buf, lambda: ahead(parts()), cid, out, referenced)
+    finally:
+        if beside is not None:
+            beside.close()
+
+
+class Beside:
+    """One part written under its own folder in tmp/ on a thread (`start`), beside the work that
+    comes before its commit; `result` waits for it (a `WrittenPart`, or the writer's error).
+    `close` waits for the writer, then removes the folder: nothing of it is left, whether the
+    commit linked the file into place (its temp name is gone then) or failed before."""
+
+    def __init__(self, root: str, part: Part):
+        self.root, self.part = root, part
+        self.folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this process lives
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollstore-beside")
+        self.future = None
+
+    def start(self) -> None:
+        if self.future is None:
+            os.makedirs(os.path.join(self.root, self.folder))
+            self.future = self.pool.submit(write_part, self.root, self.part, self.folder)
+
+    def result(self) -> WrittenPart:
+        self.start()
+        return self.future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.future is not None:
+            shutil.rmtree(os.path.join(self.root, self.folder), ignore_errors=True)

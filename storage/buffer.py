@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from .errors import RollstoreError, ValidationError
 from .manifest import Manifest, NewShard, Shard
 from .schema import stored_schema
-from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file
+from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
 from .snapshot import Snapshot
 from .validate import validate_rollouts
 from .writelock import writing
@@ -109,6 +109,27 @@ class WrittenPart:
     key: str | None = None
 
 
+def stored_table(part: Part) -> pa.Table:
+    """`part`'s rows as its shard stores them: the table's stored schema, the part's metadata."""
+    schema = stored_schema(part.table_name, part.table.schema)
+    table = part.table.select(schema.names).cast(schema)
+    if part.metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
+    return table
+
+
+def write_part(root: str, part: Part, folder: str, relpath: str | None = None,
+               threads: int | None = None) -> WrittenPart:
+    """`part` written as `Buffer.commit` would write it (same bytes), complete and fsynced under
+    `folder` (an existing folder in tmp/), to be published at `relpath` (default: the part's own)
+    by a later commit: a Dask worker writes this way for its client, and a curation writes its
+    audit beside the materialisation of its curated rows."""
+    table = stored_table(part)
+    tmp, nbytes, sha = write_tmp(table, root, folder, threads)
+    return WrittenPart(part.table_name, tmp, relpath or part.relpath(), table.num_rows, token_count(table), nbytes,
+                       sha, part.key)
+
+
 def token_count(table: pa.Table) -> int:
     """Response tokens of a shard's rows (a thin curated shard: those its references name)."""
     if table.num_rows == 0:
@@ -185,10 +206,7 @@ class Buffer:
                         written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
                                                 part.bytes, part.sha256, part.key))
                     else:
-                        schema = stored_schema(part.table_name, part.table.schema)
-                        table = part.table.select(schema.names).cast(schema)
-                        if part.metadata:
-                            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
+                        table = stored_table(part)
                         rel = part.relpath()
                         nbytes, digest = publish_file(table, self.root, rel, is_orphan)
                         written.append(

@@ -110,6 +110,15 @@ def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed
             curate(buf, load_recipe("d3s"), {"where": "true"})
         assert buf.manifest.latest_seq() == seq
     assert not [f for d in ("curated", "audit") for _, _, fs in os.walk(os.path.join(root, d)) for f in fs]
+    # the audit, written under tmp/ beside the materialisation, went with its folder
+    assert not [f for _, ds, fs in os.walk(os.path.join(root, "tmp")) for f in ds + fs]
+    assert not os.listdir(os.path.join(root, "audit"))
+    with Buffer.open(root) as buf:  # and the same curation, once the masks are right, commits it
+        monkeypatch.setattr(finish, "keep_runs", real)
+        out = curate(buf, load_recipe("d3s"), {"where": "true"})
+        assert out.committed and buf.manifest.latest_seq() == seq + 1
+    assert os.path.exists(os.path.join(root, "audit", out.curation_id, "audit.parquet"))
+    assert not [f for _, ds, fs in os.walk(os.path.join(root, "tmp")) for f in ds + fs]
 
 
 def test_entropies_that_do_not_match_the_token_count_are_one_line_naming_the_row():

@@ -22,8 +22,10 @@ Invariants:
     and a task re-declares the views of earlier steps (`dask_tasks._views_before`);
   - curated shards are cut exactly as the embedded engine cuts them (`finish.part_layout`), one
     task per output shard, with the client's row-group sizing, so the worker's host does not
-    change the bytes; workers write them, and the audit, only under BUFFER/tmp/curate-<host>-<pid>-<hex>/
-    (named for the client: gc keeps it while the client lives).
+    change the bytes; workers write them, and the audit (beside them), only under
+    BUFFER/tmp/curate-<host>-<pid>-<hex>/ (named for the client: gc keeps it while the client lives).
+- The client hashes every input shard (sha256, against the manifest) on a thread while the tasks
+  run (`steps.verifying_inputs`), and waits for it before any task writes a file.
 - Nothing is visible until the client links every file into place and commits them with the
   record in ONE `Buffer.commit`. On any failure (a lost worker past Dask's retries, an interrupt,
   an error) the run folder is removed and nothing is committed. Tasks are pure functions of their
@@ -58,7 +60,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import build
-from .steps import Runner, latest_checkpoint, run_values, verified_inputs, with_defaults
+from .steps import Runner, latest_checkpoint, run_values, verifying_inputs, with_defaults
 
 
 def require_dask():
@@ -149,8 +151,8 @@ def curate_dask(
                          "drop --engine dask")
     if dask.partitions is not None and dask.partitions < 1:
         raise ParamError(f"partitions must be >= 1, got {dask.partitions}")
-    with buf.snapshot(snapshot_seq, pin=True) as snap, \
-            Session(verified_inputs(snap, dry_run), limits.memory_limit, limits.threads) as session, \
+    with buf.snapshot(snapshot_seq, pin=True) as snap, verifying_inputs(snap, dry_run) as verified, \
+            Session(snap, limits.memory_limit, limits.threads) as session, \
             _client(dask.scheduler) as client:
         client.wait_for_workers(1, timeout=120)
         versions = client.run(tasks.library_versions)
@@ -167,7 +169,7 @@ def curate_dask(
         job = _Run(client, ctx, run)
         os.makedirs(os.path.join(buf.root, folder))
         try:
-            return _curate(buf, snap, session, job, recipe, params, commit, dry_run)
+            return _curate(buf, snap, session, job, recipe, params, commit, dry_run, verified)
         except BaseException:
             job.cancel()
             raise
@@ -189,7 +191,7 @@ def _resolve(job: _Run, session: Session, params: Params) -> Params:
 
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
-            dry_run: bool) -> CurationResult:
+            dry_run: bool, verified) -> CurationResult:
     params = _resolve(job, session, params)
     with session.deadline(job.ctx.timeout):
         session.check_predicate(params["where"])
@@ -229,17 +231,20 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     audit = _audit(job, collected, [per_shard[i] for i in shards], values)
     layout = part_layout(summary["selected_per_shard"], rows_per_shard(summary))
 
+    audit_written = []  # the audit is written by a worker beside the curated shards
+
     def curated():
+        audit_written.append(job.submit(tasks.write_audit, ctx, curation_id, audit))
         written = [job.submit(tasks.materialise_part, ctx, curation_id, k, slices, values,
                               *[per_shard[i] for i, _, _ in slices])
                    for k, slices in enumerate(layout)]
         for w in job.gather(written):
             yield w.part, w.counts
 
+    verified()  # the inputs' hashes, taken beside the tasks so far: before anything is written or committed
     return finish_curation(buf, Decided(plan, snap.seq, summary, values, audit), curated,
                            referenced_paths([ctx.shard(i) for i in shards], buf.root), commit=commit,
-                           dry_run=dry_run,
-                           audit_part=lambda: job.submit(tasks.write_audit, ctx, curation_id, audit).result())
+                           dry_run=dry_run, audit_part=lambda: audit_written[0].result())
 
 
 def _merge_rounds(job: _Run, session: Session, states: list, values: dict, resume, *extra) -> list:

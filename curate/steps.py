@@ -28,11 +28,13 @@ CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
 @contextlib.contextmanager
 def verifying_inputs(snap, dry_run: bool):
-    """`verified_inputs` on a background thread beside the run's queries (most selection steps
-    leave a core idle): yields `done`, which returns once every curation input is hashed and raises
-    the first mismatch; the engine calls it before anything is committed. When the run fails while
-    the hashes are taken, a mismatch is raised in its place (a corrupt file explains the failed
-    query). A dry run hashes nothing: `done` returns at once."""
+    """The snapshot's curation inputs hashed against the manifest (sha256) on a background thread
+    beside the run's queries or tasks (most selection steps leave a core idle): yields `done`, which
+    returns once every input is hashed and raises the first mismatch; both engines call it before
+    anything is written or committed. When the run fails, a mismatch is raised in its place (a
+    corrupt file explains a failed query). A dry run commits nothing, so it hashes nothing (at 1 B
+    tokens that is 10 GiB read once more) and keeps the size check every read makes: `done`
+    returns at once."""
     if dry_run:
         yield lambda: None
         return
@@ -45,13 +47,6 @@ def verifying_inputs(snap, dry_run: bool):
                 raise hashed.exception() from None
             raise
         hashed.result()
-
-
-def verified_inputs(snap, dry_run: bool):
-    """The snapshot, its curation inputs hashed against the manifest (sha256) before anything is
-    committed from them; a dry run commits nothing, so it skips the hashing (at 1 B tokens, 10 GiB
-    read once more) and keeps the size check every read makes."""
-    return snap if dry_run else snap.verify(CURATION_INPUTS)
 
 
 def run_values(plan: Plan) -> dict:

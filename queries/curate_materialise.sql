@@ -3,11 +3,12 @@
 -- input shards $shards, each with a reference to its rollouts row (`shard_file`, `rollouts_row` as
 -- the candidates' scan read it, rollout_id), advantage_final, weight, the response length and
 -- its entropies from `selected_entropies` (null without a token stage). Nothing is read from
--- Parquet: everything is in the session already. The engine sorts the rows (input shard, rollout_id), turns the entropies into the loss mask as kept runs
--- (curate/tokens.py `keep_runs`, the predicate of curate_tokens_kept.sql; their total is checked
--- against the audit's) and adds `fallback` (no old_logprobs) from the shards' column statistics; no
--- token list is written. Run for a few input shards at a time (one per Dask task): memory stays
--- bounded by their selected rows' entropies.
+-- Parquet: everything is in the session already. The engine sorts the rows (input shard,
+-- rollout_id), turns the entropies into the loss mask as kept runs (curate/tokens.py `keep_runs`,
+-- the predicate of curate_tokens_kept.sql; their total is checked against the audit's) and adds
+-- `fallback` (no old_logprobs) from the shards' column statistics; no token list is written. Run
+-- for a few input shards at a time (one per Dask task): memory stays bounded by their selected
+-- rows' entropies.
 SELECT
     w.rollout_id, w.group_id, w.prompt_id, w.policy_version, w.rollouts_row,
     w.advantage_final                                 AS advantage,

@@ -198,9 +198,10 @@ def test_curation_spills_beyond_memory_limit(tmp_path):
 def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeypatch):
     """The embedded engine reads several input shards per materialisation query, within a byte cap
     (groups of `threads` shards here, MATERIALISE_GROUP_SHARDS). Shards appended newest step first
-    make the manifest order differ from rollout_id order: the curated rows must still come input shard by input shard, then by
-    rollout_id, the same rows as when each shard is read alone (threads=1); the audit byte for byte,
-    curated shards up to the shard names each buffer draws (their references compare by shard order)."""
+    make the manifest order differ from rollout_id order: the curated rows must still come input
+    shard by input shard, then by rollout_id, the same rows as when each shard is read alone
+    (threads=1); the audit byte for byte, curated shards up to the shard names each buffer draws
+    (their references compare by shard order)."""
     import hashlib
 
     import rollstore.curate.finish as output_module

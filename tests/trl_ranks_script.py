@@ -81,3 +81,10 @@ def main(model_dir: str, buf: str, out: str, recipe: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    # Leave without tearing the process down: once in CI, rank 0 aborted at exit ("terminate called
+    # without an active exception", SIGABRT) after its work was done; accelerate leaves the gloo
+    # group to the interpreter's teardown. What the test checks is on disk by now (the JSON above,
+    # the buffer's committed shards), and the exit status stays the test's signal.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

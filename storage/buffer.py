@@ -2,8 +2,10 @@
 
 Invariants:
 - `commit` writes every file first (fsynced, linked into place), then records all of them in ONE
-  manifest transaction; if anything fails before that transaction commits, the files are unlinked
-  and nothing becomes visible (a crash leaves only orphans for `gc`). A file found at a part's
+  manifest transaction; if anything fails before COMMIT is sent (the transaction rolled back),
+  the files are unlinked and nothing becomes visible (a crash leaves only orphans for `gc`). A
+  failure of COMMIT itself leaves the outcome unknown: then no file is unlinked, whatever the
+  manifest seems to say; unnamed ones are orphans for `gc`. A file found at a part's
   final path that no manifest row names is an orphan of a crashed run: it is replaced, never
   trusted; on failure only files that are still ours (same inode) and still unnamed by the
   manifest are unlinked. From its first file to the end of its transaction a commit holds the
@@ -42,6 +44,7 @@ TABLE_DIRS = {
     "checkpoints": "meta/checkpoints",
     "training": "meta/training",
     "evaluations": "meta/evaluations",
+    "prompt_selections": "meta/prompt_selections",
 }
 
 
@@ -187,8 +190,9 @@ class Buffer:
     ) -> tuple[int, list[Shard]]:
         """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
 
-        Returns (seq, shards). On any failure every file written so far is removed. A manifest
-        opened read-only (full disk, read-only mount) refuses before any file is written.
+        Returns (seq, shards). On a failure before COMMIT is sent every file written so far is
+        removed; never once COMMIT was sent (the outcome is unknown: see the module invariants). A
+        manifest opened read-only (full disk, read-only mount) refuses before any file is written.
         """
         self.manifest.require_writable()
         with writing(self.root):  # gc collects no unnamed file while we are between link and commit
@@ -196,6 +200,7 @@ class Buffer:
             inodes: list[int] = []
             ids: list[int] = []
             is_orphan = self.manifest.is_unnamed
+            sent = False  # True from the moment COMMIT may have reached the manifest
             try:
                 for part in parts:
                     if isinstance(part, WrittenPart):
@@ -218,7 +223,13 @@ class Buffer:
                     ids = self.manifest.add_shards(con, seq, written)
                     if on_commit is not None:
                         on_commit(con, seq, ids)
+                    sent = True  # leaving the block sends COMMIT: from here the outcome may be unknown
             except BaseException:
+                if sent:
+                    # COMMIT was sent and failed (or was interrupted): whether it took effect is not
+                    # known here, so no file is removed. Unnamed ones are orphans for `gc`, which
+                    # decides from the manifest, under the writers' lock, after this commit ends.
+                    raise
                 for w, inode in zip(written, inodes):
                     full = os.path.join(self.root, w.path)
                     try:

@@ -10,6 +10,8 @@ Invariants:
 - Units go in manifest commit order (shard id), so an interrupted run resumed from its latest
   checkpoint (`resume`) trains exactly the units it had not published, in the same order, from
   the same optimizer / scheduler / RNG state: the result equals an uninterrupted run.
+- Every pending unit's curated shards and the rollouts shards they refer to are verified (size,
+  place, sha256: `storage.verify.verify_training_inputs`) before the first unit is trained.
 - Every pending unit's token ids are checked against the model's vocabulary before the first unit
   is trained: a row the model cannot embed is one line naming it, and nothing is published.
 - A unit is never trained twice into a run even if callers misuse this module: `save_checkpoint`
@@ -30,6 +32,7 @@ from typing import Iterable, Sequence
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.manifest import Shard
 from rollstore.storage.timing import Stopwatch
+from rollstore.storage.verify import verify_training_inputs
 
 from .batches import check_vocabulary
 from .checkpoint import (
@@ -180,6 +183,9 @@ def _pending_units(buf: Buffer, model, version: int, pending: Pending) -> list[l
     first is trained and published."""
     ledger = consumed_ledger(buf, version) if any(c.version == version for c in list_checkpoints(buf)) else []
     todo = _units(pending_shards(buf, ledger, pending.curation_ids, pending.shards), pending.per)
+    # what training reads, checked as a curation checks its inputs: the curated shards and every
+    # rollouts shard they refer to (live, in place, size and sha256; each hashed once per process)
+    verify_training_inputs(buf.root, buf.manifest, [s for unit in todo for s in unit])
     vocab = vocabulary_size(model)
     if vocab is not None:
         check_vocabulary([os.path.join(buf.root, s.path) for unit in todo for s in unit], vocab)

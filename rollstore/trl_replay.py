@@ -57,6 +57,7 @@ def stored_rows(tr, curated: list[dict]) -> list[dict]:
     want = [r["rollout_id"] for r in curated]
     run_id = tr.rollstore_run_id
     with tr.rollstore_buffer.snapshot() as snap:
+        snap.verify(["rollouts"])  # size, place and sha256 of what is replayed (hashed once per process)
         data = snap.arrow("rollouts")
         stored = {r["rollout_id"]: r for r in data.to_table(
             filter=ds.field("rollout_id").isin(want), columns=STORED).to_pylist()}

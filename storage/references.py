@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable, Sequence
 
@@ -35,6 +36,35 @@ RESOLVED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "gen
 
 class UnresolvedReference(RollstoreError):
     """A curated row's reference does not resolve to its rollouts row."""
+
+
+class UnreadableShard(RollstoreError):
+    """A shard file that cannot be decoded (truncated, corrupt): one line naming the file."""
+
+
+@contextlib.contextmanager
+def reading(path: str):
+    """Turn a decoding error of `path` (Arrow's "Parquet magic bytes not found", "ZSTD decompression
+    failed", ...; an OSError) into one `UnreadableShard` line naming the file."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        root = _buffer_of(path)
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise UnreadableShard(f"{path}: shard cannot be read ({detail}); restore the file from a backup, or run "
+                              f"`rollstore verify {root} --quarantine` to retire it") from None
+
+
+def _buffer_of(path: str) -> str:
+    """The buffer folder above `path` (the first one holding a manifest), else BUFFER."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.exists(os.path.join(folder, "manifest.sqlite")):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return "BUFFER"
+        folder = parent
 
 
 def is_thin(schema: pa.Schema) -> bool:
@@ -66,6 +96,11 @@ def runs_to_mask(runs: pa.ChunkedArray | pa.Array, tokens: np.ndarray) -> pa.Arr
 
 def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COLUMNS) -> pa.Table:
     """Rows `positions` of one rollouts shard (`columns`), reading only their row groups."""
+    with reading(path):
+        return _read_rows(path, positions, source, columns)
+
+
+def _read_rows(path: str, positions: np.ndarray, source: str, columns) -> pa.Table:
     pf = pq.ParquetFile(path)
     sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)], np.int64)
     ends = np.cumsum(sizes)
@@ -145,7 +180,8 @@ def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source
 def read_curated_file(path: str, root: str | None = None, live: Iterable[str] | None = None) -> pa.Table:
     """One curated shard's rows with the `CURATED` columns: a thin shard resolved (under `root`,
     default the buffer the path lies in), a materialised one as stored."""
-    table = pq.read_table(path)
+    with reading(path):
+        table = pq.read_table(path)
     if not is_thin(table.schema):
         return table.select(CURATED.names).cast(CURATED)
     return resolve(table.select(CURATED_REFS.names).cast(CURATED_REFS), root or buffer_root_of(path), live,
@@ -166,9 +202,10 @@ def referenced_shards(paths: Sequence[str]) -> set[str]:
     """The rollouts shard paths (manifest-relative) that curated shards `paths` refer to."""
     found: set[str] = set()
     for path in paths:
-        pf = pq.ParquetFile(path)
-        if is_thin(pf.schema_arrow):
-            found.update(pc.unique(pf.read(columns=["rollouts_shard"]).column("rollouts_shard")).to_pylist())
+        with reading(path):
+            pf = pq.ParquetFile(path)
+            if is_thin(pf.schema_arrow):
+                found.update(pc.unique(pf.read(columns=["rollouts_shard"]).column("rollouts_shard")).to_pylist())
     return found
 
 

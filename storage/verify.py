@@ -4,9 +4,13 @@ the manifest recorded (same size, same sha256).
 Invariants:
 - `check_present` is cheap (one lstat and a realpath per file) and catches deleted, emptied,
   truncated shards and shards that are not regular files inside the buffer (a symbolic link);
-  `verify_shards` also hashes, and caches a good result per process by (path, size, mtime_ns, inode),
-  so a file is hashed once per process unless it changes; several files are hashed in parallel, and
+  `verify_shards` also hashes, and caches a good result per process by (path, size, mtime_ns,
+  ctime_ns, inode), so a file is hashed once per process unless it changes (a rewrite in place at
+  the same size with its mtime set back still changes the ctime, which no utime() can restore);
+  several files are hashed in parallel, and
   the error names the first bad shard in manifest order, as a serial check would.
+- `verify_training_inputs` checks what a learner reads: the curated shards and every rollouts
+  shard they refer to (live, in place, size and sha256), each hashed once per process.
 - `scan_references` follows thin curated shards' references: each must name a live rollouts shard
   and, at the row position it names, the rollout_id it names.
 - A bad shard raises one `ShardError` line naming the file and what to do about it; nothing here
@@ -23,12 +27,12 @@ from dataclasses import dataclass
 
 from .errors import RollstoreError
 from .manifest import Manifest, Shard
-from .references import check_references, read_references
+from .references import check_references, read_references, referenced_shards
 from .shardio import READ_THREADS, fsync_dir, sha256_file
 
 QUARANTINE_DIR = "quarantine"
 
-_verified: set[tuple[str, int, int, int]] = set()
+_verified: set[tuple[str, int, int, int, int]] = set()
 
 
 class ShardError(RollstoreError):
@@ -77,7 +81,7 @@ def check_shard(root: str, shard: Shard, full: bool = True) -> Problem | None:
         return Problem(shard, "size")
     if not full:
         return None
-    key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # ctime: no utime() can set it back
     if key in _verified:
         return None
     if sha256_file(path) != shard.sha256:
@@ -145,6 +149,26 @@ def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> Non
             problem = check_references(root, refs, live, refs_path)
             if problem is not None:
                 raise ShardError(f"{problem}; this curation cannot be trained: curate again")
+
+
+def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -> None:
+    """Everything training on the curated `shards` reads, checked as `verify_shards` checks a
+    curation's inputs: the curated shards, then every rollouts shard their references name (each
+    must be live in `manifest`; its file a regular file at its own path inside the buffer, with the
+    recorded size and sha256). Hashes are cached per process (`check_shard`), so a learner that
+    trains many curations over the same rollouts shards hashes each of them once. Raises one
+    `ShardError` line naming the first bad file."""
+    verify_shards(root, shards)
+    live = {s.path: s for s in manifest.shards("rollouts")}
+    wanted: dict[str, Shard] = {}
+    for shard in shards:
+        path = os.path.join(root, shard.path)
+        for rel in sorted(referenced_shards([path])):
+            if rel not in live:
+                raise ShardError(f"{path}: refers to rollouts shard {rel}, which is not live (quarantined or "
+                                 "removed); this curation cannot be trained: curate again")
+            wanted[rel] = live[rel]
+    verify_shards(root, sorted(wanted.values(), key=lambda s: s.shard_id))
 
 
 def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:

@@ -91,3 +91,166 @@ def test_a_failure_before_commit_still_removes_the_files(buffer_dir):
         buf.commit([Part("rollouts", tiny_rows(1))], "append", on_commit=boom)
     assert [f for f in os.listdir(os.path.join(buffer_dir, "rollouts")) if f.endswith(".parquet")] == []
     buf.close()
+
+
+# ---- 1 and 5: training verifies the rollouts shards thin curated shards refer to ----------------
+def same_size_tamper(path: str) -> None:
+    """Rewrite the Parquet file `path` with wrong data at exactly its size, as a valid file: token ids
+    shifted, `old_logprobs` set to -50, rewards negated (the red team's tamper). The new file is
+    padded between its last column chunk and its footer (offsets are absolute: nothing moves)."""
+    table = pq.read_table(path)
+    size = os.path.getsize(path)
+    ids = table.column("response_token_ids").combine_chunks()
+    shifted = pa.ListArray.from_arrays(ids.offsets, pa.array(ids.values.to_numpy() % 20 + 2, pa.int32()))
+    old = table.column("gen_logprobs").combine_chunks()
+    minus50 = pa.ListArray.from_arrays(old.offsets, pa.array([-50.0] * len(old.values), pa.float32()))
+    for name, values in (("response_token_ids", shifted), ("old_logprobs", minus50),
+                         ("reward", pc.negate(table.column("reward")))):
+        field = table.schema.field(name)
+        table = table.set_column(table.column_names.index(name), field, values.cast(field.type))
+    tmp = path + ".tamper"
+    pq.write_table(table, tmp, compression="zstd", compression_level=19)
+    data = open(tmp, "rb").read()
+    os.unlink(tmp)
+    assert len(data) <= size, (len(data), size)
+    footer_len = int.from_bytes(data[-8:-4], "little")
+    start = len(data) - 8 - footer_len
+    padded = data[:start] + b"\0" * (size - len(data)) + data[start:]
+    mtime = os.stat(path).st_mtime_ns
+    with open(path, "r+b") as fh:  # in place: same inode
+        fh.write(padded)
+    os.utime(path, ns=(mtime, mtime))  # even the modification time is kept
+    assert os.path.getsize(path) == size
+    assert pq.read_table(path).column("old_logprobs")[0].as_py()[0] == -50.0
+
+
+def flip_byte(path: str, at: int | None = None) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) // 3 if at is None else at)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def thin(tmp_path, cli):
+    """A buffer with two steps of tiny-model rows and one thin `grpo` curation of both."""
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(2):
+            buf.append_rollouts(tiny_rows(3 + step, step=step))
+    res = cli("curate", root, "--recipe", "grpo", "--set", "where=true")
+    assert res.code == 0, res.stderr
+    return root
+
+
+def referenced(root: str) -> str:
+    """The full path of the first rollouts shard the curation refers to."""
+    from rollstore.storage.references import referenced_shards
+
+    with Buffer.open(root) as buf:
+        curated = [os.path.join(root, s.path) for s in buf.manifest.shards("curated")]
+    return os.path.join(root, sorted(referenced_shards(curated))[0])
+
+
+TAMPERS = ["same-size", "truncated", "flipped-byte", "link-outside"]
+
+
+def tamper(path: str, how: str, tmp_path) -> str:
+    """Damage `path` as `how` says; return the words the refusal must hold."""
+    if how == "same-size":
+        same_size_tamper(path)
+        return "sha256 differs"
+    if how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+        return "size differs"
+    if how == "flipped-byte":
+        flip_byte(path)
+        return "sha256 differs"
+    copy = str(tmp_path / "copy.parquet")  # identical bytes elsewhere, the shard a link to them
+    shutil.copyfile(path, copy)
+    os.unlink(path)
+    os.symlink(copy, path)
+    return "symbolic link"
+
+
+@pytest.mark.parametrize("how", TAMPERS)
+def test_train_refuses_a_damaged_referenced_rollouts_shard(cli, thin, tmp_path, how):
+    path = referenced(thin)
+    words = tamper(path, how, tmp_path)
+    seq = seq_of(thin)
+    line = one_error_line(cli("train", thin, "--model", "builtin:tiny"))
+    assert path in line and words in line, line
+    assert seq_of(thin) == seq  # nothing published
+    assert not os.listdir(os.path.join(thin, "checkpoints"))
+
+
+def test_train_refuses_a_referenced_shard_that_is_not_live(cli, thin):
+    """A referenced rollouts shard retired behind the curation's back (its row marked removed, the
+    file left where it was): the reference does not resolve, whatever the file holds."""
+    path = referenced(thin)
+    rel = os.path.relpath(path, thin)
+    with Buffer.open(thin) as buf, buf.manifest.transaction() as con:
+        con.execute("UPDATE shards SET removed_seq = added_seq WHERE path = ?", (rel,))
+    line = one_error_line(cli("train", thin, "--model", "builtin:tiny"))
+    assert rel in line and "not live" in line, line
+
+
+def test_training_hashes_each_referenced_shard_once_per_process(thin, monkeypatch):
+    from rollstore.storage import shardio, verify
+
+    hashed = []
+    real = shardio.sha256_file
+    monkeypatch.setattr(verify, "sha256_file", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(verify, "_verified", set())
+    with Buffer.open(thin) as buf:
+        shards = buf.manifest.shards("curated")
+        for _ in range(3):
+            verify.verify_training_inputs(buf.root, buf.manifest, shards)
+        n_rollouts = len(buf.manifest.shards("rollouts"))
+    assert len(hashed) == len(shards) + n_rollouts and len(set(hashed)) == len(hashed)
+
+
+def test_the_learner_reader_names_an_undecodable_shard(thin):
+    """Read without verification first (a caller of `learner.batches.read_curated`): a truncated
+    rollouts shard is the one line naming the file, not Arrow's anonymous message."""
+    from rollstore.learner.batches import read_curated
+    from rollstore.storage.errors import RollstoreError
+
+    path = referenced(thin)
+    with Buffer.open(thin) as buf:
+        curated = [os.path.join(thin, s.path) for s in buf.manifest.shards("curated")]
+    for how in ("truncate", "flip"):
+        data = open(path, "rb").read()
+        if how == "truncate":
+            os.truncate(path, len(data) // 2)
+        else:  # a byte of the footer (Thrift metadata): undecodable
+            flip_byte(path, len(data) - 8 - int.from_bytes(data[-8:-4], "little") // 2)
+        with pytest.raises(RollstoreError) as err:
+            read_curated(curated)
+        msg = str(err.value)
+        assert path in msg and "cannot be read" in msg and "\n" not in msg, msg
+        open(path, "wb").write(data)
+
+
+@pytest.mark.parametrize("how", TAMPERS)
+def test_every_command_against_a_damaged_referenced_shard(cli, thin, tmp_path, how):
+    """The table of docs/integrity.md §What each command verifies, row by row: verify, export,
+    curate and train refuse; sql checks place and size only (documented), so a same-size tamper or
+    a flipped byte is read (or fails naming the file) while a truncated or linked shard is refused."""
+    path = referenced(thin)
+    words = tamper(path, how, tmp_path)
+    res = cli("verify", thin)
+    assert res.code == 1 and path in res.stderr and words in res.stderr, res.stderr
+    for args in (["export", thin, "--to", tmp_path / "x"], ["curate", thin, "--recipe", "dapo", "--set", "where=true"],
+                 ["train", thin, "--model", "builtin:tiny"]):
+        seq = seq_of(thin)
+        line = one_error_line(cli(*args))
+        assert path in line and words in line, (args, line)
+        assert seq_of(thin) == seq
+    assert not os.path.exists(tmp_path / "x")
+    res = cli("sql", thin, "SELECT count(*) AS n FROM rollouts", "--format", "csv")
+    if how in ("same-size", "flipped-byte"):  # sql checks size and place only
+        assert res.code == 0 or (path in one_error_line(res)), res.stderr
+    else:
+        assert path in one_error_line(res) and words in res.stderr

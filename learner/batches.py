@@ -78,7 +78,7 @@ class Batch:
         return Batch(**moved)
 
 
-def read_curated(paths: Sequence[str]) -> pa.Table:
+def read_curated(paths: Sequence[str], counts: list[int] | None = None) -> pa.Table:
     """The rows of `paths`, in order, with the `curated` columns; lengths checked per file. A thin
     shard's references are resolved against the rollouts shards of its buffer
     (`storage.references`: only the row groups holding a referenced row are read, each row's
@@ -88,6 +88,8 @@ def read_curated(paths: Sequence[str]) -> pa.Table:
         table = read_curated_file(str(path))
         _check(table, str(path))
         tables.append(table)
+        if counts is not None:
+            counts.append(table.num_rows)
     if not tables:
         return CURATED.empty_table()
     return pa.concat_tables(tables)
@@ -97,12 +99,36 @@ class CuratedDataError(RollstoreError, ValueError):
     """A curated row the learner cannot train on (one line naming the file, the row and the column)."""
 
 
-def check_vocabulary(paths: Sequence[str], vocab_size: int) -> None:
+FINITE_COLUMNS = ("advantage", "weight", "old_logprobs", "gen_logprobs")
+
+
+def check_finite(table: pa.Table, source: str) -> None:
+    """Refuse (one line naming the file, the rollout and the column) a NaN or infinity in what the
+    loss reads: advantage, weight and the per-token log-probs."""
+    for name in FINITE_COLUMNS:
+        col = table.column(name).combine_chunks()
+        values = col.values if pa.types.is_list(col.type) else col
+        bad = pc.invert(pc.is_finite(values)).fill_null(False)
+        if not pc.any(bad).as_py():
+            continue
+        at = int(np.flatnonzero(np.asarray(bad.to_numpy(zero_copy_only=False)))[0])
+        row = int(pc.list_parent_indices(col)[at].as_py()) if pa.types.is_list(col.type) else at
+        rid = table.column("rollout_id")[row].as_py()
+        raise CuratedDataError(f"{source}: row rollout_id={rid!r}: column {name!r}: {values[at].as_py()} is not a "
+                               "finite number; nothing was trained: curate again without this row")
+
+
+def check_vocabulary(paths: Sequence[str], vocab_size: int | None) -> None:
     """Refuse (one line naming the file, the rollout and the id) a token id at or above the model's
     vocabulary size, before anything is trained or committed; an embedding lookup would fail
-    mid-training with an IndexError that says neither."""
+    mid-training with an IndexError that says neither. Non-finite advantages, weights and log-probs
+    are refused in the same pass (`check_finite`)."""
     for path in paths:
-        table = read_curated_file(str(path)).select(["rollout_id", "prompt_token_ids", "response_token_ids"])
+        table = read_curated_file(str(path))
+        check_finite(table, str(path))
+        if vocab_size is None:
+            continue
+        table = table.select(["rollout_id", "prompt_token_ids", "response_token_ids"])
         for name in ("prompt_token_ids", "response_token_ids"):
             col = table.column(name).combine_chunks()
             flat = pc.list_flatten(col)

@@ -12,7 +12,8 @@ Invariants:
   the same optimizer / scheduler / RNG state: the result equals an uninterrupted run.
 - Every pending unit's curated shards and the rollouts shards they refer to are verified (size,
   place, sha256: `storage.verify.verify_training_inputs`) before the first unit is trained.
-- Every pending unit's token ids are checked against the model's vocabulary before the first unit
+- Every pending unit's advantages, weights and log-probs are checked finite, and its token ids are
+  checked against the model's vocabulary before the first unit
   is trained: a row the model cannot embed is one line naming it, and nothing is published.
 - A unit is never trained twice into a run even if callers misuse this module: `save_checkpoint`
   refuses a shard already consumed by the run inside its commit transaction.
@@ -186,7 +187,5 @@ def _pending_units(buf: Buffer, model, version: int, pending: Pending) -> list[l
     # what training reads, checked as a curation checks its inputs: the curated shards and every
     # rollouts shard they refer to (live, in place, size and sha256; each hashed once per process)
     verify_training_inputs(buf.root, buf.manifest, [s for unit in todo for s in unit])
-    vocab = vocabulary_size(model)
-    if vocab is not None:
-        check_vocabulary([os.path.join(buf.root, s.path) for unit in todo for s in unit], vocab)
+    check_vocabulary([os.path.join(buf.root, s.path) for unit in todo for s in unit], vocabulary_size(model))
     return todo

@@ -12,6 +12,9 @@ Invariants:
 - No randomness inside a step; on CPU with `deterministic_cpu()` two runs from the same state give
   bit-identical weights.
 - Every returned row has exactly the columns of the `training` table.
+- A step whose loss or gradient norm is not finite raises `NonFiniteStep` (one line naming the
+  curation, the shard and the first offending rollout_id) before its optimiser step: nothing
+  non-finite is ever applied, returned or published.
 - Under `torch.distributed` (`dist`), each rank trains its block of every global step
   (`batches.iter_rank_steps`), the step's `Normalizer` and metrics are all-reduced, and every rank
   returns the same rows: the rows and the gradient are those of the single process (up to the
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollstore.storage.errors import RollstoreError
 from rollstore.storage.schema import TRAINING
 
 from rollstore.storage.timing import Stopwatch
@@ -164,10 +168,12 @@ def train_on_curation(
     invariants). `config.lr` / `warmup_steps` are not read here (`make_optimizer` takes them).
     """
     clock = Stopwatch(context.timings)
-    rows_table = read_curated(shards)
+    counts: list[int] = []
+    rows_table = read_curated(shards, counts)
     clock.lap("read")
     current = version - 1 if weights_version is None else weights_version
     steps = _Steps(model, optimizer, scheduler, config, context, current, clock)
+    steps.origin = _Origin(rows_table, [str(p) for p in shards], counts)
     dist = context.dist
     was_training = model.training
     model.train()
@@ -196,8 +202,48 @@ def train_on_curation(
     return out
 
 
+class NonFiniteStep(RollstoreError, RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite: the run stops before the optimiser step
+    (one line naming the curation, the shard and the first offending rollout_id)."""
+
+
+class _Origin:
+    """Which curated shard a row of `train_on_curation`'s table came from (for error lines)."""
+
+    def __init__(self, table, paths: list[str], counts: list[int]):
+        self.table, self.paths, self.ends = table, paths, np.cumsum(counts) if counts else np.zeros(0, np.int64)
+
+    def shard_of(self, rollout_id: str) -> str:
+        ids = self.table.column("rollout_id").to_pylist()
+        if rollout_id not in ids or not len(self.ends):
+            return "?"
+        return self.paths[int(np.searchsorted(self.ends, ids.index(rollout_id), side="right"))]
+
+
+def _first_bad_row(model, micro: list[Batch], prox: list) -> tuple[str, str] | None:
+    """(rollout_id, what) of the first row of `micro` whose inputs or log-probs are not finite
+    (a no-grad forward of the weights the step ran with), or None."""
+    with torch.no_grad():
+        for b, px in zip(micro, prox):
+            logp, _ = response_logprobs(model, b, with_entropy=False)
+            tok = b.response_mask
+            checks = [("advantage", ~torch.isfinite(b.advantage)), ("weight", ~torch.isfinite(b.weight)),
+                      ("old_logprobs", (~torch.isfinite(b.old_logprobs) & tok).any(1)),
+                      ("gen_logprobs", (~torch.isfinite(b.gen_logprobs) & tok).any(1)),
+                      ("the model's log-probs", (~torch.isfinite(logp.float()) & tok).any(1))]
+            if px is not None:
+                checks.append(("proximal log-probs", (~torch.isfinite(px) & tok).any(1)))
+            for i in range(len(b)):
+                for what, bad in checks:
+                    if bool(bad[i]):
+                        return b.rollout_ids[i], what
+    return None
+
+
 class _Steps:
     """One optimiser step of `train_on_curation` at a time (the objects it shares across steps)."""
+
+    origin: _Origin | None = None
 
     def __init__(self, model, optimizer, scheduler, config: TrainConfig, context: TrainContext, current: int,
                  clock: Stopwatch):
@@ -238,6 +284,7 @@ class _Steps:
                     stats = stats + res.stats
             limit = math.inf if self.config.max_grad_norm is None else self.config.max_grad_norm
             grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, limit, foreach=False))
+            self._check_finite(part, micro, prox, total, grad_norm)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -247,6 +294,24 @@ class _Steps:
         return {"curation_id": ",".join(part.curation_ids) or None, "loss": total,
                 "clip_fraction": m["clip_fraction"], "approx_kl": m["approx_kl"], "entropy": m["entropy"],
                 "grad_norm": grad_norm, "tokens": m["tokens"], "samples": m["samples"], "lr": lr}
+
+    def _check_finite(self, part, micro: list[Batch], prox: list, total: float, grad_norm: float) -> None:
+        """Stop before the optimiser step when the step's loss or gradient norm is not finite (on
+        every rank: the verdict is all-reduced), naming the curation, the shard and the first row
+        whose inputs or log-probs are not finite (the step's first row when none is)."""
+        bad = not (math.isfinite(total) and math.isfinite(grad_norm))
+        if self.dist.active:
+            bad = self.dist.sum([float(bad)])[0] > 0
+        if not bad:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        found = _first_bad_row(self.model, micro, prox)
+        rid, what = found if found else ((micro or [part.filler])[0].rollout_ids[0], "no single row")
+        shard = self.origin.shard_of(rid) if self.origin is not None else "?"
+        curation = ",".join(part.curation_ids)
+        raise NonFiniteStep(f"curation {curation}: {shard}: row rollout_id={rid!r}: non-finite step (loss {total}, "
+                            f"grad norm {grad_norm}; first non-finite: {what}); the run stopped before this step, "
+                            "nothing was published")
 
     def _loss(self, b: Batch, norm: Normalizer, prox: Tensor | None):
         logp, entropy = response_logprobs(self.model, b)

@@ -254,3 +254,87 @@ def test_every_command_against_a_damaged_referenced_shard(cli, thin, tmp_path, h
         assert res.code == 0 or (path in one_error_line(res)), res.stderr
     else:
         assert path in one_error_line(res) and words in res.stderr
+
+
+# ---- 3: no non-finite number is ever trained or published ---------------------------------------
+def _materialised_curation(root: str, cid: str, bad: str | None) -> list[str]:
+    """A materialised (schema version 1) curated shard of tiny-model rows committed by hand, with a
+    NaN in `bad` (a column of the learner's rows) at row 3; returns its rollout ids."""
+    from rollstore.storage.schema import CURATED
+
+    rows = tiny_rows(7)
+    n = rows.num_rows
+    cols = {
+        "curation_id": pa.array([cid] * n), "rollout_id": rows.column("rollout_id"),
+        "group_id": rows.column("group_id"), "prompt_id": rows.column("prompt_id"),
+        "policy_version": rows.column("policy_version"), "prompt_token_ids": rows.column("prompt_token_ids"),
+        "response_token_ids": rows.column("response_token_ids"), "old_logprobs": rows.column("gen_logprobs"),
+        "gen_logprobs": rows.column("gen_logprobs"),
+        "advantage": pa.array([1.0 if i % 2 else -1.0 for i in range(n)], pa.float32()),
+        "loss_mask": pa.array([[True] * len(r) for r in rows.column("response_token_ids").to_pylist()]),
+        "weight": pa.array([1.0] * n, pa.float32()),
+    }
+    if bad is not None:
+        col = cols[bad]
+        values = col.to_pylist()
+        if isinstance(values[3], list):
+            values[3] = [float("nan")] + values[3][1:]
+        else:
+            values[3] = float("nan")
+        cols[bad] = pa.array(values, CURATED.field(bad).type)
+    table = pa.table([cols[f.name] for f in CURATED], schema=CURATED)
+    with Buffer.open(root) as buf:
+        buf.commit([Part("curated", table, key=cid, subdir=cid)], "curate")
+    return rows.column("rollout_id").to_pylist()
+
+
+def _ledger_state(root: str) -> tuple:
+    with Buffer.open(root) as buf:
+        con = buf.manifest.con
+        return (buf.manifest.latest_seq(), con.execute("SELECT count(*) FROM leases").fetchone(),
+                len(buf.manifest.shards("checkpoints")))
+
+
+@pytest.mark.parametrize("bad", ["old_logprobs", "gen_logprobs", "advantage", "weight"])
+def test_non_finite_rows_are_refused_before_training(cli, buffer_dir, bad):
+    ids = _materialised_curation(buffer_dir, "c-nan", bad)
+    state = _ledger_state(buffer_dir)
+    line = one_error_line(cli("train", buffer_dir, "--model", "builtin:tiny"))
+    assert ids[3] in line and bad in line and "curated/c-nan/" in line and "not a finite number" in line, line
+    assert _ledger_state(buffer_dir) == state
+    assert not os.listdir(os.path.join(buffer_dir, "checkpoints"))
+
+
+def test_a_non_finite_step_stops_the_run_naming_curation_shard_and_rollout(buffer_dir, monkeypatch):
+    """Past the input checks (here: the model's own log-probs turn NaN at one row), the step's loss
+    and gradient norm are checked before the optimiser step; nothing is published."""
+    import torch
+
+    from rollstore.learner import consume, trainer
+    from rollstore.learner.config import Pending, RunPosition, TrainConfig
+    from learner_util import tiny_llama
+
+    ids = _materialised_curation(buffer_dir, "c-step", None)
+    real = trainer.response_logprobs
+
+    def poisoned(model, batch, with_entropy=True):
+        logp, ent = real(model, batch, with_entropy)
+        if ids[5] in batch.rollout_ids:
+            logp = logp.clone()
+            logp[batch.rollout_ids.index(ids[5]), 0] = float("nan")
+        return logp, ent
+
+    monkeypatch.setattr(trainer, "response_logprobs", poisoned)
+    model = tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt, sched = trainer.make_optimizer(model, lr=1e-3)
+    state = _ledger_state(buffer_dir)
+    with Buffer.open(buffer_dir) as buf, pytest.raises(trainer.NonFiniteStep) as err:
+        consume.train_pending(buf, model, opt, sched, TrainConfig(micro_batch_size=4), at=RunPosition("r", 0, 0),
+                              pending=Pending(per="curation"))
+    msg = str(err.value)
+    assert "curation c-step" in msg and "curated/c-step/" in msg and ids[5] in msg and "\n" not in msg, msg
+    assert _ledger_state(buffer_dir) == state
+    # the steps before the bad one were applied in memory; none after it, and no NaN in the weights
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert before  # (the in-memory model is the caller's; nothing of it was published)

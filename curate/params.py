@@ -52,6 +52,7 @@ FRACTIONS = (
 DEFAULTS: dict[str, object] = {
     "where": None,
     "current_version": None,
+    "prompt_skip": ("none", "greso"),
     "max_policy_lag": None,
     "max_reuse": None,
     "truncated": "keep",
@@ -85,7 +86,15 @@ LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_s
 def exact(text: object, name: str) -> Fraction:
     """A decimal literal (or TOML number) as an exact rational."""
     if isinstance(text, bool):
+    # pre-rollout prompt selection (docs/curation.md §Before generation; curate.prompts)
+    "prompt_skip": "none",
+    "skip_window": 8,
+    "skip_target": Fraction(1, 4),
+    "skip_explore_start": Fraction(1, 2),
+    "skip_explore_min": Fraction(1, 20),
+    "skip_step": Fraction(1, 20),
         raise ParamError(f"parameter {name}: expected a number, got {text!r}")
+SKIP_FRACTIONS = ("skip_explore_start", "skip_explore_min", "skip_step")
     if isinstance(text, Fraction):
         return text
     if isinstance(text, int):
@@ -131,15 +140,15 @@ def coerce(name: str, value: object) -> object:
         if _is_none(value):
             return None
         return _int(value, name, {"max_policy_lag": 0, "max_reuse": 1, "current_version": None}[name])
-    if name in ("difficulty_window", "replay_window", "replay_max_uses"):
+    if name in ("difficulty_window", "replay_window", "replay_max_uses", "skip_window"):
         return _int(value, name, 1)
     if name == "replay_count":
         return None if _is_none(value) else _int(value, name, 1)
     f = exact(value, name)
-    if name in FRACTIONS or name == "amplify_tau":
+    if name in FRACTIONS or name == "amplify_tau" or name in SKIP_FRACTIONS:
         if not (0 < f <= 1):
             raise ParamError(f"parameter {name}: must be in (0, 1], got {value}")
-    elif name == "progress":
+    elif name in ("progress", "skip_target"):
         if not (0 <= f <= 1):
             raise ParamError(f"parameter progress: must be in [0, 1], got {value}")
     elif name == "amplify_max":
@@ -164,12 +173,36 @@ class Recipe:
 
 def builtin_recipes() -> list[str]:
     folder = resources.files(__package__).joinpath("recipes")
+    """A recipe: parameter presets (or a custom SELECT), and the training it is meant for: `epochs`
+    (μ, passes per curated batch) and `lr`, used by the loop unless `--epochs` / `--lr` are given;
+    `recommended` marks the recipe the README recommends for fewer generated rollouts."""
+
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
 # The keys a recipe file may hold at its top level, and the type of each (`params` is a table
+    epochs: int | None = None
+    lr: float | None = None
+    recommended: bool = False
 # whose keys are parameter names, checked by `coerce`). Anything else is refused, naming the key.
-RECIPE_KEYS = {"name": str, "description": str, "params": dict, "sql": str, "sql_file": str}
+RECIPE_KEYS = {"name": str, "description": str, "params": dict, "sql": str, "sql_file": str, "epochs": int,
+               "lr": (int, float), "recommended": bool}
+_KIND_WORDS = {str: "string", dict: "table", int: "positive integer", (int, float): "positive number",
+               bool: "boolean (true or false)"}
+
+
+def check_epochs(value: object, origin: str) -> int:
+    """μ, the passes per curated batch: a positive integer (a boolean or a float is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParamError(f"{origin}: epochs must be a positive integer, got {value!r}")
+    return value
+
+
+def check_lr(value: object, origin: str) -> float:
+    """A learning rate: a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ParamError(f"{origin}: lr must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
@@ -183,8 +216,8 @@ def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
             what = "table" if isinstance(value, dict) else "key"
             raise ParamError(f"{origin}: unknown {what} {key!r} (a recipe holds {', '.join(RECIPE_KEYS)}; "
                              "parameters go under [params])")
-        if not isinstance(value, kind):
-            raise ParamError(f"{origin}: {key!r} must be a {'table' if kind is dict else 'string'}")
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ParamError(f"{origin}: {key!r} must be a {_KIND_WORDS[kind]}, got {value!r}")
     presets = {}
     for k, v in data.get("params", {}).items():
         try:
@@ -196,7 +229,10 @@ def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
     sql = data.get("sql")
     if "sql_file" in data:
         sql = _read_text(recipe_sql_path(origin, data["sql_file"]))
-    return Recipe(data.get("name", name), data.get("description", ""), presets, sql)
+    epochs = check_epochs(data["epochs"], origin) if "epochs" in data else None
+    lr = check_lr(data["lr"], origin) if "lr" in data else None
+    return Recipe(data.get("name", name), data.get("description", ""), presets, sql, epochs, lr,
+                  data.get("recommended", False))
 
 
 def recipe_sql_path(origin: str, sql_file: str) -> str:

@@ -238,11 +238,22 @@ def _ratio_base(old_logp: Tensor, prox_logp: Tensor | None, config: LossConfig) 
     return old_logp.float()
 
 
+def decoupled_weight(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, cap: float, sequence: bool = False) -> Tensor:
+    """The decoupled objective's weight min(π_prox / π_behav, C), without gradient: per token [B, T]
+    (exp(0) = 1 where masked, so a masked token's weight is 1, capped); with `sequence`, one weight
+    per row [B], the capped geometric mean over its kept tokens (GSPO's sequence-level form).
+    The one definition: the learner's losses and the TRL plug-in's replay both use it."""
+    diff = _masked(prox_logp.float() - behav_logp.float(), mask)
+    if sequence:
+        diff = diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return torch.clamp(torch.exp(diff), max=cap).detach()
+
+
 def _decoupled_weight(old_logp: Tensor, prox_logp: Tensor | None, mask: Tensor, config: LossConfig) -> Tensor | None:
     """Per-token min(π_prox / π_behav, C), π_behav = the row's stored `old_logp` (None: not decoupled)."""
     if not config.decoupled or prox_logp is None:
         return None
-    return torch.clamp(torch.exp(_masked(prox_logp.float() - old_logp.float(), mask)), max=config.decoupled_cap).detach()
+    return decoupled_weight(prox_logp, old_logp, mask, config.decoupled_cap)
 
 
 def _token_losses(x: LossInputs, config: LossConfig) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -317,8 +328,7 @@ def gspo(x: LossInputs, *, config: LossConfig, norm: Normalizer) -> LossOutput:
     seq_log_ratio = log_ratio.sum(dim=1) / denom
     seq_loss, seq_clipped = _clipped_surrogate(torch.exp(seq_log_ratio), x.advantages.float(), config)
     if config.decoupled and prox_logp is not None:  # the geometric mean of the token weights, capped
-        seq_w = _masked(prox_logp.float() - old_logp.float(), mask).sum(dim=1) / denom
-        seq_loss = seq_loss * torch.clamp(torch.exp(seq_w), max=config.decoupled_cap).detach()
+        seq_loss = seq_loss * decoupled_weight(prox_logp, old_logp, mask, config.decoupled_cap, sequence=True)
     if gen_logp is not None and config.tis_cap is not None:
         seq_tis = _masked(old_logp.float() - gen_logp.float(), mask).sum(dim=1) / denom
         seq_loss = seq_loss * torch.clamp(torch.exp(seq_tis), max=config.tis_cap).detach()

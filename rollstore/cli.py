@@ -434,7 +434,9 @@ def loop(
     group_size: Optional[int] = count(None, "--group-size", "-G"),
     max_new_tokens: Optional[int] = count(None, "--max-new-tokens"),
     loss: Optional[str] = choice(None, "--loss", choices=_losses),
-    lr: Optional[float] = positive(None, "--lr"),
+    lr: Optional[float] = positive(None, "--lr", help="Learning rate (default: the recipe's `lr`, else 5e-5)."),
+    epochs: Optional[int] = count(None, "--epochs", help="Passes over each curated batch, μ (default: the recipe's "
+                                  "`epochs`, else 1)."),
     warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0),
     micro_batch_size: Optional[int] = count(None, "--micro-batch-size"),
     grad_accum: Optional[int] = count(None, "--grad-accum", help="Micro-batches per optimiser step."),
@@ -469,9 +471,9 @@ def loop(
         eval_ks=(1, eval_samples) if eval_samples else (1,),
         generation=replace(defaults.generation, **given(group_size=group_size, max_new_tokens=max_new_tokens,
                                                         backend=backend)),
-        train=replace(defaults.train, **given(loss=loss, lr=lr, warmup_steps=warmup_steps,
+        train=replace(defaults.train, **given(loss=loss, warmup_steps=warmup_steps,
                                               micro_batch_size=micro_batch_size, grad_accum=grad_accum)),
-        **given(model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
+        **given(lr=lr, epochs=epochs, model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
                 pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
                 eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads))
     if learner_ranks > 1:
@@ -542,8 +544,15 @@ def recipes(
     if explain is None:
         if set_:
             raise RollstoreError("--set goes with --explain RECIPE")
-        for name in builtin_recipes():
-            out.print(f"{name:12s} {load_recipe(name).description}", highlight=False)
+        names = builtin_recipes()
+        width = max(len(n) for n in names)
+        for name in names:
+            r = load_recipe(name)
+            mark = ""
+            if r.recommended:
+                meant = ", ".join(f"{k} {v:g}" for k, v in (("epochs", r.epochs), ("lr", r.lr)) if v is not None)
+                mark = "  [recommended" + (f": {meant}" if meant else "") + "]"
+            out.print(f"{name:{width}s}  {r.description}{mark}", highlight=False)
         return
     from rollstore.explain import print_plan
 

@@ -14,6 +14,13 @@ Invariants:
   decoupled objective (learner.losses), on by default, which changes nothing for rows with no lag.
 - With `pool_size` the prompts come from a finite pool, revisited once per epoch, so a prompt's
   pooled accuracy (DA3PO's q̂) has history from earlier visits.
+- With pre-rollout prompt selection (`prompt_skip=greso`, curate.prompts) batch 0 of a step is the
+  next prompts of the pool's stream that the selection generates, from where the previous step's
+  selection stopped; every prompt examined is recorded in `prompt_selections` before generation,
+  and a resumed step reuses its recorded decisions. Without it, batch 0 of step i is positions
+  [i·P, (i+1)·P) of the stream, as before.
+- Each curated batch is trained `train.epochs` passes (μ); the recipe's `epochs` and `lr` apply
+  unless the caller set them (`LoopConfig.epochs`, `LoopConfig.lr`).
 - Rerunning an interrupted loop resumes from the run's latest checkpoint (learner.consume):
   no curated shard is trained twice.
 """
@@ -30,7 +37,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-from rollstore.curate.params import load_recipe, resolve
+from rollstore.curate.params import ParamError, load_recipe, resolve
 from rollstore.curate.run import CurationResult
 from rollstore.learner.config import TrainConfig
 from rollstore.queries.session import Session
@@ -75,6 +82,16 @@ class LoopConfig:
     seed: int = 0
     run_id: str | None = None
     threads: int | None = 1  # torch intra-op threads during the run (None: leave torch's setting)
+    epochs: int | None = None  # μ, passes per curated batch (None: the recipe's `epochs`, else train.epochs)
+    lr: float | None = None  # None: the recipe's `lr`, else train.lr
+
+    def effective_train(self) -> TrainConfig:
+        """`train` with μ and the learning rate this run uses: the caller's, else the recipe's."""
+        recipe = load_recipe(self.recipe)
+        epochs = self.epochs if self.epochs is not None else recipe.epochs
+        lr = self.lr if self.lr is not None else recipe.lr
+        changes = {k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None}
+        return dataclasses.replace(self.train, **changes) if changes else self.train
 
     @property
     def run_name(self) -> str:
@@ -100,8 +117,8 @@ class IterationReport:
 
 
 # The phases of one iteration, in order, as `IterationReport.phases` and the loop profile name them.
-PHASES = ("generation", "reward", "scoring", "append", "curation", "optimiser", "proximal", "publish", "evaluation",
-          "other")
+PHASES = ("selection", "generation", "reward", "scoring", "append", "curation", "optimiser", "proximal", "publish",
+          "evaluation", "other")
 
 
 def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
@@ -122,11 +139,15 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
     if batch:
         rng = random.Random(f"pool-extra:{cfg.seed}:{iteration}:{batch}")
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
-    out, start = [], iteration * cfg.prompts_per_iter
-    for pos in range(start, start + n):
-        epoch, k = divmod(pos, len(pool))
-        out.append(pool[_epoch_order(len(pool), cfg.seed, epoch)[k]])
-    return out
+    start = iteration * cfg.prompts_per_iter
+    return [pool_prompt(cfg, pos) for pos in range(start, start + n)]
+
+
+def pool_prompt(cfg: LoopConfig, position: int):
+    """The prompt at `position` of the run's endless stream of seeded permutations of the pool."""
+    pool = _prompt_pool(cfg.prompts, cfg.pool_size, cfg.seed)
+    epoch, k = divmod(position, len(pool))
+    return pool[_epoch_order(len(pool), cfg.seed, epoch)[k]]
 
 
 @functools.lru_cache(maxsize=8)
@@ -239,16 +260,18 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     buf = Buffer.open(cfg.buffer)
     base_dir = resolve_model(cfg.model)
     model, run.tokenizer = load_policy(base_dir)
-    optimizer, scheduler = make_optimizer(model, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps)
+    optimizer, scheduler = make_optimizer(model, lr=run.train_config.lr, warmup_steps=run.train_config.warmup_steps)
     run.version, run.step = resume(buf, model, optimizer, scheduler, run.run_id)
     run.learner = (model, optimizer, scheduler)
+    run.session = None
     ck = latest_checkpoint(buf, run.run_id)
     start_iteration = ck.metrics.get("iteration", -1) + 1 if ck else 0
     # loaded once; later versions are synced in memory
     backend = get_backend(cfg.generation.backend, ck.dir if ck else base_dir)
     pool = RewardPool()
     session = Session(buf.snapshot())  # one DuckDB connection for the run's curations
-    generation = dataclasses.replace(cfg.generation, score_batch_size=cfg.train.micro_batch_size)
+    run.session = session
+    generation = dataclasses.replace(cfg.generation, score_batch_size=run.train_config.micro_batch_size)
     run.writer = StepWriter(buf, backend, pool, generation, run.run_id, recipe=cfg.recipe, sets=run.sets,
                             session=session)
     run.heldout = heldout_prompts(cfg) if cfg.eval_every else []
@@ -262,7 +285,8 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
         pool.close()
         buf.close()
     return {"run_id": run.run_id, "iterations": [dataclasses.asdict(r) for r in run.reports], "evals": run.evals,
-            "eval_metrics": run.eval_metrics, "version": run.version}
+            "eval_metrics": run.eval_metrics, "version": run.version, "skips": run.skips,
+            "epochs": run.train_config.epochs, "lr": run.train_config.lr}
 
 
 class _Run:
@@ -275,11 +299,18 @@ class _Run:
         if cfg.max_policy_lag is not None:
             self.sets.setdefault("max_policy_lag", str(cfg.max_policy_lag))
         effective = resolve(load_recipe(cfg.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
+        self.params = effective
+        self.train_config = cfg.effective_train()
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
+        self.skipping = effective["prompt_skip"] == "greso"
+        if self.skipping and not cfg.pool_size:
+            raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
+                             "history to skip by")
         self.reports: list[IterationReport] = []
         self.evals: list[tuple[int, int, float]] = []
         self.eval_metrics: list[dict] = []
+        self.skips: list[tuple[int, int, int]] = []  # (step, prompts skipped, prompts examined)
 
     def evaluate(self, iteration: int) -> float:
         cfg, backend, pool, heldout = self.cfg, self.writer.backend, self.writer.pool, self.heldout
@@ -295,14 +326,42 @@ class _Run:
             self.on_eval(iteration, self.version, acc)
         return acc
 
+    def select_prompts(self, it: int, n: int, phases: dict) -> list:
+        """Batch 0 of step `it` under pre-rollout prompt selection: the step's recorded decisions if
+        it has some (a resumed step), else a new selection, recorded before anything is generated."""
+        from rollstore.curate.prompts import select
+
+        clock = Stopwatch(phases)
+        buf, cfg = self.writer.buf, self.cfg
+        # The session reads a snapshot that holds every earlier step: the run's start, or the snapshot
+        # the previous step's curation was bound to (taken after that step's rows and selection).
+        session = self.session
+        done = session.table("SELECT position FROM prompt_selections WHERE run_id = $r AND step = $s AND "
+                             "decision = 'generate' ORDER BY position", {"r": self.run_id, "s": it})
+        if done.num_rows:
+            chosen = [pool_prompt(cfg, p) for p in done.column("position").to_pylist()]
+            clock.lap("selection")
+            return chosen
+        last = session.one("SELECT max(position) FROM prompt_selections WHERE run_id = $r AND step < $s",
+                           {"r": self.run_id, "s": it})[0]
+        start = it * cfg.prompts_per_iter if last is None else last + 1
+        sel = select(session, self.params, run_id=self.run_id, step=it, seed=cfg.seed,
+                     stream=lambda pos: pool_prompt(cfg, pos), start=start, need=n, limit=cfg.pool_size)
+        buf.append("prompt_selections", sel.table())
+        self.skips.append((it, sel.skipped, len(sel.rows)))
+        clock.lap("selection")
+        return sel.chosen
+
     def generate(self, it: int, phases: dict) -> tuple[list[pa.Table], str]:
         """Step `it`'s batches (more than one only with a filtering recipe), appended; and a note."""
         cfg, generated = self.cfg, []
         n = cfg.prompts_per_iter * (cfg.overgen if self.filtering else 1)
         while True:
             batch = len(generated)
+            prompts = (self.select_prompts(it, n, phases) if self.skipping and batch == 0
+                       else _batch_prompts(cfg, it, batch, n))
             table, _ = self.writer.generate(
-                _batch_prompts(cfg, it, batch, n), StepStamp(self.run_id, it, self.version, prompt_offset=batch * n),
+                prompts, StepStamp(self.run_id, it, self.version, prompt_offset=batch * n),
                 cfg.seed * 7919 + it * 31 + batch, f"{self.run_id}/step-{it}/batch-{batch}", phases)
             generated.append(table)
             if not self.filtering:
@@ -320,7 +379,7 @@ class _Run:
 
         model, optimizer, scheduler = self.learner
         published = train_pending(
-            self.writer.buf, model, optimizer, scheduler, self.cfg.train,
+            self.writer.buf, model, optimizer, scheduler, self.train_config,
             at=RunPosition(self.run_id, self.version, self.step), pending=Pending([cur.curation_id], per="curation"),
             tokenizer=self.tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
         )

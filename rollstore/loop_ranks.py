@@ -28,14 +28,20 @@ from rollstore.loop import LoopConfig
 
 
 def learner_command(cfg: LoopConfig, model_dir: str, run_id: str, ranks: int) -> list[str]:
+    train = cfg.effective_train()
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             "-m", "rollstore.cli", "train", cfg.buffer, "--model", model_dir, "--follow", "--parallel", "ddp",
-            "--run-id", run_id, "--loss", cfg.train.loss, "--lr", repr(cfg.train.lr), "--micro-batch-size",
-            str(cfg.train.micro_batch_size), "--grad-accum", str(cfg.train.grad_accum), "--poll", "0.2"]
+            "--run-id", run_id, "--loss", train.loss, "--lr", repr(train.lr), "--epochs", str(train.epochs),
+            "--micro-batch-size", str(train.micro_batch_size), "--grad-accum", str(train.grad_accum), "--poll", "0.2"]
 
 
 def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: float = 3600.0) -> int:
     """Run cfg.iterations steps with an N-rank learner; return the last published version."""
+    from rollstore.curate.params import ParamError, load_recipe, resolve
+
+    if resolve(load_recipe(cfg.recipe), {k: v for k, v in cfg.sets.items() if k != "progress"})["prompt_skip"] != "none":
+        raise ParamError("prompt_skip: pre-rollout prompt selection runs in the one-process loop only, not with "
+                         "--learner-ranks > 1")
     import os
 
     from rollstore.learner.checkpoint import latest_checkpoint

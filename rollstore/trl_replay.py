@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import pyarrow.dataset as ds
 import torch
 
+from rollstore.learner import losses
 from rollstore.rollout.backends import FINISH_LENGTH
 
 from .trl_errors import TRLPluginError
@@ -198,13 +199,10 @@ def _forward(tr, new: dict, idx: torch.Tensor, width: int) -> tuple[torch.Tensor
 
 def decoupled_weight(prox: torch.Tensor, behaviour: torch.Tensor, keep: torch.Tensor, cap: float,
                      sequence: bool) -> torch.Tensor:
-    """min(π_prox / π_behav, cap) per token over the kept tokens (1 elsewhere, capped); with
-    `sequence`, one weight per row, the capped geometric mean over its kept tokens, expanded."""
-    diff = torch.where(keep, prox.float() - behaviour, torch.zeros((), device=prox.device))
-    if sequence:  # GSPO: geometric mean over the kept tokens
-        seq = diff.sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp(min=1)
-        return torch.clamp(torch.exp(seq), max=cap).expand(-1, diff.size(1))
-    return torch.clamp(torch.exp(diff), max=cap)
+    """min(π_prox / π_behav, cap) per token, (B, T): `learner.losses.decoupled_weight`, the
+    sequence-level weight (`sequence`) expanded over the row's tokens."""
+    w = losses.decoupled_weight(prox, behaviour, keep, cap, sequence=sequence)
+    return w[:, None].expand(-1, keep.size(1)) if sequence else w
 
 
 def sampler_ratio(tr, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,

@@ -182,6 +182,30 @@ EVALUATIONS = pa.schema(
     ]
 )
 
+# Pre-rollout prompt selection (GRESO): one row per candidate prompt the loop considered before
+# generating a step, with what decided it (curate.prompts; docs/curation.md §Before generation).
+PROMPT_SELECTIONS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("position", pa.int64(), nullable=False),  # in the run's prompt stream
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("prompt", pa.string()),
+        pa.field("groups_seen", pa.int64(), nullable=False),  # the prompt's groups in the history window
+        pa.field("z", pa.int64(), nullable=False),  # newest of them that were zero-variance, consecutive
+        pa.field("kind", pa.string()),  # all_correct | all_wrong (of the newest group, when z > 0)
+        pa.field("explore", pa.float64(), nullable=False),  # p_e of the prompt's kind
+        pa.field("p_skip", pa.float64(), nullable=False),  # 1 − p_e^z
+        pa.field("draw", pa.float64(), nullable=False),  # seeded uniform in [0, 1)
+        pa.field("decision", pa.string(), nullable=False),  # generate | skip
+        pa.field("reason", pa.string(), nullable=False),  # no_history | informative | explored | skipped | filled
+        pa.field("explore_easy", pa.float64(), nullable=False),  # the step's rates (the next step adapts them)
+        pa.field("explore_hard", pa.float64(), nullable=False),
+        pa.field("params", pa.string(), nullable=False),  # JSON: the selection parameters
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    ]
+)
+
 # Every table stored as Parquet shards registered in the manifest, by name.
 TABLES: dict[str, pa.Schema] = {
     "rollouts": ROLLOUTS,
@@ -191,6 +215,7 @@ TABLES: dict[str, pa.Schema] = {
     "checkpoints": CHECKPOINTS,
     "training": TRAINING,
     "evaluations": EVALUATIONS,
+    "prompt_selections": PROMPT_SELECTIONS,
 }
 
 # The schema readers see per table (the DuckDB views, `Snapshot.arrow`/`polars`, export): as

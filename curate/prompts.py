@@ -1,0 +1,146 @@
+"""Pre-rollout prompt selection (GRESO, arXiv 2506.02177): skip, before generating, the prompts whose
+recent groups in this run were all-correct or all-wrong (docs/curation.md §Before generation).
+
+The plan's first phase, run by the loop before it generates a step (the curation plans after
+generation do not run it; its parameters are in their curation ids like every other parameter).
+
+Invariants:
+- History is per run: a prompt's trace is its groups in this run before this step, newest first,
+  at most `skip_window` of them (queries/prompt_history.sql). z = how many of them, consecutive from
+  the newest, were zero-variance (all rewards equal). A prompt without history, or whose newest
+  group had variance (z = 0), is always generated.
+- A prompt with z > 0 is skipped with probability p = 1 − p_e^z, p_e the exploration rate of its
+  kind (all_correct or all_wrong, of its newest group); the draw is a uniform number from a sha256
+  of (seed, run, step, prompt id): the same inputs give the same decisions on every machine.
+- The rates start at `skip_explore_start`; at each later step each kind's rate moves by
+  `skip_step` from its value at the run's previous selection: down when the zero-variance share of
+  the groups that step generated exceeded `skip_target` and that kind occurred among them, up
+  otherwise; always within [`skip_explore_min`, 1]. The rates are stored with every decision, so the
+  next step (and a resumed run) reads them back (queries/prompt_skip_state.sql).
+- `select` examines candidates in stream order until `need` are generated or `limit` were seen;
+  short of `need`, the first skipped ones are generated after all (reason `filled`). Every candidate
+  examined gets one `prompt_selections` row; none beyond the last one examined does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Sequence
+
+import pyarrow as pa
+
+from rollstore.queries import render
+from rollstore.storage.schema import PROMPT_SELECTIONS
+
+from .params import Params
+
+SKIP_PARAMS = ("prompt_skip", "skip_window", "skip_target", "skip_explore_start", "skip_explore_min", "skip_step")
+
+
+def draw(seed: int, run_id: str, step: int, prompt_id: str) -> float:
+    """The seeded uniform number in [0, 1) of one (run, step, prompt) decision."""
+    digest = hashlib.sha256(f"greso:{seed}:{run_id}:{step}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def adapt(rate: float, share: float, occurred: bool, p: Params) -> float:
+    """One kind's next exploration rate (see the invariants)."""
+    step = float(p["skip_step"])
+    moved = rate - step if (share > float(p["skip_target"]) and occurred) else rate + step
+    return min(1.0, max(float(p["skip_explore_min"]), moved))
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The exploration rates of one step, for all-correct and all-wrong prompts."""
+
+    easy: float
+    hard: float
+
+    def of(self, kind: str | None) -> float:
+        return self.easy if kind == "all_correct" else self.hard
+
+
+def rates(session, run_id: str, step: int, p: Params) -> Rates:
+    """This step's rates, adapted from the run's previous selection (or the start rate)."""
+    row = session.one(render("prompt_skip_state"), {"run": run_id, "step": int(step)})
+    start = float(p["skip_explore_start"])
+    if row is None:
+        return Rates(start, start)
+    _, easy, hard, groups, all_correct, all_wrong = row
+    share = (all_correct + all_wrong) / groups if groups else 0.0
+    return Rates(adapt(easy, share, all_correct > 0, p), adapt(hard, share, all_wrong > 0, p))
+
+
+def history(session, run_id: str, step: int, prompt_ids: Sequence[str], window: int) -> dict[str, tuple]:
+    """prompt_id → (groups_seen, z, kind) for the candidates that have history in the run."""
+    session.load("skip_candidates", pa.table({"prompt_id": pa.array(sorted(set(prompt_ids)), pa.string())}))
+    sql = render("prompt_history", {"candidates": "skip_candidates"})
+    t = session.table(sql, {"run": run_id, "step": int(step), "window": int(window)})
+    return {pid: (int(n), int(z), kind) for pid, n, z, kind in zip(*(t.column(c).to_pylist() for c in
+                                                                       ("prompt_id", "groups_seen", "z", "kind")))}
+
+
+@dataclass
+class Selection:
+    """What `select` decided: the prompts to generate (stream order), every examined candidate's
+    audit row, and the stream position after the last candidate examined."""
+
+    chosen: list
+    rows: list[dict]
+    next_position: int
+
+    @property
+    def skipped(self) -> int:
+        return sum(1 for r in self.rows if r["decision"] == "skip")
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pylist(self.rows, schema=PROMPT_SELECTIONS)
+
+
+def select(session, p: Params, *, run_id: str, step: int, seed: int, stream: Callable[[int], object],
+           start: int, need: int, limit: int) -> Selection:
+    """Examine the prompts `stream(start)`, `stream(start + 1)`, ... (objects with `prompt_id` and
+    `prompt`) until `need` are to be generated or `limit` were examined (see the invariants)."""
+    if p["prompt_skip"] != "greso":
+        raise ValueError(f"prompt_skip={p['prompt_skip']}: nothing to select")
+    r = rates(session, run_id, step, p)
+    params = json.dumps({k: (float(p[k]) if isinstance(p[k], Fraction) else p[k]) for k in SKIP_PARAMS},
+                        sort_keys=True)
+    now = dt.datetime.now(dt.timezone.utc)
+    chosen: list = []
+    rows: list[dict] = []
+    position = start
+    while len(chosen) < need and position - start < limit:
+        chunk = [stream(i) for i in range(position, min(start + limit, position + 2 * (need - len(chosen))))]
+        hist = history(session, run_id, step, [c.prompt_id for c in chunk], p["skip_window"])
+        for c in chunk:
+            if len(chosen) >= need:
+                break
+            seen, z, kind = hist.get(c.prompt_id, (0, 0, None))
+            explore = r.of(kind)
+            p_skip = 1.0 - explore ** z if z else 0.0
+            u = draw(seed, run_id, step, c.prompt_id)
+            skip = u < p_skip
+            reason = ("skipped" if skip else "explored") if z else ("informative" if seen else "no_history")
+            rows.append({"run_id": run_id, "step": int(step), "position": position, "prompt_id": c.prompt_id,
+                         "prompt": c.prompt, "groups_seen": seen, "z": z, "kind": kind, "explore": explore,
+                         "p_skip": p_skip, "draw": u, "decision": "skip" if skip else "generate",
+                         "reason": reason, "explore_easy": r.easy, "explore_hard": r.hard, "params": params,
+                         "created_at": now})
+            if not skip:
+                chosen.append(c)
+            position += 1
+    if len(chosen) < need:  # the stream ran out of prompts worth generating: fill from the skipped ones
+        for row in rows:
+            if len(chosen) >= need:
+                break
+            if row["decision"] == "skip":
+                row.update(decision="generate", reason="filled")
+                chosen.append(None)
+        chosen = [stream(row["position"]) for row in rows if row["decision"] == "generate"]
+    return Selection(chosen, rows, position)

@@ -23,12 +23,20 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from rollstore.storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError, UnknownName, did_you_mean
 from rollstore.storage.snapshot import sql_string
 
 
 class ParamError(RollstoreError):
     """A parameter or recipe was unknown, repeated or out of range."""
+
+
+class UnknownParameter(ParamError, UnknownName):
+    """A curation parameter name that no recipe knows."""
+
+
+class UnknownRecipe(ParamError, UnknownName):
+    """A recipe that is neither built in nor a file."""
 
 
 class CurationError(RollstoreError):
@@ -124,7 +132,7 @@ def _is_none(value: object) -> bool:
 def coerce(name: str, value: object) -> object:
     """Parse and range-check one parameter value."""
     if name not in DEFAULTS:
-        raise ParamError(f"unknown parameter {name!r} (known: {', '.join(DEFAULTS)})")
+        raise UnknownParameter(f"unknown parameter {name!r}{did_you_mean(name, DEFAULTS)} (known: {', '.join(DEFAULTS)})")
     if name == "where":
         if _is_none(value):
             return None
@@ -276,7 +284,8 @@ def load_recipe(ref: str) -> Recipe:
         return _recipe_from_toml(os.path.basename(ref)[:-5], _read_text(ref), ref)
     names = builtin_recipes()
     if ref not in names:
-        raise ParamError(f"unknown recipe {ref!r} (built-in: {', '.join(names)}; or a .toml / .sql file)")
+        raise UnknownRecipe(f"unknown recipe {ref!r}{did_you_mean(ref, names)} (built-in: {', '.join(names)}; "
+                            "or a .toml / .sql file)")
     text = resources.files(__package__).joinpath("recipes", f"{ref}.toml").read_text()
     return _recipe_from_toml(ref, text, f"recipes/{ref}.toml")
 

@@ -27,11 +27,11 @@ import pyarrow as pa
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.maintenance import spill_prefix
 
-from .session import MemoryLimitError, Session, SqlRefused, SqlTimeout, parse_memory_limit
+from .session import MemoryLimitError, Session, SqlError, SqlRefused, SqlTimeout, parse_memory_limit
 
 POLL_S = 0.01
 KILL_GRACE_S = 5.0
-_ERRORS = {cls.__name__: cls for cls in (SqlRefused, SqlTimeout, MemoryLimitError, RollstoreError)}
+_ERRORS = {cls.__name__: cls for cls in (SqlRefused, SqlError, SqlTimeout, MemoryLimitError, RollstoreError)}
 
 
 def _rss(pid: int) -> int:

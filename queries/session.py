@@ -43,6 +43,11 @@ class SqlRefused(RollstoreError):
     """User SQL was refused by a sandbox rule (the message names the rule)."""
 
 
+class SqlError(RollstoreError):
+    """User SQL that DuckDB could not run (a mistyped table or column, a type error): one line, with
+    DuckDB's "Did you mean ..." when it has one."""
+
+
 class SqlTimeout(RollstoreError):
     """A query ran past its timeout and was interrupted."""
 
@@ -285,11 +290,11 @@ class Session:
             except duckdb.InvalidInputException as exc:
                 if "configuration has been locked" in str(exc):
                     raise SqlRefused("refused by the locked-settings rule: settings cannot change") from None
-                raise RollstoreError(f"SQL error: {_first_line(exc)}") from None
+                raise SqlError(f"SQL error: {_first_line(exc)}") from None
             except duckdb.InterruptException:
                 raise
             except duckdb.Error as exc:
-                raise RollstoreError(f"SQL error: {_first_line(exc)}") from None
+                raise SqlError(f"SQL error: {_first_line(exc)}") from None
         return result
 
 
@@ -301,4 +306,9 @@ def explain_permission(message: str, root: str) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """DuckDB's message as one line: its first line, and its "Did you mean ..." line when it has one."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    hint = next((line for line in lines[1:] if line.lower().startswith("did you mean")), None)
+    return f"{lines[0]} {hint}" if hint else lines[0]

@@ -25,10 +25,10 @@ from rich.text import Text
 
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
-from rollstore.result_formats import csv_ready, jsonable, render_table
+from rollstore.result_formats import csv_ready, csv_text, jsonable, render_table
 from rollstore.token_text import TokenText
 from rollstore.storage.buffer import Buffer
-from rollstore.storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError, unknown_curation
 
 FORMATS = ("table", "json", "csv")
 RECORD_FIELDS = ("curation_id", "recipe", "snapshot_seq", "progress", "n_candidates", "n_selected", "sample_budget",
@@ -59,7 +59,8 @@ def record(session: Session, cid: str) -> dict:
     cols = ", ".join(RECORD_FIELDS)
     row = session.one(f"SELECT {cols} FROM curations WHERE curation_id = $c", {"c": cid})
     if row is None:
-        raise RollstoreError(f"no curation {cid!r} in this buffer")
+        known = [r[0] for r in session.execute("SELECT curation_id FROM curations").fetchall()]
+        raise unknown_curation(session.root, cid, known)
     rec = dict(zip(RECORD_FIELDS, row))
     rec["params"] = json.loads(rec["params"])
     return jsonable(rec)
@@ -81,6 +82,34 @@ def params_diff(a: dict, b: dict) -> pa.Table:
                      "b": pa.array([text(b.get(k)) for k in keys], pa.string())})
 
 
+def compare_views(session: Session, a: str, b: str) -> list[tuple[str, pa.Table]]:
+    """The four views of `--compare`: summary (one row per side), params (those that differ),
+    reasons (candidates by reason in A and B), differences (rollouts treated differently)."""
+    rec_a, rec_b = record(session, a), record(session, b)
+    params = {"a": a, "b": b}
+    return [
+        ("summary", view(session, "audit_compare_summary", params)),
+        ("params", params_diff(rec_a["params"], rec_b["params"])),
+        ("reasons", view(session, "audit_compare_reasons", params)),
+        ("differences", view(session, "audit_compare_rows", params)),
+    ]
+
+
+def why_views(session: Session, cid: str, rollout_id: str) -> tuple[dict, pa.Table, float | None]:
+    """Why `rollout_id` was kept or dropped by `cid`: the row of queries/audit_why.sql (reason, rank
+    in its selection pool, budget, cut-offs, prompt, gold answer), its tokens (audit_rollout.sql)
+    and the curation's token threshold. A rollout that is not a candidate is one line."""
+    rec = record(session, cid)
+    sample = rec["params"].get("sample")
+    rows = view(session, "audit_why", {"curation_id": cid, "rollout_id": rollout_id,
+                                       "by_group": sample in ("in_group", "pods"),
+                                       "by_reward": sample == "pods"}).to_pylist()
+    if not rows:
+        raise RollstoreError(f"rollout {rollout_id!r} is not a candidate of curation {cid}")
+    tokens = view(session, "audit_rollout", {"curation_id": cid, "rollout_id": rollout_id})
+    return jsonable(rows[0]), tokens, rec["token_threshold"]
+
+
 # ---- output -----------------------------------------------------------------------------------
 
 
@@ -93,16 +122,12 @@ def write_json(head: dict, views: list[tuple[str, pa.Table]]) -> None:
 
 
 def write_csv(views: list[tuple[str, pa.Table]]) -> None:
-    import pyarrow.csv as pacsv
-
     parts = []
     for name, table in views:
         table = csv_ready(table)  # lists and structs as JSON text
         parts.append(table.add_column(0, "view", pa.array([name] * table.num_rows, pa.string())))
     merged = pa.concat_tables(parts, promote_options="permissive")
-    sink = pa.BufferOutputStream()
-    pacsv.write_csv(merged, sink)
-    sys.stdout.write(sink.getvalue().to_pybytes().decode())
+    sys.stdout.write(csv_text(merged))
     sys.stdout.flush()
 
 
@@ -136,34 +161,41 @@ def audit_one(s: Session, cid: str, fmt: str, out: Console) -> None:
 
 
 def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console) -> None:
-    record(s, cid)
-    tokens = view(s, "audit_rollout", {"curation_id": cid, "rollout_id": rollout_id})
-    if tokens.num_rows == 0:
-        raise RollstoreError(f"rollout {rollout_id!r} is not a candidate of curation {cid}")
-    reason, adv, response = s.one(
-        "SELECT s.reason, s.advantage_final, r.response FROM selections s JOIN rollouts r USING (rollout_id) "
-        "WHERE s.curation_id = $c AND s.rollout_id = $r", {"c": cid, "r": rollout_id})
-    head = {"curation_id": cid, "rollout_id": rollout_id, "reason": reason, "advantage_final": adv,
-            "response": response}
+    why, tokens, threshold = why_views(s, cid, rollout_id)
+    head = {"curation_id": cid, "rollout_id": rollout_id, **{k: why[k] for k in WHY_FIELDS},
+            "token_threshold": threshold}
+    reason, adv, response = why["reason"], why["advantage_final"], why["response"]
 
     def as_table():
         out.print(f"curation {cid}  rollout {rollout_id}  reason {reason}  advantage_final {adv}", highlight=False, markup=False)
+        out.print(f"prompt {why['prompt']!r}  gold answer {why['gold_answer']!r}  reward {why['reward']}",
+                  highlight=False, markup=False)
+        if why["pool_position"] is not None:
+            ends = " or ".join(x for x in (
+                f">= {_cell(why['keep_at_or_above'])}" if why["keep_at_or_above"] is not None else "",
+                f"<= {_cell(why['keep_at_or_below'])}" if why["keep_at_or_below"] is not None else "") if x)
+            out.print(f"selection value {_cell(why['selection_value'])} ranks {why['pool_position']} of "
+                      f"{why['pool_size']} in its pool; budget {why['budget']} "
+                      f"({'kept: value ' + ends if ends else 'the whole pool was kept'})"
+                      + (f"; token score threshold {_cell(threshold)}" if threshold is not None else ""),
+                      highlight=False, markup=False)
+        else:
+            out.print("did not reach sample selection", highlight=False, markup=False)
         out.print(render_marked(response, tokens.to_pylist(), TokenText.for_snapshot(s)))
         render_table(tokens, out, title="tokens (kept = in the loss)")
 
     emit(fmt, jsonable(head), [("tokens", tokens)], as_table)
 
 
+# The fields of queries/audit_why.sql that `--rollout` shows (json: in the head object).
+WHY_FIELDS = ("reason", "selected", "advantage_final", "selection_value", "pool_position", "pool_size", "budget",
+              "keep_at_or_above", "keep_at_or_below", "prompt", "gold_answer", "response", "reward")
+
+
 def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
     rec_a, rec_b = record(s, a), record(s, b)
-    params = {"a": a, "b": b}
-    summary = view(s, "audit_compare_summary", params)
-    views = [
-        ("summary", summary),
-        ("params", params_diff(rec_a["params"], rec_b["params"])),
-        ("reasons", view(s, "audit_compare_reasons", params)),
-        ("differences", view(s, "audit_compare_rows", params)),
-    ]
+    views = compare_views(s, a, b)
+    summary = views[0][1]
 
     def as_table():
         same = rec_a["snapshot_seq"] == rec_b["snapshot_seq"]

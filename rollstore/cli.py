@@ -17,6 +17,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from rollstore.defaults import CURATE, GENERATE, SQL, TRAIN
 from rollstore.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
                                seconds, seed as seed_, seq)
 from rollstore.storage.errors import RollstoreError
@@ -186,8 +187,8 @@ def sql(
     query: str = typer.Argument(..., help="SELECT statement(s) over the buffer's tables and views."),
     format: str = typer.Option("table", "--format", "-f", help="table|csv|json|parquet"),
     out_file: Optional[str] = typer.Option(None, "--out", "-o", help="Write the result to this file."),
-    timeout: float = seconds(60.0, "--timeout", zero="no limit", help="Seconds before the query is stopped (0: no limit)."),
-    memory_limit: str = memory("2GB", "--memory-limit"),
+    timeout: float = seconds(SQL.timeout, "--timeout", zero="no limit", help="Seconds before the query is stopped (0: no limit)."),
+    memory_limit: str = memory(SQL.memory_limit, "--memory-limit"),
     seq: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
 ):
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
@@ -297,11 +298,11 @@ def curate_(
     progress: Optional[str] = typer.Option(None, "--progress", help="Schedule position t in [0, 1] (= --set progress=T)."),
     snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print, commit nothing."),
-    memory_limit: str = memory("2GB", "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
-    engine: str = typer.Option("embedded", "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
+    memory_limit: str = memory(CURATE.memory_limit, "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
+    engine: str = typer.Option(CURATE.engine, "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
     partitions: Optional[int] = count(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
-    timeout: float = seconds(600.0, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
+    timeout: float = seconds(CURATE.timeout, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
     from rollstore.curate.options import Limits, engine_option
@@ -355,18 +356,18 @@ def report(
 @guarded
 def generate(
     buffer: str,
-    prompts: str = typer.Option("builtin:arith", "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),
-    model: str = typer.Option("builtin:tiny", "--model", help="A local transformers model directory or builtin:tiny."),
-    backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
-    group_size: int = count(8, "--group-size", "-G"),
-    num_prompts: Optional[int] = count(64, "--num-prompts", "-n"),
+    prompts: str = typer.Option(GENERATE.prompts, "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),
+    model: str = typer.Option(GENERATE.model, "--model", help="A local transformers model directory or builtin:tiny."),
+    backend: str = typer.Option(GENERATE.backend, "--backend", help="hf | vllm"),
+    group_size: int = count(GENERATE.group_size, "--group-size", "-G"),
+    num_prompts: Optional[int] = count(GENERATE.num_prompts, "--num-prompts", "-n"),
     policy_version: Optional[int] = count(None, "--policy-version", low=0, help="Default: the checkpoint's version, else 0."),
-    seed: int = seed_(0, "--seed"),
-    steps: int = count(1, "--steps", help="Generation steps to run (one shard each)."),
-    run_id: str = typer.Option("gen", "--run-id"),
-    max_new_tokens: int = count(12, "--max-new-tokens"),
-    temperature: float = positive(1.0, "--temperature"),
-    top_p: float = fraction(1.0, "--top-p"),
+    seed: int = seed_(GENERATE.seed, "--seed"),
+    steps: int = count(GENERATE.steps, "--steps", help="Generation steps to run (one shard each)."),
+    run_id: str = typer.Option(GENERATE.run_id, "--run-id"),
+    max_new_tokens: int = count(GENERATE.max_new_tokens, "--max-new-tokens"),
+    temperature: float = positive(GENERATE.temperature, "--temperature"),
+    top_p: float = fraction(GENERATE.top_p, "--top-p"),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: a format string with {prompt}."),
     follow: bool = typer.Option(False, "--follow", help="Keep generating; load each newly published checkpoint."),
     max_policy_lag: int = count(1, "--max-policy-lag", low=0, help="With --follow: wait while the learner is this many versions behind."),
@@ -376,11 +377,11 @@ def generate(
 ):
     """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
     from rollstore.curate.params import parse_sets
-    from rollstore.generate import GenerationConfig
+    from rollstore.defaults import generation_config
     from rollstore.generate_cli import Follow, PromptSource, run_generate
 
-    config = GenerationConfig(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, seed=seed)
+    config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, seed=seed)
     run_generate(buffer, model, PromptSource(prompts, num_prompts, template), config, run_id, steps, err,
                  policy_version=policy_version, compact=compact_entropies,
                  follow=Follow(max_policy_lag, recipe, parse_sets(set_)) if follow else None)
@@ -391,13 +392,13 @@ def generate(
 def train(
     buffer: str,
     curation: List[str] = typer.Option([], "--curation", help="Curation id(s) to train on (default: all pending)."),
-    model: str = typer.Option("builtin:tiny", "--model"),
-    loss: str = choice("grpo", "--loss", choices=_losses, help="grpo | dapo | gspo | dr_grpo"),
-    lr: float = positive(2e-5, "--lr"),
-    epochs: int = count(1, "--epochs"),
-    micro_batch_size: int = count(64, "--micro-batch-size"),
-    grad_accum: int = count(1, "--grad-accum"),
-    run_id: str = typer.Option("train", "--run-id"),
+    model: str = typer.Option(TRAIN.model, "--model"),
+    loss: str = choice(TRAIN.loss, "--loss", choices=_losses, help="grpo | dapo | gspo | dr_grpo"),
+    lr: float = positive(TRAIN.lr, "--lr"),
+    epochs: int = count(TRAIN.epochs, "--epochs"),
+    micro_batch_size: int = count(TRAIN.micro_batch_size, "--micro-batch-size"),
+    grad_accum: int = count(TRAIN.grad_accum, "--grad-accum"),
+    run_id: str = typer.Option(TRAIN.run_id, "--run-id"),
     follow: bool = typer.Option(False, "--follow", help="Keep leasing curations as they appear."),
     poll: float = interval(1.0, "--poll", help="Seconds between polls with --follow."),
     max_idle: float = seconds(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
@@ -408,14 +409,14 @@ def train(
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
-    from rollstore.learner.config import TrainConfig
+    from rollstore.defaults import train_config
     from rollstore.train_cli import check_curations, launch_torchrun, run_train
 
     if curation and "LOCAL_RANK" not in os.environ:
         check_curations(buffer, curation)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
-    config = TrainConfig(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+    config = train_config(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
     run_train(buffer, model, config, run_id, curation, out, follow=follow, poll=poll, max_idle=max_idle,
               parallel=parallel)
 

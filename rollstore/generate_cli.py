@@ -1,5 +1,7 @@
 """`rollstore generate`: generation steps into a buffer; with --follow, the generator process of
 the two-process loop (it loads each newly published checkpoint and curates each step it writes).
+Rows are stamped with the policy version given, else the checkpoint's (a `BUFFER/checkpoints/vN`
+model directory), else 0.
 
 Invariants: one shard per step (a step's groups arrive in one append); with --follow, step i is
 generated only once the learner has published version ≥ i − max_policy_lag, so no curated row is
@@ -24,6 +26,21 @@ def _next_step(buf: Buffer, run_id: str) -> int:
     with buf.snapshot() as snap, Session(snap) as s:
         row = s.one("SELECT max(step) FROM rollouts WHERE run_id = $r", {"r": run_id})
     return 0 if row[0] is None else int(row[0]) + 1
+
+
+def checkpoint_version(model_dir: str) -> int:
+    """The policy version of a learner checkpoint directory (`BUFFER/checkpoints/vN`, its ledger),
+    else 0 (a model that no learner of rollstore published)."""
+    import json
+    import os
+
+    from rollstore.learner.checkpoint import LEDGER
+
+    path = os.path.join(model_dir, LEDGER)
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as fh:
+        return int(json.load(fh)["version"])
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,7 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
 
     buf = Buffer.open(buffer)
     model_dir = resolve_model(model)
-    version = 0 if policy_version is None else policy_version
+    version = checkpoint_version(model_dir) if policy_version is None else policy_version
     if follow:
         ck = latest_checkpoint(buf)
         if ck is not None:

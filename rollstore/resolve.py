@@ -16,7 +16,8 @@ Invariants:
   `WarmStart.steps`. Float kernels differ between CPUs, so the step it stops at may differ; the
   accuracy it stops at does not, beyond the granularity of one check.
 - Every built entry records its warm-start metrics, its checks, and held-out greedy and sampled
-  accuracy per level in `rollstore_tiny.json`; a summary is printed to stderr when it is built.
+  accuracy per level in `rollstore_tiny.json`; unless `quiet`, one line on stderr says a build has
+  started (it takes minutes) and a summary is printed there when it is built.
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = D
         return final
     root = cache_root()
     os.makedirs(root, exist_ok=True)
+    if not quiet:  # minutes of silence would look like a hang
+        print(f"builtin:tiny: building the built-in policy once (a warm start on builtin:arith, a few minutes "
+              f"on a CPU); later runs reuse {final}", file=sys.stderr, flush=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-building-", dir=root)
     try:
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Rendering query results for the command line: table, csv, json, parquet.
 
 Invariants: `json` is one JSON array of objects (lists as arrays, booleans as true/false, NULL and
-NaN as null, timestamps as ISO-8601); `csv` is a header line then rows; `parquet` needs a file.
+NaN as null, timestamps as ISO-8601); `csv` is a header line then rows, a value quoted only when
+it holds a comma, a quote or a line break; `parquet` needs a file.
 Values Python cannot hold (DuckDB's infinite or far timestamps and dates) are rendered as text
 (`infinity`, `-infinity`, or the ISO form), binary as hex in csv and json, never a crash. Table
 cells are data: rich markup in them is printed literally, never interpreted.
@@ -96,6 +97,26 @@ def csv_ready(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(cols, names=table.column_names)
 
 
+def csv_text(table: pa.Table) -> str:
+    """`table` as CSV text: a header line, then rows; a value is quoted only when it must be (it
+    holds a comma, a quote or a line break), so an id read from it is the id itself."""
+    table = csv_ready(table)
+    sink = pa.BufferOutputStream()
+    try:
+        pacsv.write_csv(table, sink, pacsv.WriteOptions(quoting_style="none"))
+        return sink.getvalue().to_pybytes().decode()
+    except pa.ArrowInvalid:  # some value needs quotes: quote those alone
+        import csv
+        import io
+
+        text = io.StringIO()
+        writer = csv.writer(text, quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
+        writer.writerow(table.column_names)
+        cols = [pc.cast(c, pa.string()).to_pylist() for c in table.columns]
+        writer.writerows(zip(*cols))
+        return text.getvalue()
+
+
 def _cell(value) -> str:
     if value is None:
         return "NULL"
@@ -118,9 +139,7 @@ def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Conso
     if fmt == "json":
         text = to_json(table) + "\n"
     elif fmt == "csv":
-        sink = pa.BufferOutputStream()
-        pacsv.write_csv(csv_ready(table), sink)
-        text = sink.getvalue().to_pybytes().decode()
+        text = csv_text(table)
     else:
         if out_file is None:
             render_table(table, console)

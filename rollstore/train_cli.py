@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from rollstore.storage.buffer import Buffer
-from rollstore.storage.errors import RollstoreError
+from rollstore.storage.errors import RollstoreError, unknown_curation
 from rollstore.storage.verify import verify_references, verify_shards
 
 if TYPE_CHECKING:
@@ -35,9 +35,7 @@ def check_curations(buffer: str, curations: list[str]) -> None:
     with Buffer.open(buffer) as buf:
         for cid in curations:
             if buf.manifest.live_key_count("curations", cid) == 0:
-                n = len(buf.manifest.shards("curations"))
-                raise RollstoreError(f"--curation {cid}: no curation {cid!r} in {buf.root} ({n} curations; "
-                                     "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
+                raise unknown_curation(buf.root, cid, [s.key for s in buf.manifest.shards("curations")])
 
 
 def launch_torchrun(nproc: int, parallel: str) -> int:
@@ -74,6 +72,9 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     if dist.active and dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     buf = Buffer.open(buffer)
+    if not follow and not buf.manifest.shards("curated"):  # before any model is built or loaded
+        buf.close()
+        raise RollstoreError(f"nothing to train: {buf.root} has no curated rows (run `rollstore curate` first)")
     path = resolve_model(model) if dist.is_main else None  # rank 0 builds builtin:tiny once
     dist.barrier()
     model_obj, tokenizer = load_policy(dist.broadcast(path), device=str(dist.device))

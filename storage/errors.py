@@ -20,3 +20,35 @@ class ValidationError(RollstoreError):
 
 class ManifestError(RollstoreError):
     """The buffer or its manifest is missing, locked or inconsistent."""
+
+
+class NotABuffer(ManifestError):
+    """A path that holds no rollstore buffer (no manifest.sqlite)."""
+
+
+class UnknownName(RollstoreError):
+    """A name (a recipe, a parameter, a curation, a table) that is not one of those known."""
+
+
+def did_you_mean(word: str, known) -> str:
+    """` (did you mean 'x'?)` when one of `known` is close to `word` (case ignored), else ``."""
+    import difflib
+
+    known = [str(k) for k in known]
+    by_lower = {k.lower(): k for k in known}
+    if str(word).lower() in by_lower and by_lower[str(word).lower()] != word:
+        return f" (did you mean {by_lower[str(word).lower()]!r}?)"
+    close = difflib.get_close_matches(str(word).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+class UnknownCuration(UnknownName):
+    """A curation id that names no live curation of the buffer."""
+
+
+def unknown_curation(root: str, curation_id: str, known) -> UnknownCuration:
+    """The one error of a curation id that is not in the buffer at `root` (`known`: its ids), with a
+    did-you-mean when one is close, and how to list them; the CLI and the front door raise it alike."""
+    known = list(known)
+    return UnknownCuration(f"no curation {curation_id!r} in {root}{did_you_mean(curation_id, known)} ({len(known)} "
+                           "curations; `rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")

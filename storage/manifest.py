@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .errors import ManifestError
+from .errors import ManifestError, NotABuffer
 
 MANIFEST = "manifest.sqlite"
 
@@ -150,7 +150,8 @@ class Manifest:
     def __init__(self, root: str, create: bool = False):
         path = os.path.join(root, MANIFEST)
         if not create and not os.path.exists(path):
-            raise ManifestError(f"{root}: not a rollstore buffer (no {MANIFEST}); run `rollstore init {root}`")
+            raise NotABuffer(f"{root}: not a rollstore buffer (no {MANIFEST}); create it with `rollstore init {root}` "
+                             f"(in Python: rollstore.open({root!r}, create=True))")
         self.root = root
         self.path = path
         self.read_only: str | None = None

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from .errors import ManifestError
+from .errors import ManifestError, UnknownName, did_you_mean
 from .manifest import Manifest, ManifestReadOnly, Shard
 from .references import is_thin, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, TABLES
@@ -84,19 +84,26 @@ class Snapshot:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _table(self, table: str) -> list[Shard]:
+        """The shards of `table`; a name that is not a table is one `UnknownName` line."""
+        if table not in self._shards:
+            raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
+                              f"(tables: {', '.join(TABLES)})")
+        return self._shards[table]
+
     def shards(self, table: str) -> list[Shard]:
-        return list(self._shards[table])
+        return list(self._table(table))
 
     def files(self, table: str) -> list[str]:
-        return [os.path.join(self.root, s.path) for s in self._shards[table]]
+        return [os.path.join(self.root, s.path) for s in self._table(table)]
 
     def rows(self, table: str) -> int:
-        return sum(s.rows for s in self._shards[table])
+        return sum(s.rows for s in self._table(table))
 
     def arrow(self, table: str, resolved: bool = True) -> ds.Dataset:
         """A dataset of `table`'s rows. `curated` comes resolved (schema `CURATED`: references
         joined to the rollouts rows, in memory) unless `resolved=False` (the stored references)."""
-        files = self.files(table)
+        files = self.files(table)  # an unknown table is one line
         if table == "curated" and resolved:
             return ds.dataset(self.curated())
         if not files:
@@ -110,8 +117,10 @@ class Snapshot:
         return pa.concat_tables(tables) if tables else CURATED.empty_table()
 
     def polars(self, table: str) -> "pl.LazyFrame":
+        """A LazyFrame of `table`'s rows (`curated` resolved, as `arrow`)."""
         import polars as pl
 
+        self._table(table)
         if table == "curated":  # resolved, as `arrow`
             return pl.from_arrow(self.curated()).lazy()
         files = self.files(table)

@@ -1,0 +1,218 @@
+"""The Python front door's buffer handle: `rollstore.open(path)` → `Buffer`.
+
+One object a user holds, as DuckDB's connection or TorchRL's replay buffer: `sql`, `generate`,
+`curate`, `train`, and `curation(id)` for a curation handle (rollstore/curation.py). A thin layer
+over the packages below: each method calls what the matching command calls, with the defaults of
+`rollstore/defaults.py` (the command line's).
+
+Invariants:
+- Nothing prints to stdout; every method returns a value (Polars / Arrow, or a handle). The first
+  build of `builtin:tiny` writes one progress line to stderr (as the command line does).
+- Every failure is one typed `RollstoreError` (`NotABuffer`, `UnknownRecipe`, `UnknownParameter`,
+  `UnknownCuration`, `SqlRefused`, ...) whose text is the command line's line for the same mistake,
+  with a did-you-mean where a known name is close.
+- The handle holds no open connection between calls: each call opens the manifest, reads or
+  commits, and closes it, so a handle can live in a notebook for hours beside other writers.
+- `sql` runs in this process under the command line's sandbox (read-only, the buffer's files only),
+  its views and macros (queries/views.sql), a DuckDB memory limit and a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+from rollstore.defaults import CURATE, GENERATE, SQL, TRAIN
+from rollstore.storage.buffer import Buffer as _StorageBuffer
+from rollstore.storage.errors import RollstoreError, unknown_curation
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from rollstore.curation import Curation
+    from rollstore.sqlresult import SqlResult
+
+
+def open(path: str | os.PathLike, create: bool = False) -> "Buffer":  # noqa: A001 - the front door's verb
+    """The buffer at `path` as a handle; with `create=True` the buffer is created when missing.
+
+    A path without a buffer raises `NotABuffer` (one line, the command line's)."""
+    path = os.fspath(path)
+    if create:
+        _StorageBuffer.init(path).close()
+    with _StorageBuffer.open(path) as buf:
+        return Buffer(buf.root)
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), soft_wrap=True)
+
+
+class Buffer:
+    """A handle to one buffer directory (see `rollstore.open`)."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+
+    @contextmanager
+    def _open(self) -> Iterator[_StorageBuffer]:
+        with _StorageBuffer.open(self.root) as buf:
+            yield buf
+
+    def __repr__(self) -> str:
+        try:
+            with self._open() as buf:
+                m = buf.manifest
+                seq = m.latest_seq()
+                rows = sum(s.rows for s in m.shards("rollouts"))
+                cur, ck = len(m.shards("curations")), len(m.shards("checkpoints"))
+            return (f"<rollstore.Buffer {self.root!r}: {rows} rollouts, {cur} curations, {ck} checkpoints, "
+                    f"snapshot {seq}>")
+        except RollstoreError as exc:
+            return f"<rollstore.Buffer {self.root!r}: unreadable ({exc})>"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Buffer) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(self.root)
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def sql(self, query: str, *, snapshot: int | None = None, timeout: float = SQL.timeout,
+            memory_limit: str = SQL.memory_limit) -> "SqlResult":
+        """Run read-only SQL over a snapshot (default: the latest) with the tables and views of
+        `rollstore sql` (docs/usage.md): `rollouts`, `curated`, `selections`, `curations`, `groups`,
+        `prompts`, ... and the macros of queries/views.sql. Returns a `SqlResult` (`.pl()`,
+        `.arrow()`, `.df()`). A refused or mistyped query raises one line (`SqlRefused`, ...)."""
+        from rollstore.queries.session import Session
+        from rollstore.sqlresult import SqlResult
+
+        with self._open() as buf, buf.snapshot(snapshot, pin=True) as snap:
+            snap.check_present()
+            with Session(snap, memory_limit) as session:
+                table = session.run_user_sql(query, timeout=timeout or None)
+            return SqlResult(table, query, snap.seq)
+
+    def curations(self) -> "pl.DataFrame":
+        """Every curation of the buffer, oldest first: id, recipe, when, progress, candidates, kept."""
+        return self.sql("SELECT curation_id, recipe, created_at, snapshot_seq, progress, n_candidates, n_selected, "
+                        "tokens_kept FROM curations ORDER BY created_at, curation_id").pl()
+
+    def curation(self, curation_id: str | None = None) -> "Curation":
+        """The handle of curation `curation_id` (default: the latest); an id this buffer does not
+        hold raises `UnknownCuration` (with a did-you-mean when one is close)."""
+        from rollstore.curation import Curation
+
+        with self._open() as buf:
+            shards = buf.manifest.shards("curations")
+            known = [s.key for s in shards]
+        if curation_id is None:
+            if not known:
+                raise RollstoreError("the buffer has no curations yet: run `rollstore curate` first")
+            return Curation(self, self.sql("SELECT curation_id FROM curations ORDER BY created_at DESC, "
+                                           "curation_id DESC LIMIT 1").fetchall()[0][0])
+        if curation_id not in known:
+            raise unknown_curation(self.root, curation_id, known)
+        return Curation(self, curation_id)
+
+    # ---- the three jobs of the command line -----------------------------------------------
+
+    def generate(self, *, prompts: str = GENERATE.prompts, model: str = GENERATE.model,
+                 num_prompts: int | None = GENERATE.num_prompts, group_size: int = GENERATE.group_size,
+                 steps: int = GENERATE.steps, max_new_tokens: int = GENERATE.max_new_tokens,
+                 temperature: float = GENERATE.temperature, top_p: float = GENERATE.top_p, seed: int = GENERATE.seed,
+                 run_id: str = GENERATE.run_id, policy_version: int | None = None, backend: str = GENERATE.backend,
+                 template: str | None = None, compact_entropies: bool = False) -> "pl.DataFrame":
+        """Sample `group_size` responses for each of `num_prompts` prompts per step, judge and score
+        them, append one shard per step (as `rollstore generate`). `policy_version` defaults to the
+        model's checkpoint version (a `BUFFER/checkpoints/vN` directory), else 0. Returns one row per
+        written shard: step, policy_version, rows, tokens, path."""
+        import polars as pl
+        import pyarrow.parquet as pq
+
+        from rollstore.defaults import generation_config
+        from rollstore.generate_cli import PromptSource, run_generate
+
+        config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, seed=seed)
+        paths = run_generate(self.root, model, PromptSource(prompts, num_prompts, template), config, run_id, steps,
+                             _quiet(), policy_version=policy_version, compact=compact_entropies)
+        rows = []
+        with self._open() as buf:
+            by_path = {os.path.join(buf.root, s.path): s for s in buf.manifest.shards("rollouts")}
+        for path in paths:
+            shard = by_path.get(path) or by_path.get(os.path.join(self.root, path))
+            meta = pq.read_table(path if os.path.isabs(path) else os.path.join(self.root, path),
+                                 columns=["step", "policy_version"]).slice(0, 1).to_pylist()
+            rows.append({"step": meta[0]["step"] if meta else None,
+                         "policy_version": meta[0]["policy_version"] if meta else None,
+                         "rows": shard.rows if shard else None, "tokens": shard.tokens if shard else None,
+                         "path": path})
+        return pl.DataFrame(rows, schema={"step": pl.Int64, "policy_version": pl.Int64, "rows": pl.Int64,
+                                          "tokens": pl.Int64, "path": pl.Utf8})
+
+    def curate(self, recipe: str, progress: float | None = None, *, snapshot: int | None = None,
+               dry_run: bool = False, memory_limit: str = CURATE.memory_limit, timeout: float = CURATE.timeout,
+               engine: str = CURATE.engine, **params) -> "Curation":
+        """Run a recipe (a built-in name, a .toml or a .sql file) over a snapshot (default: the
+        latest), as `rollstore curate`: `progress` is the schedule position t, every other keyword
+        a recipe parameter (`sample_fraction=0.5`, `where="step > 2"`). Returns the curation's handle.
+        An unknown recipe or parameter raises `UnknownRecipe` / `UnknownParameter`."""
+        from rollstore.curate.options import Limits, engine_option
+        from rollstore.curate.params import load_recipe
+        from rollstore.curate.run import curate
+        from rollstore.curation import Curation
+
+        values = {k: ("none" if v is None else v) for k, v in params.items()}
+        if progress is not None:
+            values["progress"] = progress
+        loaded = load_recipe(os.fspath(recipe))
+        with self._open() as buf:
+            result = curate(buf, loaded, values, snapshot, dry_run=dry_run,
+                            limits=Limits(memory_limit, timeout=timeout or None), engine=engine_option(engine))
+        return Curation(self, result.curation_id, result=result)
+
+    def train(self, curation: "Curation | str | list | None" = None, *, model: str = TRAIN.model,
+              loss: str = TRAIN.loss, lr: float = TRAIN.lr, epochs: int = TRAIN.epochs,
+              micro_batch_size: int = TRAIN.micro_batch_size, grad_accum: int = TRAIN.grad_accum,
+              run_id: str = TRAIN.run_id) -> "pl.DataFrame":
+        """Train `model` on the curated shards of `curation` (a handle, an id, a list of them; default:
+        every pending curation) exactly once each, publishing one checkpoint per curation, as
+        `rollstore train`. Returns one row per published checkpoint: version, curations, loss,
+        tokens, path. Nothing curated raises one line."""
+        import polars as pl
+
+        from rollstore.defaults import train_config
+        from rollstore.train_cli import check_curations, run_train
+
+        ids = [self._curation_id(c) for c in (curation if isinstance(curation, (list, tuple)) else
+                                              ([] if curation is None else [curation]))]
+        if ids:
+            check_curations(self.root, ids)
+        config = train_config(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size,
+                              grad_accum=grad_accum)
+        cks = run_train(self.root, model, config, run_id, ids, _quiet())
+        return pl.DataFrame(
+            [{"version": ck.version, "curation_ids": sorted({c["curation_id"] for c in ck.consumed}),
+              "loss": ck.metrics.get("loss"), "tokens": ck.metrics.get("tokens"),
+              "path": os.path.join(self.root, ck.path)} for ck in cks],
+            schema={"version": pl.Int64, "curation_ids": pl.List(pl.Utf8), "loss": pl.Float64,
+                    "tokens": pl.Int64, "path": pl.Utf8})
+
+    def _curation_id(self, curation) -> str:
+        from rollstore.curation import Curation
+
+        if isinstance(curation, Curation):
+            if curation.buffer != self:
+                raise RollstoreError(f"curation {curation.id} belongs to the buffer {curation.buffer.root}, "
+                                     f"not {self.root}")
+            return curation.id
+        return str(curation)
+
+
+__all__ = ["Buffer", "open"]

@@ -279,12 +279,39 @@ def ahead(items):
         worker.join()
 
 
-def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = ()) -> CurationResult:
+def selected_meanwhile(buf: Buffer, con, snapshot_seq: int, curation_id: str, rollout_ids: pa.Array
+                       ) -> tuple[str, str] | None:
+    """(rollout_id, curation_id) of the first of `rollout_ids` (this curation's audit rows) that a
+    live curation committed after `snapshot_seq` selected, or None. Runs inside the commit's
+    manifest transaction (`con`), which no other commit can interleave: only the audit shards of
+    curations committed meanwhile are read (usually none), their `rollout_id` and `selected`."""
+    rows = con.execute(
+        "SELECT s.path, s.key FROM shards s WHERE s.table_name = 'selections' AND s.removed_seq IS NULL "
+        "AND s.added_seq > ? AND s.key IS NOT ? AND EXISTS (SELECT 1 FROM shards c WHERE c.table_name = "
+        "'curations' AND c.key = s.key AND c.removed_seq IS NULL) ORDER BY s.shard_id",
+        (snapshot_seq, curation_id)).fetchall()
+    if not rows:
+        return None
+    ours = pc.unique(rollout_ids)
+    for path, key in rows:
+        theirs = pq.read_table(os.path.join(buf.root, path), columns=["rollout_id", "selected"])
+        picked = theirs.filter(pc.fill_null(theirs.column("selected"), False)).column("rollout_id")
+        both = ours.filter(pc.is_in(ours, value_set=picked.combine_chunks()))
+        if len(both):
+            return pc.min(both).as_py(), key
+    return None
+
+
+def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = (),
+            capped: tuple[int, pa.Array] | None = None) -> CurationResult:
     """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
     the manifest says this curation is already committed (then nothing is written: the run is
     idempotent). A concurrent identical run that commits first makes this one roll back, and so
     does a rollouts shard of `referenced` (manifest paths the curated rows refer to) that was
-    retired meanwhile (compacted or quarantined): the references would not resolve."""
+    retired meanwhile (compacted or quarantined): the references would not resolve. With a use cap
+    (`capped`: the snapshot seq the uses were counted in and the audit's rollout ids), a curation
+    committed meanwhile that selected one of these rows makes this one roll back: the uses it
+    counted (and the cap it applied) are out of date."""
 
     def refuse_duplicate(con, _seq, _ids):
         if buf.manifest.live_key_count("curations", curation_id, con) > 1:
@@ -293,6 +320,12 @@ def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, reference
         if gone:
             raise CurationError(f"rollouts shard {gone[0]} was retired while this curation ran (compaction or "
                                 "quarantine); nothing was committed: curate again")
+        if capped is not None:
+            clash = selected_meanwhile(buf, con, capped[0], curation_id, capped[1])
+            if clash is not None:
+                raise CurationError(f"rollout_id={clash[0]!r} was selected by curation {clash[1]}, committed "
+                                    f"meanwhile (after snapshot {capped[0]}): the uses this curation counted are "
+                                    "out of date; nothing was committed: curate again")
 
     out.committed = True
     if already_committed(buf, curation_id):
@@ -371,7 +404,10 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
         out.curated = pa.concat_tables(tables).cast(CURATED_REFS) if tables else CURATED_REFS.empty_table()
         return out
     try:
-        return publish(buf, lambda: ahead(parts()), cid, out, referenced)
+        vals = decided.values
+        capped = ((decided.snapshot_seq, audit.column("rollout_id").combine_chunks())
+                  if vals.get("replay_on") or vals.get("max_reuse") is not None else None)
+        return publish(buf, lambda: ahead(parts()), cid, out, referenced, capped)
     finally:
         if beside is not None:
             beside.close()

@@ -338,3 +338,115 @@ def test_a_non_finite_step_stops_the_run_naming_curation_shard_and_rollout(buffe
     # the steps before the bad one were applied in memory; none after it, and no NaN in the weights
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert before  # (the in-memory model is the caller's; nothing of it was published)
+
+
+# ---- 2: use caps hold under concurrent curations -------------------------------------------------
+def _uses_hold(root: str, cap: int) -> tuple[int, list[str]]:
+    """(live curations, violations): every audit row's `uses` must equal the number of live
+    curations committed before its own that selected the row, and no row is selected more than
+    `cap` times in all."""
+    with Buffer.open(root) as buf:
+        records = sorted(buf.manifest.shards("curations"), key=lambda s: s.added_seq)
+        audits = {s.key: os.path.join(root, s.path) for s in buf.manifest.shards("selections")}
+    times: dict[str, int] = {}
+    wrong = []
+    for rec in records:
+        audit = pq.read_table(audits[rec.key], columns=["rollout_id", "uses", "selected"]).to_pylist()
+        for row in audit:
+            if row["uses"] != times.get(row["rollout_id"], 0):
+                wrong.append(f"{rec.key}: {row['rollout_id']} uses={row['uses']}, "
+                             f"selected before: {times.get(row['rollout_id'], 0)}")
+        for row in audit:
+            if row["selected"]:
+                times[row["rollout_id"]] = times.get(row["rollout_id"], 0) + 1
+    wrong += [f"{rid} selected {n} times (cap {cap})" for rid, n in times.items() if n > cap]
+    return len(records), wrong
+
+
+def _concurrent_trials(root: str, trials: int, width: int, cap: int, monkeypatch, retry: bool = True) -> dict:
+    """`trials` rounds of `width` replay-window curations of one fresh step (each its own where
+    text, so its own curation id) over the same window, all deciding on the same snapshot before
+    any commits (a barrier in front of the commit); the refused ones curate again, one after the
+    other. Returns counts."""
+    import threading
+
+    from rollstore.curate import finish
+    from rollstore.curate.params import CurationError, load_recipe
+    from rollstore.curate.run import curate
+
+    recipe = load_recipe("replay-window")
+    real = finish.publish
+    gate: dict = {}
+
+    def gated(*args, **kwargs):
+        barrier = gate.get("barrier")
+        if barrier is not None:
+            barrier.wait(timeout=60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(finish, "publish", gated)
+    counts = {"committed_at_once": 0, "refused": 0, "retried": 0}
+    with Buffer.open(root) as buf:
+        step = buf.manifest.latest_seq()
+    for t in range(trials):
+        step = 1 + t
+        with Buffer.open(root) as buf:
+            buf.append_rollouts(tiny_rows(100 + t, step=step, n_groups=2, group_size=4))
+        sets = [{"where": f"step = {step} AND group_id <> 'x{k}'", "current_version": step,
+                 "replay_max_uses": cap} for k in range(width)]
+        gate["barrier"] = threading.Barrier(width)
+        outcome: list = [None] * width
+
+        def one(k):
+            try:
+                with Buffer.open(root) as b:
+                    outcome[k] = curate(b, recipe, sets[k])
+            except CurationError as exc:
+                outcome[k] = exc
+                gate["barrier"].abort()
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(width)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        gate["barrier"] = None
+        for k, res in enumerate(outcome):
+            if isinstance(res, Exception):
+                assert "committed meanwhile" in str(res) and "\n" not in str(res), res
+                counts["refused"] += 1
+                if retry:
+                    with Buffer.open(root) as b:
+                        assert curate(b, recipe, sets[k]).committed
+                    counts["retried"] += 1
+            else:
+                assert res.committed and not res.already_existed
+                counts["committed_at_once"] += 1
+    return counts
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_replay_use_caps_hold_under_concurrent_curations(tmp_path, monkeypatch, width):
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        buf.append_rollouts(tiny_rows(99, step=0, n_groups=2, group_size=4))
+    trials = 20
+    counts = _concurrent_trials(root, trials, width, 2, monkeypatch)
+    n, wrong = _uses_hold(root, 2)
+    assert wrong == [], wrong[:5]
+    assert n == trials * width  # every curation committed in the end (the refused ones on a retry)
+    assert counts["committed_at_once"] == trials  # one per trial wins the race; the others see it
+    assert counts["refused"] == trials * (width - 1)
+
+
+def test_without_the_commit_check_concurrent_curations_break_the_cap(tmp_path, monkeypatch):
+    """The harness sees the failure the check prevents (the red team's finding)."""
+    from rollstore.curate import finish
+
+    monkeypatch.setattr(finish, "selected_meanwhile", lambda *a: None)
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        buf.append_rollouts(tiny_rows(99, step=0, n_groups=2, group_size=4))
+    _concurrent_trials(root, 2, 3, 2, monkeypatch, retry=False)
+    _, wrong = _uses_hold(root, 2)
+    assert any("cap 2" in w for w in wrong) and any("uses=" in w for w in wrong), wrong

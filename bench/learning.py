@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(HERE))
 
+from bench import tuned  # noqa: E402
 from bench.common import append_results, header, md_table  # noqa: E402
 
 # (name in the tables, recipe, parameter overrides)
@@ -62,6 +63,7 @@ CONFIGS: list[tuple[str, str, dict[str, str]]] = [
     # more reuse: window 3, each rollout at most 3 times, up to 2 replayed rows per fresh row
     ("replay-rollouts-x3", "replay-rollouts-x3", {}),  # = replay-rollouts with window 3, 3 uses, 1024 rows
     ("replay-window-x3", "replay-window", {"replay_window": "2", "replay_max_uses": "3"}),
+    ("greso", "greso", {}),  # grpo + pre-rollout prompt selection from the run's history
 ]
 SPLITS = {"train": ("builtin:arith", "heldout"), "harder": ("builtin:arith:harder", "heldout-harder")}
 
@@ -92,25 +94,67 @@ def run_one(job: dict) -> dict:
         eval_every=job["eval_every"], eval_prompts=job["eval_prompts"],
         eval_split=SPLITS[job["split"]][1], eval_samples=job["eval_samples"], eval_ks=(1, job["eval_samples"]),
         overgen=1, max_gen_batches=job["max_gen_batches"], pool_size=job["pool_size"], seed=job["seed"],
-        run_id=f"{job['name']}-s{job['seed']}",
+        run_id=f"{job['name']}-s{job['seed']}", epochs=job["epochs"], lr=job["lr"],
     )
     t0 = time.perf_counter()
     summary = run_loop(cfg)
     wall = time.perf_counter() - t0
-    tokens, samples, rollouts, seconds, cum = 0, 0, 0, 0.0, {0: (0, 0, 0, 0.0)}
+    costs = _learner_costs(root, summary)
+    tokens, samples, rollouts, seconds, passes, generated = 0, 0, 0, 0.0, 0, 0
+    cum = {0: (0, 0, 0, 0.0, 0, 0)}
     for rep in summary["iterations"]:
-        tokens += rep["tokens_kept"] * job["epochs"]
-        samples += rep["samples_kept"] * job["epochs"]
+        trained, lagged, gen_tokens = costs[rep["iteration"]]
+        tokens += rep["tokens_kept"] * summary["epochs"]
+        samples += rep["samples_kept"] * summary["epochs"]
+        passes += (trained + lagged) * summary["epochs"]
         rollouts += rep["rollouts"]
+        generated += gen_tokens
         seconds += rep["seconds"]
-        cum[rep["iteration"] + 1] = (tokens, samples, rollouts, seconds)
+        cum[rep["iteration"] + 1] = (tokens, samples, rollouts, seconds, passes, generated)
     curve = []
     for m in summary["eval_metrics"]:
-        t, s, g, w = cum[m["iteration"]]
-        curve.append({**m, "learner_tokens": t, "learner_samples": s, "rollouts": g, "seconds": w})
-    return {**{k: job[k] for k in ("name", "recipe", "sets", "seed", "split", "lr")}, "curve": curve,
+        t, s, g, w, tp, gt = cum[m["iteration"]]
+        curve.append({**m, "learner_tokens": t, "learner_samples": s, "rollouts": g, "seconds": w,
+                      "token_passes": tp, "generated_tokens": gt})
+    phases: dict[str, float] = {}
+    for rep in summary["iterations"]:
+        for k, v in rep["phases"].items():
+            phases[k] = phases.get(k, 0.0) + v
+    return {**{k: job[k] for k in ("name", "recipe", "sets", "seed", "split", "lr", "epochs")}, "curve": curve,
             "learner_tokens": tokens, "learner_samples": samples, "rollouts": rollouts, "wall_seconds": wall,
-            "buffer": root}
+            "token_passes": passes, "generated_tokens": generated, "phases": phases,
+            "loop_seconds": sum(r["seconds"] for r in summary["iterations"]),
+            "skips": summary["skips"], "skip_outcomes": _skip_outcomes(root), "buffer": root}
+
+
+def _learner_costs(root: str, summary: dict) -> dict[int, tuple[int, int, int]]:
+    """iteration → (response tokens of the rows its curation selected, of those sampled by an
+    earlier version — each also runs the π_prox forward once per pass —, response tokens generated)."""
+    from rollstore.queries.session import Session
+    from rollstore.storage.buffer import Buffer
+
+    with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap) as s:
+        sel = {cid: (int(a or 0), int(b or 0)) for cid, a, b in s.execute(
+            "SELECT curation_id, sum(tokens_total) FILTER (WHERE selected), "
+            "sum(tokens_total) FILTER (WHERE selected AND coalesce(age, 0) > 0) FROM selections GROUP BY curation_id"
+        ).fetchall()}
+        gen = {int(st): int(n or 0) for st, n in s.execute(
+            "SELECT step, sum(len(response_token_ids)) FROM rollouts GROUP BY step").fetchall()}
+    return {r["iteration"]: (*sel.get(r["curation_id"], (0, 0)), gen.get(r["iteration"], 0))
+            for r in summary["iterations"]}
+
+
+def _skip_outcomes(root: str) -> dict[str, int]:
+    """How many skipped prompts were generated again later in the run, and how many of those groups
+    were informative (queries/prompt_skip_outcomes.sql)."""
+    from rollstore.queries import load_sql
+    from rollstore.queries.session import Session
+    from rollstore.storage.buffer import Buffer
+
+    with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap) as s:
+        n, informative = s.one(f"SELECT count(*), count(*) FILTER (WHERE next_informative) FROM "
+                               f"({load_sql('prompt_skip_outcomes')})")
+    return {"later_sampled": int(n), "informative": int(informative or 0)}
 
 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -176,7 +220,7 @@ def summarise(runs: list[dict], metric: str = "pass@1") -> list[list[str]]:
         by.setdefault(r["name"], []).append(r)
     grpo = {r["seed"]: r for r in by.get("grpo", [])}
     rows = []
-    for name, _, _ in CONFIGS:
+    for name in by:
         rs = by.get(name)
         if not rs:
             continue
@@ -214,7 +258,7 @@ def plot(runs: list[dict], split: str, path: str) -> None:
     charts = []
     for x_key, x_label in (("rollouts", "rollouts generated"), ("learner_tokens", "learner tokens consumed")):
         series = []
-        for name, _, _ in CONFIGS:
+        for name in by:
             rs = by.get(name)
             if not rs:
                 continue
@@ -236,12 +280,72 @@ def plot(runs: list[dict], split: str, path: str) -> None:
         fh.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="540" height="{270 * len(charts)}">{style}{body}</svg>\n')
 
 
+def efficiency_section(runs: list[dict], args, default_lr: float) -> str:
+    """The tuned-baseline tables (bench.tuned): every configuration's cost to grpo@1's final on both
+    axes, each recipe's best point, the paired comparison asked for, the Pareto SVG, skip statistics."""
+    pts = tuned.points(runs, default_lr)
+    svg = os.path.join(args.out, "pareto.svg")
+    tuned.pareto_svg(pts, args.splits, svg)
+    out = [f"Cost to the target (grpo@1 at lr {default_lr:g}: its final pass@1 per split and seed), linear between "
+           f"evaluations; a configuration's mean counts only when it reached the target in every seed. "
+           f"Pareto plot: [{os.path.relpath(svg, HERE)}]({os.path.relpath(svg, HERE)})", ""]
+    bases = list(dict.fromkeys(p["base"] for p in pts.values()))
+    for split in args.splits:
+        out += [f"**{split} split: every configuration**", "", md_table(tuned.TABLE_HEADER, tuned.table_rows(pts, split)), ""]
+        rows = []
+        for b in bases:
+            top = tuned.best(pts, split, b)
+            if top:
+                p = top[1]
+                rows.append([b, top[0], f"{p['rollouts']:,.0f}", f"{p['token_passes']:,.0f}", f"{p['final']:.3f}"])
+        out += [f"**{split} split: best point of each recipe** (fewest rollouts to the target)", "",
+                md_table(["recipe", "best configuration", "rollouts", "token-passes", "final pass@1"], rows), ""]
+        if args.compare:
+            a, b = (tuned.best(pts, split, x) for x in args.compare)
+            if a and b:
+                out += [f"{split}: {a[0]} against {b[0]} (paired by seed): rollouts to the target "
+                        f"{tuned.fmt_ratio(tuned.paired_ratio(a[1], b[1], 'rollouts'))}, token-passes "
+                        f"{tuned.fmt_ratio(tuned.paired_ratio(a[1], b[1], 'token_passes'))}; final pass@1 "
+                        f"{a[1]['final']:.3f} against {b[1]['final']:.3f}", ""]
+        skips = [r for r in runs if r["split"] == split and r.get("skips")]
+        if skips:
+            examined = sum(n for r in skips for _, _, n in r["skips"])
+            skipped = sum(k for r in skips for _, k, _ in r["skips"])
+            later = sum(r["skip_outcomes"]["later_sampled"] for r in skips)
+            wrong = sum(r["skip_outcomes"]["informative"] for r in skips)
+            sel = sum(r["phases"].get("selection", 0.0) for r in skips)
+            loop_s = sum(r["loop_seconds"] for r in skips)
+            per_it = {}
+            for r in skips:
+                for it, k, n in r["skips"]:
+                    per_it.setdefault(it, [0, 0])
+                    per_it[it][0] += k
+                    per_it[it][1] += n
+            share = ", ".join(f"{it}: {k / n:.2f}" for it, (k, n) in sorted(per_it.items()))
+            out += [f"{split}: pre-rollout selection examined {examined:,} prompts and skipped {skipped:,} "
+                    f"({skipped / max(examined, 1):.1%}) over {len(skips)} runs; {later:,} skipped prompts were "
+                    f"generated again later, and {wrong:,} of those groups were informative "
+                    f"({wrong / max(later, 1):.1%}: the predictor was wrong); selection took {sel:.1f} s of "
+                    f"{loop_s:.0f} s of loop ({sel / max(loop_s, 1e-9):.1%}). Skip share per iteration: {share}", ""]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 recipes, 1 seed, 2 iterations, tiny sizes")
     ap.add_argument("--splits", nargs="+", default=["train"], choices=sorted(SPLITS))
-    ap.add_argument("--recipes", nargs="+", default=[c[0] for c in CONFIGS])
+    ap.add_argument("--recipes", nargs="+", default=[c[0] for c in CONFIGS],
+                    help="configurations: a recipe (built-in or named here), optionally @μ and ,lr=X (or lr=Nx: N × "
+                         "the default) and ,param=value; e.g. grpo@2,lr=2e-4")
+    ap.add_argument("--grid", nargs="*", default=None, metavar="RECIPE",
+                    help="tune these recipes over μ × learning rate (--grid-epochs × --grid-lr), grpo@1 at the default "
+                         "rate always included as the target; summarised with best points and a Pareto SVG")
+    ap.add_argument("--grid-epochs", nargs="+", type=int, default=list(tuned.GRID_EPOCHS))
+    ap.add_argument("--grid-lr", nargs="+", type=float, default=list(tuned.GRID_LR), help="multiples of the default rate")
+    ap.add_argument("--compare", nargs=2, default=None, metavar=("RECIPE", "BASELINE"),
+                    help="with --grid: the paired comparison of RECIPE's best point against BASELINE's")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seed-start", type=int, default=0, help="first seed (runs seeds seed-start .. + seeds − 1)")
     ap.add_argument("--iterations", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=64, help="prompts per generation batch")
     ap.add_argument("--group-size", type=int, default=8)
@@ -263,38 +367,44 @@ def main(argv: list[str] | None = None) -> int:
         args.recipes = args.recipes if args.recipes != [c[0] for c in CONFIGS] else ["grpo", "dapo"]
         args.seeds, args.iterations, args.prompts, args.eval_every = 1, 2, 8, 1
         args.eval_prompts, args.eval_samples, args.group_size, args.max_gen_batches = 16, 2, 4, 2
-    unknown = set(args.recipes) - {c[0] for c in CONFIGS}
-    if unknown:
-        ap.error(f"unknown recipes {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
-
+    from rollstore.curate.params import builtin_recipes
     from rollstore.loop import LoopConfig
     from rollstore.resolve import resolve_model
 
     defaults = LoopConfig(buffer="")
+    lr = args.lr if args.lr is not None else defaults.train.lr
+    named = {name: (recipe, sets) for name, recipe, sets in CONFIGS}
+    specs = list(args.recipes) if args.grid is None else (["grpo"] + tuned.grid(args.grid, lr, args.grid_epochs,
+                                                                                   [x for x in args.grid_lr]))
+    try:
+        configs = [tuned.parse_spec(x, lr, named) for x in dict.fromkeys(specs)]
+    except ValueError as exc:
+        ap.error(str(exc))
+    unknown = {c["base"] for c in configs} - set(named) - set(builtin_recipes())
+    if unknown:
+        ap.error(f"unknown recipes {sorted(unknown)}; choose from {sorted(set(named) | set(builtin_recipes()))}")
+
     model = resolve_model(args.model)
     os.makedirs(args.out, exist_ok=True)
     out_root = args.root or ("" if args.from_json else tempfile.mkdtemp(prefix="rollstore-learning-"))
     head = header("Learning: recipes compared on builtin:arith (bench/learning.py)",
                   libs=("torch", "transformers", "duckdb", "pyarrow"))  # load average taken at the start
     t0 = time.perf_counter()
-    lr = args.lr if args.lr is not None else defaults.train.lr
     pool_size = args.pool_size if args.pool_size is not None else defaults.pool_size
     jobs = [
-        {"name": name, "recipe": recipe, "sets": sets, "seed": seed, "split": split, "model": model,
-         "iterations": args.iterations, "prompts": args.prompts, "group_size": args.group_size, "lr": lr,
-         "micro_batch": defaults.train.micro_batch_size, "grad_accum": defaults.train.grad_accum, "warmup": defaults.train.warmup_steps,
-         "epochs": defaults.train.epochs, "eval_every": args.eval_every, "eval_prompts": args.eval_prompts,
-         "eval_samples": args.eval_samples, "pool_size": pool_size, "max_gen_batches": args.max_gen_batches,
-         "out_root": out_root}
-        for split in args.splits for seed in range(args.seeds)
-        for name, recipe, sets in CONFIGS if name in args.recipes
+        {"name": c["name"], "recipe": c["recipe"], "sets": c["sets"], "seed": seed, "split": split, "model": model,
+         "iterations": args.iterations, "prompts": args.prompts, "group_size": args.group_size, "lr": c["lr"],
+         "micro_batch": defaults.train.micro_batch_size, "grad_accum": defaults.train.grad_accum,
+         "warmup": defaults.train.warmup_steps, "epochs": c["epochs"], "eval_every": args.eval_every,
+         "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "pool_size": pool_size,
+         "max_gen_batches": args.max_gen_batches, "out_root": out_root}
+        for split in args.splits for seed in range(args.seed_start, args.seed_start + args.seeds) for c in configs
     ]
     runs = []
     if args.from_json:
         for split in args.splits:
             with open(os.path.join(args.out, f"learning-{split}.json")) as fh:
                 runs += json.load(fh)
-        lr = runs[0].get("lr", lr)
         wall = sum(r["wall_seconds"] for r in runs) / max(1, args.jobs)
     else:
         import multiprocessing as mp
@@ -302,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
             for r in pool.map(run_one, jobs):
                 last = r["curve"][-1]
-                print(f"{r['split']:7s} {r['name']:12s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "
+                print(f"{r['split']:7s} {r['name']:22s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "
                       f"{last['pass@1']:.3f}, greedy {r['curve'][0]['greedy_accuracy']:.3f} → "
                       f"{last['greedy_accuracy']:.3f}, {r['rollouts']:,} rollouts, {r['learner_tokens']:,} learner "
                       f"tokens, {r['wall_seconds']:.0f} s", flush=True)
@@ -319,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         table = md_table(HEADER, summarise(rs))
         print(f"\n{split} split\n{table}")
         sections.append((split, table, os.path.relpath(svg, HERE)))
+    efficiency = efficiency_section(runs, args, lr) if any(tuned.is_reference(r, lr) for r in runs) else ""
+    if efficiency:
+        print("\n" + efficiency)
     if not args.no_record and not args.quick:
         lines = [
             f"Configuration: {args.seeds} paired seeds × {len(args.recipes)} recipes per split, {args.iterations} "
@@ -337,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"paired by seed; the rollouts ratio is the geometric mean over seeds of (rollouts until pass@1 "
                       f"first reaches that seed's grpo final) / (grpo's own), linear between evaluations. "
                       f"Plot: [{svg}]({svg})", "", table, ""]
+        if efficiency:
+            lines += [efficiency, ""]
         append_results(head + "\n\n" + "\n".join(lines))
     print(f"\n{len(runs)} runs in {wall:.0f} s; buffers under {out_root}")
     return 0

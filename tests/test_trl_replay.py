@@ -256,3 +256,22 @@ def test_trl_replay_refused_under_accelerate_two_processes(untrained_tiny, tmp_p
     msgs = [json.loads((out / f"rank{r}.json").read_text())["refused"] for r in (0, 1)]
     assert msgs[0] == msgs[1] and "replay recipes run in one process inside TRL (this run has 2)" in msgs[0]
     assert "\n" not in msgs[0]
+
+
+@pytest.mark.parametrize("recipe", ["d3s", "replay-rollouts"])
+def test_trl_num_iterations_with_curation_and_replay(untrained_tiny, tmp_path, recipe):  # noqa: F811
+    """μ = 2 (TRL's `num_iterations`): each generation batch is recorded and curated once, then trained
+    twice by TRL with the clip against the log-probs it was sampled with; a replay recipe's stored rows
+    enter the batch as stored (their policy version is 2 optimiser steps per batch behind)."""
+    tr = train(untrained_tiny, tmp_path, steps=6, curate=recipe,
+               curate_sets={"replay_window": 4, "replay_max_uses": 3} if recipe.startswith("replay") else {},
+               cfg={"num_iterations": 2})
+    buf = str(tmp_path / "buf")
+    assert len(tr.batches) == 3  # 6 optimiser steps, two per generation batch
+    assert sorted({r["step"] for r in rollouts(buf)}) == [0, 1, 2]
+    assert sorted({r["policy_version"] for r in rollouts(buf)}) == [0, 2, 4]
+    curations = {s["curation_id"] for s in selections(buf)}
+    assert len(curations) == 3  # one per generation batch, not per pass
+    if recipe.startswith("replay"):
+        assert sum(len(b["replayed"]) for b in tr.batches) > 0
+        check_replayed_rows(tr, buf)

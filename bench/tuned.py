@@ -1,0 +1,213 @@
+"""The tuned baseline of bench/learning.py: configurations written `recipe@μ,lr=X`, the grid of μ ×
+learning rate every recipe is tuned over, the two cost axes to a fixed target, each recipe's best
+point and the Pareto picture.
+
+Invariants:
+- A configuration is a recipe (built-in or one of bench.learning's named variants), μ (passes per
+  curated batch) and a learning rate; `lr=4x` is 4 × the loop's default. Its name is canonical:
+  `grpo@2,lr=0.0002`; the bare recipe name means μ 1 at the default rate.
+- The target of a (split, seed) is the final pass@1 of grpo@1 at the loop's default rate on that split
+  and seed: fixed, whatever else runs. A run's cost to the target is linear between evaluations, on
+  both axes: generated rollouts, and learner token-passes (response tokens of every row trained, per
+  pass, plus the π_prox forward of every lagged row, per pass).
+- A configuration's point is the mean over seeds of its costs; it counts only if it reached the
+  target in every seed. A recipe's best point is its configuration with the fewest rollouts to the
+  target; comparisons between best points are paired by seed (geometric mean of the per-seed ratios,
+  95 % t-interval on their logarithms).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+GRID_EPOCHS = (1, 2, 3, 4)
+GRID_LR = (1, 2, 4, 8)  # × the loop's default learning rate
+
+
+def parse_spec(text: str, default_lr: float, named: dict[str, tuple[str, dict]]) -> dict:
+    """`recipe[@μ][,lr=X|lr=Nx][,param=value...]` → {name, base, recipe, sets, epochs, lr}."""
+    head, *rest = text.split(",")
+    base, _, mu = head.partition("@")
+    recipe, sets = named.get(base, (base, {}))
+    sets = dict(sets)
+    lr = default_lr
+    for item in rest:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{text!r}: expected name=value after a comma, got {item!r}")
+        if key == "lr":
+            lr = default_lr * float(value[:-1]) if value.endswith("x") else float(value)
+        else:
+            sets[key] = value
+    epochs = int(mu) if mu else 1
+    if epochs < 1 or not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"{text!r}: μ must be ≥ 1 and lr > 0")
+    plain = not mu and len(rest) == 0
+    name = base if plain else f"{base}@{epochs},lr={lr:g}" + "".join(f",{i}" for i in rest if not i.startswith("lr="))
+    return {"name": name, "base": base, "recipe": recipe, "sets": sets, "epochs": epochs, "lr": lr}
+
+
+def grid(bases: list[str], default_lr: float, epochs=GRID_EPOCHS, lrs=GRID_LR) -> list[str]:
+    """Every recipe of `bases` at every μ × learning-rate multiple (specs for `parse_spec`)."""
+    return [f"{b}@{m},lr={default_lr * k:g}" for b in bases for m in epochs for k in lrs
+            if not (b == "grpo" and m == 1 and k == 1)]  # that one is the reference, run as `grpo`
+
+
+def is_reference(run: dict, default_lr: float) -> bool:
+    return (run["recipe"] == "grpo" and run.get("epochs", 1) == 1 and not run["sets"]
+            and math.isclose(run["lr"], default_lr))
+
+
+def cost_to(curve: list[dict], target: float, key: str, metric: str = "pass@1") -> float | None:
+    """`key` (a cumulative cost) when `metric` first reaches `target`, linear between evaluations."""
+    prev = None
+    for point in curve:
+        if point[metric] >= target:
+            if prev is None or point[metric] == prev[metric]:
+                return float(point[key])
+            frac = (target - prev[metric]) / (point[metric] - prev[metric])
+            return prev[key] + frac * (point[key] - prev[key])
+        prev = point
+    return None
+
+
+def targets(runs: list[dict], default_lr: float) -> dict[tuple[str, int], float]:
+    """(split, seed) → the final pass@1 of grpo@1 at the default rate."""
+    return {(r["split"], r["seed"]): r["curve"][-1]["pass@1"] for r in runs if is_reference(r, default_lr)}
+
+
+def points(runs: list[dict], default_lr: float) -> dict[tuple[str, str], dict]:
+    """(split, configuration) → its per-seed costs to the target and summary."""
+    tg = targets(runs, default_lr)
+    out: dict[tuple[str, str], dict] = {}
+    for r in runs:
+        t = tg.get((r["split"], r["seed"]))
+        if t is None:
+            continue
+        p = out.setdefault((r["split"], r["name"]), {"base": r["name"].split("@")[0], "epochs": r.get("epochs", 1),
+                                                     "lr": r["lr"], "seeds": {}})
+        p["seeds"][r["seed"]] = {
+            "rollouts": cost_to(r["curve"], t, "rollouts"),
+            "token_passes": cost_to(r["curve"], t, "token_passes"),
+            "generated_tokens": cost_to(r["curve"], t, "generated_tokens"),
+            "seconds": cost_to(r["curve"], t, "seconds"),
+            "final": r["curve"][-1]["pass@1"],
+            "all_rollouts": r["rollouts"], "all_token_passes": r["token_passes"],
+        }
+    for p in out.values():
+        seeds = p["seeds"].values()
+        p["reached"] = sum(1 for c in seeds if c["rollouts"] is not None)
+        p["complete"] = p["reached"] == len(p["seeds"])
+        for key in ("rollouts", "token_passes", "generated_tokens", "seconds"):
+            vals = [c[key] for c in seeds if c[key] is not None]
+            p[key] = statistics.mean(vals) if p["complete"] and vals else None
+        p["final"] = statistics.mean(c["final"] for c in seeds)
+    return out
+
+
+def best(pts: dict[tuple[str, str], dict], split: str, base: str) -> tuple[str, dict] | None:
+    """The configuration of `base` with the fewest rollouts to the target on `split` (all seeds reached)."""
+    mine = [(name, p) for (sp, name), p in pts.items() if sp == split and p["base"] == base and p["complete"]]
+    return min(mine, key=lambda x: (x[1]["rollouts"], x[1]["token_passes"]), default=None)
+
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float, float, int] | None:
+    """Geometric mean over common seeds of a's cost / b's, with a 95 % t-interval; and the seed count."""
+    logs = [math.log(max(a["seeds"][s][key], 1.0) / max(b["seeds"][s][key], 1.0))
+            for s in sorted(set(a["seeds"]) & set(b["seeds"]))
+            if a["seeds"][s][key] is not None and b["seeds"][s][key] is not None]
+    if not logs:
+        return None
+    m = statistics.mean(logs)
+    half = T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(m), math.exp(m - half), math.exp(m + half), len(logs)
+
+
+def fmt_ratio(r) -> str:
+    return "–" if r is None else f"{r[0]:.2f}× [{r[1]:.2f}, {r[2]:.2f}] ({r[3]} seeds)"
+
+
+def table_rows(pts: dict, split: str) -> list[list[str]]:
+    rows = []
+    for (sp, name), p in sorted(pts.items(), key=lambda x: (x[1]["base"], x[1]["epochs"], x[1]["lr"])):
+        if sp != split:
+            continue
+        rows.append([name, f"{p['reached']}/{len(p['seeds'])}",
+                     "–" if p["rollouts"] is None else f"{p['rollouts']:,.0f}",
+                     "–" if p["token_passes"] is None else f"{p['token_passes']:,.0f}",
+                     "–" if p["seconds"] is None else f"{p['seconds']:.1f}",
+                     f"{p['final']:.3f}"])
+    return rows
+
+
+TABLE_HEADER = ["configuration", "reached target", "rollouts to target (mean)", "token-passes to target (mean)",
+                "loop seconds to target", "final pass@1 (mean)"]
+
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+
+
+def pareto_svg(pts: dict, splits: list[str], path: str) -> None:
+    """Rollouts to the target against learner token-passes to it, one point per configuration that
+    reached it in every seed, a panel per split; each recipe's best point ringed, the front joined."""
+    from xml.sax.saxutils import escape
+
+    w, h, pad = 460, 330, 56
+    bases = sorted({p["base"] for p in pts.values()})
+    colour = {b: COLOURS[i % len(COLOURS)] for i, b in enumerate(bases)}
+    panels = []
+    for i, split in enumerate(splits):
+        mine = [(n, p) for (sp, n), p in pts.items() if sp == split and p["complete"]]
+        g = [f'<g transform="translate({i * w},0)"><text x="{pad}" y="18" class="ct">{escape(split)} split: cost to '
+             f"grpo@1's final pass@1 (mean over seeds)</text>"]
+        if mine:
+            xs = [p["token_passes"] for _, p in mine]
+            ys = [p["rollouts"] for _, p in mine]
+            x0, x1 = 0.0, max(xs) * 1.08
+            y0, y1 = 0.0, max(ys) * 1.08
+
+            def sx(x):
+                return pad + (x - x0) / (x1 - x0 or 1) * (w - pad - 16)
+
+            def sy(y):
+                return h - pad + 10 - (y - y0) / (y1 - y0 or 1) * (h - pad - 30)
+
+            g.append(f'<line class="axis" x1="{pad}" y1="{h - pad + 10}" x2="{w - 16}" y2="{h - pad + 10}"/>'
+                     f'<line class="axis" x1="{pad}" y1="30" x2="{pad}" y2="{h - pad + 10}"/>')
+            for k in range(5):
+                xv, yv = x0 + (x1 - x0) * k / 4, y0 + (y1 - y0) * k / 4
+                g.append(f'<text class="tick" x="{sx(xv):.1f}" y="{h - pad + 24}" text-anchor="middle">{xv / 1000:.0f}k</text>'
+                         f'<text class="tick" x="{pad - 4}" y="{sy(yv) + 3:.1f}" text-anchor="end">{yv / 1000:.1f}k</text>')
+            g.append(f'<text class="al" x="{(pad + w) / 2:.0f}" y="{h - 8}" text-anchor="middle">learner token-passes to '
+                     f'target</text><text class="al" transform="translate(12,{h / 2:.0f}) rotate(-90)" '
+                     f'text-anchor="middle">rollouts generated to target</text>')
+            front = sorted(mine, key=lambda x: (x[1]["token_passes"], x[1]["rollouts"]))
+            line, best_y = [], math.inf
+            for _, p in front:
+                if p["rollouts"] < best_y:
+                    best_y = p["rollouts"]
+                    line.append(f"{sx(p['token_passes']):.1f},{sy(p['rollouts']):.1f}")
+            g.append(f'<polyline fill="none" stroke="#999" stroke-dasharray="4 3" points="{" ".join(line)}"/>')
+            for n, p in mine:
+                g.append(f'<circle cx="{sx(p["token_passes"]):.1f}" cy="{sy(p["rollouts"]):.1f}" r="3.5" '
+                         f'fill="{colour[p["base"]]}"><title>{escape(n)}</title></circle>')
+            for b in bases:
+                top = best(pts, split, b)
+                if top:
+                    p = top[1]
+                    g.append(f'<circle cx="{sx(p["token_passes"]):.1f}" cy="{sy(p["rollouts"]):.1f}" r="7" fill="none" '
+                             f'stroke="{colour[b]}" stroke-width="1.5"><title>best {escape(top[0])}</title></circle>')
+        else:
+            g.append(f'<text x="{pad}" y="60" class="al">no configuration reached the target in every seed</text>')
+        g.append("</g>")
+        panels.append("".join(g))
+    legend = "".join(f'<g transform="translate({16 + 150 * k},{h + 6})"><circle cx="5" cy="5" r="4" fill="{colour[b]}"/>'
+                     f'<text x="14" y="9" class="lg">{escape(b)}</text></g>' for k, b in enumerate(bases))
+    style = ("<style>svg{font-family:sans-serif}.ct{font-size:12px;font-weight:600}.tick{font-size:10px;fill:#555}"
+             ".al{font-size:11px;fill:#555}.lg{font-size:11px}.axis{stroke:#8a949e}</style>")
+    with open(path, "w") as fh:
+        fh.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * max(1, len(splits))}" height="{h + 26}">'
+                 f"{style}{''.join(panels)}{legend}</svg>\n")

@@ -71,9 +71,24 @@ def _mu(partials: list, values: dict) -> dict:
 
 
 def _first_missing(partials: list, values: dict) -> dict:
-    missing = sorted(str(r[0]) for r in _rows(partials))
+    missing = sorted((str(r[0]), bool(r[1])) for r in _rows(partials))
     if missing:
-        raise missing_entropies_error(missing[0], values["token_mode"])
+        rid, absent = missing[0]
+        if not absent:
+            raise CurationError(f"rollout_id={rid!r}: column 'entropies' holds NaN or infinity; import refuses "
+                                "such rows, so this shard reached the buffer another way: re-import it from its "
+                                "source, or quarantine it")
+        raise missing_entropies_error(rid, values["token_mode"])
+    return {}
+
+
+def _first_non_finite(partials: list, values: dict) -> dict:
+    bad = sorted((str(r[0]), str(r[1]), r[2]) for r in _rows(partials))
+    if bad:
+        rid, file, reward = bad[0]
+        raise CurationError(f"{file}: row rollout_id={rid!r}: column 'reward': {reward} is not a finite number; "
+                            "import refuses such rows, so this shard reached the buffer another way: re-import it "
+                            "from its source, or quarantine it")
     return {}
 
 
@@ -110,6 +125,7 @@ MERGES: dict[str, Merge] = {
     "first_without_behaviour": Merge(_first_without_behaviour),
     "mu": Merge(_mu),
     "first_missing": Merge(_first_missing),
+    "first_non_finite": Merge(_first_non_finite),
     "histogram": Merge(_histogram),
     "heads": Merge(_heads, arrow=True, runs=lambda values: values.get("bucket") is not None),
     "kept": Merge(_kept),

@@ -203,6 +203,8 @@ def _candidate_steps(steps: _Steps, p: Params) -> None:
         steps.add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
                   rows=HISTORY_ROWS, out="history_parts")
     steps.add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",), merge="nonempty")
+    steps.add("curate_non_finite", "candidates", GLOBAL, ("work",), ("error if a reward is not finite",),
+              merge="first_non_finite")
     if replay:
         steps.add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",), merge="one_run")
         steps.add("curate_replay_behaviour", "candidates", GLOBAL, ("work",), ("error if no behaviour log-probs",),

@@ -14,7 +14,7 @@ Invariants:
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
-  nothing.
+  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .manifest import Manifest, NewShard, Shard
 from .schema import stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
 from .snapshot import Snapshot
-from .validate import validate_rollouts
+from .validate import check_finite, validate_rollouts
 from .writelock import writing
 
 SUBDIRS = ("rollouts", "curated", "audit", "meta", "checkpoints", "tmp")
@@ -89,6 +89,7 @@ class Part:
     subdir: str | None = None  # under the table's directory, e.g. the curation id
     name: str | None = None  # file stem; a fresh unique one when None
     metadata: dict[str, str] | None = None  # extra key-value metadata of the Parquet file
+    checked: bool = False  # rollouts rows already validated (`append_rollouts`): not checked finite again
 
     def relpath(self) -> str:
         folder = TABLE_DIRS[self.table_name]
@@ -212,6 +213,8 @@ class Buffer:
                                                 part.bytes, part.sha256, part.key))
                     else:
                         table = stored_table(part)
+                        if part.table_name == "rollouts" and not part.checked:  # no path skips finite floats
+                            check_finite(table, kind)
                         rel = part.relpath()
                         nbytes, digest = publish_file(table, self.root, rel, is_orphan)
                         written.append(
@@ -275,7 +278,8 @@ class Buffer:
                 rid = next(r for r, g in zip(rids, gids) if g in groups_taken)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
-        _, shards = self.commit([Part("rollouts", table, metadata=metadata)], "append", {"source": source}, register)
+        _, shards = self.commit([Part("rollouts", table, metadata=metadata, checked=True)], "append",
+                                {"source": source}, register)
         return shards[0]
 
     def append(self, table_name: str, table: pa.Table, key: str | None = None) -> Shard:

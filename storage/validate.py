@@ -171,6 +171,17 @@ def _fault(table: pa.Table, name: str, test, msg: str) -> list[tuple[int, str, s
     return [] if row is None else [(row, name, msg)]
 
 
+def check_finite(table: pa.Table, file: str) -> None:
+    """Raise the first NaN or infinity of a rollouts table's floats (`reward` and the per-token
+    log-probs and entropies) as one ValidationError; `Buffer.commit` applies it to every rollouts
+    shard it writes, so no path into a rollouts shard skips it."""
+    faults = []
+    for name in ("reward",) + TOKEN_LIST_COLUMNS:
+        if name in table.column_names:
+            faults += _fault(table, name, lambda v: pc.invert(pc.is_finite(v)), "NaN or infinity")
+    _raise_first(table, file, faults)
+
+
 def validate_rollouts(
     table: pa.Table, file: str, existing: ExistingLookup | None = None
 ) -> pa.Table:
@@ -179,10 +190,7 @@ def validate_rollouts(
     if table.num_rows == 0:
         raise ValidationError(file, None, None, "no rows to append")
     _check_lengths(table, file)
-    faults = []  # no NaN or infinity (the values are float32 already: checked after the narrowing)
-    for name in ("reward",) + TOKEN_LIST_COLUMNS:
-        faults += _fault(table, name, lambda v: pc.invert(pc.is_finite(v)), "NaN or infinity")
-    _raise_first(table, file, faults)
+    check_finite(table, file)  # the values are float32 already: checked after the narrowing
     faults = []  # bounds
     for name in ("gen_logprobs", "old_logprobs"):
         faults += _fault(table, name, lambda v: pc.greater(v, 0), "log-probability above 0")

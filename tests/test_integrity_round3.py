@@ -450,3 +450,70 @@ def test_without_the_commit_check_concurrent_curations_break_the_cap(tmp_path, m
     _concurrent_trials(root, 2, 3, 2, monkeypatch, retry=False)
     _, wrong = _uses_hold(root, 2)
     assert any("cap 2" in w for w in wrong) and any("uses=" in w for w in wrong), wrong
+
+
+def register_by_hand(root: str, table: pa.Table) -> str:
+    """A rollouts file put in place and named in the manifest without rollstore's import (what the
+    red team did): no validation at all. Returns its path."""
+    from rollstore.storage.buffer import stored_table, token_count
+    from rollstore.storage.manifest import NewShard
+    from rollstore.storage.shardio import sha256_file
+
+    rel = "rollouts/by-hand.parquet"
+    full = os.path.join(root, rel)
+    stored = stored_table(Part("rollouts", table))
+    pq.write_table(stored, full)
+    with Buffer.open(root) as buf, buf.manifest.transaction() as con:
+        seq = buf.manifest.new_commit(con, "append", {"source": "by hand"})
+        ids = buf.manifest.add_shards(con, seq, [NewShard("rollouts", rel, stored.num_rows, token_count(stored),
+                                                          os.path.getsize(full), sha256_file(full))])
+        rids = stored.column("rollout_id").to_pylist()
+        gids = stored.column("group_id").to_pylist()
+        buf.manifest.register_rollouts(con, ids[0], zip(rids, gids), list(dict.fromkeys(gids)))
+    return full
+
+
+def _with_nan(table: pa.Table, column: str, row: int) -> pa.Table:
+    values = table.column(column).to_pylist()
+    if isinstance(values[row], list):
+        values[row] = values[row][:1] + [float("nan")] + values[row][2:]
+    else:
+        values[row] = float("inf")
+    field = table.schema.field(column)
+    return table.set_column(table.column_names.index(column), field, pa.array(values, field.type))
+
+
+@pytest.mark.parametrize("column,recipe", [("reward", "grpo"), ("reward", "replay-window"),
+                                           ("entropies", "d3s")])
+def test_curation_refuses_non_finite_rows_registered_by_hand(cli, buffer_dir, column, recipe):
+    table = tiny_rows(11, step=1)
+    for row in range(table.num_rows) if column == "entropies" else [5]:  # entropies: of whichever row is selected
+        table = _with_nan(table, column, row)
+    with Buffer.open(buffer_dir) as buf:
+        buf.append_rollouts(tiny_rows(12, step=0))
+    path = register_by_hand(buffer_dir, table)
+    seq = seq_of(buffer_dir)
+    sets = ["--set", "where=step = 1"] + (["--set", "current_version=1"] if recipe.startswith("replay") else [])
+    line = one_error_line(cli("curate", buffer_dir, "--recipe", recipe, *sets))
+    assert repr(column) in line and ("NaN" in line or "finite" in line), line
+    if column == "reward":
+        assert path in line and table.column("rollout_id")[5].as_py() in line
+    assert seq_of(buffer_dir) == seq
+
+
+@pytest.mark.parametrize("column", ["reward", "gen_logprobs", "old_logprobs", "entropies"])
+def test_every_rollouts_shard_a_commit_writes_is_checked_finite(buffer_dir, column):
+    """The Python path past import (`Buffer.commit` with a rollouts Part) is closed too."""
+    from rollstore.storage.errors import ValidationError
+
+    table = tiny_rows(13)
+    if column == "old_logprobs":
+        table = table.set_column(table.column_names.index("old_logprobs"), table.schema.field("old_logprobs"),
+                                 table.column("gen_logprobs").cast(table.schema.field("old_logprobs").type))
+    bad = _with_nan(table, column, 2)
+    with Buffer.open(buffer_dir) as buf:
+        with pytest.raises(ValidationError) as err:
+            buf.commit([Part("rollouts", bad)], "append")
+        assert column in str(err.value) and bad.column("rollout_id")[2].as_py() in str(err.value)
+        assert buf.manifest.shards("rollouts") == []
+    assert [f for f in os.listdir(os.path.join(buffer_dir, "rollouts")) if f.endswith(".parquet")] == []

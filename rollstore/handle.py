@@ -47,9 +47,15 @@ def open(path: str | os.PathLike, create: bool = False) -> "Buffer":  # noqa: A0
 
 
 def _quiet():
+    """A console that swallows what the command line would print (also inside Jupyter, where rich
+    would otherwise render to the notebook whatever its file), and the command line's quiet
+    settings for transformers' own progress bars and notices (set only where the user set none)."""
     from rich.console import Console
 
-    return Console(file=io.StringIO(), soft_wrap=True)
+    for name, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+        os.environ.setdefault(name, value)
+    return Console(file=io.StringIO(), soft_wrap=True, force_jupyter=False, force_terminal=False)
 
 
 class Buffer:

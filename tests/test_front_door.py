@@ -266,3 +266,47 @@ def test_docs_recipe_tables_list_every_recipe():
         assert f"| `{name}` |" in recipes_md, name
         if name.startswith("replay-"):
             assert f"| `{name}` |" in replay_md, name
+
+
+# ---- with the built-in policy -------------------------------------------------------------------
+
+from rollout_helpers import default_tiny, tiny_cache  # noqa: E402,F401  (fixtures)
+
+
+def test_generate_from_a_checkpoint_stamps_its_version(buffer_dir, cli, default_tiny):  # noqa: F811
+    small = ("--num-prompts", "8", "--group-size", "4", "--max-new-tokens", "4")
+    assert cli("generate", buffer_dir, "--model", default_tiny, *small).code == 0
+    assert cli("curate", buffer_dir, "--recipe", "grpo").code == 0
+    assert cli("train", buffer_dir, "--model", default_tiny).code == 0
+    res = cli("generate", buffer_dir, "--model", os.path.join(buffer_dir, "checkpoints", "v1"), *small)
+    assert res.code == 0 and "policy v1" in res.stderr
+    got = rs.open(buffer_dir).sql("SELECT step, min(policy_version), max(policy_version) FROM rollouts "
+                                  "GROUP BY step ORDER BY step").fetchall()
+    assert got == [(0, 0, 0), (1, 1, 1)]
+    assert cli("generate", buffer_dir, "--model", os.path.join(buffer_dir, "checkpoints", "v1"), *small,
+               "--policy-version", "7").code == 0  # an explicit version still wins
+    assert rs.open(buffer_dir).sql("SELECT max(policy_version) FROM rollouts WHERE step = 2").fetchall() == [(7,)]
+
+
+def test_first_build_of_the_builtin_policy_says_so(buffer_dir, cli, tmp_path, monkeypatch):
+    import rollstore.learner.tiny as tiny
+
+    monkeypatch.setenv("ROLLSTORE_CACHE", str(tmp_path / "empty-cache"))
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped by the test once the build began")
+
+    monkeypatch.setattr(tiny, "build_tiny", stop)
+    res = cli("generate", buffer_dir, "--num-prompts", "2")
+    assert res.code != 0 and "stopped by the test" in res.stderr
+    first = res.stderr.strip().splitlines()[0]
+    assert first.startswith("builtin:tiny: building the built-in policy once") and "minutes" in first
+
+
+def test_docs_python_md_has_nine_jobs_of_at_most_three_lines():
+    with open(os.path.join(ROOT, "docs", "python.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    jobs = text.split("## The nine jobs", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", jobs, re.DOTALL)
+    assert len(blocks) == 9
+    assert all(len([x for x in b.splitlines() if x.strip()]) <= 3 for b in blocks), blocks

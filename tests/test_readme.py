@@ -2,7 +2,7 @@
 
 The quick start is executed verbatim (its one `python` block under "## Quick start") on a buffer
 named `buf` in a scratch directory holding two synthetic groups-steps of rollouts; it must curate
-them and leave `rows` with exactly the rows that curation kept.
+them and leave `rows` with exactly the rows that curation kept (through the front door, `rollstore.open`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def test_python_quick_start_runs(tmp_path, monkeypatch):
         buf.append_rollouts(rollouts_table(n_groups=12, group_size=8, seed=3, run_id="qs"))
     scope: dict = {}
     exec(compile(code, README, "exec"), scope)
-    result, rows = scope["result"], scope["rows"]
-    assert result.committed and rows
-    assert len(rows) == result.reasons["selected"]
-    assert {r["curation_id"] for r in rows} == {result.curation_id}
+    cur, rows = scope["cur"], scope["rows"].to_dicts()
+    assert cur.committed and rows
+    assert len(rows) == cur.summary["n_selected"][0] == dict(cur.reasons.select("reason", "candidates").iter_rows())["selected"]
+    assert {r["curation_id"] for r in rows} == {cur.id}
     assert all(len(r["loss_mask"]) == len(r["response_token_ids"]) for r in rows)
 
 

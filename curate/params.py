@@ -91,8 +91,24 @@ STATIC_ONLY = ("sample_fraction", "token_fraction")
 LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_start", "token_fraction_end")
 
 
+# Every number a parameter takes is at most 10^18 in magnitude and has at most 18 decimal places:
+# its numerator and denominator fit 64-bit integers, so every value binds to DuckDB as BIGINT or
+# DOUBLE, never overflows a query's arithmetic (`--set current_version=1e30` was an INT128 SQL
+# error) and never becomes infinite as a float (`difficulty_prior=1e400`).
+NUMBER_LIMIT = 10**18
+
+
 def exact(text: object, name: str) -> Fraction:
-    """A decimal literal (or TOML number) as an exact rational."""
+    """A decimal literal (or TOML number) as an exact rational, within `NUMBER_LIMIT`."""
+    f = _decimal(text, name)
+    if abs(f) > NUMBER_LIMIT:
+        raise ParamError(f"parameter {name}: must be at most 1e18 in magnitude, got {text!r}")
+    if f.denominator > NUMBER_LIMIT:
+        raise ParamError(f"parameter {name}: at most 18 decimal places, got {text!r}")
+    return f
+
+
+def _decimal(text: object, name: str) -> Fraction:
     if isinstance(text, bool):
     # pre-rollout prompt selection (docs/curation.md §Before generation; curate.prompts)
     "prompt_skip": "none",
@@ -147,7 +163,7 @@ def coerce(name: str, value: object) -> object:
     if name in ("max_policy_lag", "max_reuse", "current_version"):
         if _is_none(value):
             return None
-        return _int(value, name, {"max_policy_lag": 0, "max_reuse": 1, "current_version": None}[name])
+        return _int(value, name, {"max_policy_lag": 0, "max_reuse": 1, "current_version": 0}[name])
     if name in ("difficulty_window", "replay_window", "replay_max_uses", "skip_window"):
         return _int(value, name, 1)
     if name == "replay_count":

@@ -517,3 +517,68 @@ def test_every_rollouts_shard_a_commit_writes_is_checked_finite(buffer_dir, colu
         assert column in str(err.value) and bad.column("rollout_id")[2].as_py() in str(err.value)
         assert buf.manifest.shards("rollouts") == []
     assert [f for f in os.listdir(os.path.join(buffer_dir, "rollouts")) if f.endswith(".parquet")] == []
+
+
+# ---- 4: every curation parameter has a range rule ------------------------------------------------
+NONSENSE = ["-5", "-1", "1e30", "-1e30", "1e400", "99999999999999999999", "0.1234567890123456789012345678901234567890",
+            "abc", "nan", "inf", "-inf", "", "true", 10**30, -7, 1e308, float("nan"), float("inf"), [1, 2], {"a": 1},
+            True]
+# what NONSENSE holds that is in range for a parameter (where: any text is an SQL predicate, refused
+# when it runs, as `test_where_nonsense_is_one_line` checks)
+IN_RANGE = {"where": {"-5", "-1", "1e30", "-1e30", "1e400", "99999999999999999999",
+                      "0.1234567890123456789012345678901234567890", "abc", "nan", "inf", "-inf", "true"}}
+
+
+def test_every_parameter_of_every_recipe_has_a_range_rule():
+    """Every parameter any recipe takes, with every nonsense value (out of range, huge, negative,
+    wrong type): a one-line error naming the parameter, unless listed in range above. A parameter
+    added without a rule fails here."""
+    from rollstore.curate.params import DEFAULTS, ParamError, builtin_recipes, load_recipe, resolve
+
+    accepted = []
+    for recipe in map(load_recipe, builtin_recipes()):
+        for name in DEFAULTS:
+            for value in NONSENSE:
+                try:
+                    resolve(recipe, {name: value})
+                except ParamError as exc:
+                    msg = str(exc)
+                    assert f"parameter {name}" in msg and "\n" not in msg, (recipe.name, name, value, msg)
+                    continue
+                if not (isinstance(value, str) and value in IN_RANGE.get(name, ())):
+                    accepted.append((recipe.name, name, value))
+    assert accepted == []
+
+
+@pytest.mark.parametrize("value,needle", [("1e30", "at most 1e18"), ("-5", "≥ 0"), ("99999999999999999999", "1e18"),
+                                          ("1.5", "integer"), ("nan", "finite")])
+def test_current_version_nonsense_is_a_parameter_error(cli, thin, value, needle):
+    line = one_error_line(cli("curate", thin, "--recipe", "replay-window", "--set", f"current_version={value}"))
+    assert "parameter current_version" in line and needle in line and "SQL" not in line, line
+
+
+@pytest.mark.parametrize("recipe,name,value", [
+    ("grpo", "current_version", 10**18), ("grpo", "max_policy_lag", 10**18), ("grpo", "max_reuse", 10**18),
+    ("da3po", "difficulty_window", 10**18), ("da3po", "difficulty_prior", "1e18"), ("da3po", "amplify_max", "1e18"),
+    ("da3po", "amplify_tau", "1e-18"), ("replay-rollouts", "replay_window", 10**18),
+    ("replay-rollouts", "replay_max_uses", 10**18), ("replay-rollouts", "replay_count", 10**18),
+    ("replay-rollouts", "replay_decay", "1e-18"), ("pods", "sample_fraction", "1e-18"),
+    ("d3s", "progress", "1e-18"), ("entropy-top", "token_fraction", "1e-18"),
+])
+def test_the_extremes_of_every_range_run(thin, recipe, name, value):
+    """The largest and finest values a rule lets through bind and run (a dry run) without an
+    overflow in SQL."""
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+
+    sets = {name: value, "where": "step = 1"}
+    if recipe.startswith("replay") and name != "current_version":
+        sets["current_version"] = 1
+    with Buffer.open(thin) as buf:
+        assert curate(buf, load_recipe(recipe), sets, dry_run=True).record["n_candidates"] > 0
+
+
+@pytest.mark.parametrize("where", ["1e30", "abc", "nan", "true) UNION ALL SELECT 1 --"])
+def test_where_nonsense_is_one_line(cli, thin, where):
+    line = one_error_line(cli("curate", thin, "--recipe", "grpo", "--set", f"where={where}"))
+    assert "where" in line, line

@@ -1,8 +1,10 @@
 -- Report, advantages: count, mean, population variance and range of the same three series as
 -- report_advantages.sql, plus how many rows amplification changed (amplification > 1).
+-- Scope: the curation $curation_id, else the curations of the recipe $recipe, else every curation.
 WITH scoped AS (
     SELECT * FROM selections
-    WHERE $curation_id IS NULL OR curation_id = $curation_id
+    WHERE ($curation_id IS NULL OR curation_id = $curation_id)
+      AND ($recipe IS NULL OR curation_id IN (SELECT curation_id FROM curations WHERE recipe = $recipe))
 ),
 vals AS (
     SELECT 1 AS k, 'raw' AS series, advantage_raw::DOUBLE AS a, amplification FROM scoped WHERE advantage_raw IS NOT NULL

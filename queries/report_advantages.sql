@@ -3,9 +3,11 @@
 --   raw        advantage_raw of every row that reached group statistics (before filter and amplification)
 --   pool       advantage_final of the rows that entered sample selection (after filter and amplification)
 --   selected   advantage_final of the selected rows (what the learner receives)
+-- Scope: the curation $curation_id, else the curations of the recipe $recipe, else every curation.
 WITH scoped AS (
     SELECT * FROM selections
-    WHERE $curation_id IS NULL OR curation_id = $curation_id
+    WHERE ($curation_id IS NULL OR curation_id = $curation_id)
+      AND ($recipe IS NULL OR curation_id IN (SELECT curation_id FROM curations WHERE recipe = $recipe))
 ),
 vals AS (
     SELECT 1 AS k, 'raw' AS series, advantage_raw::DOUBLE AS a FROM scoped WHERE advantage_raw IS NOT NULL

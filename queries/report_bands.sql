@@ -1,9 +1,11 @@
 -- Report, keep rate by difficulty band: candidates of the curations in scope (the curation $curation_id;
 -- every curation when that is NULL) banded by their group's accuracy (where dynamic sampling acts) and by
 -- the estimated difficulty q̂ (where amplification acts; only recorded with amplify=da3po).
+-- Scope: the curation $curation_id, else the curations of the recipe $recipe, else every curation.
 WITH scoped AS (
     SELECT * FROM selections
-    WHERE $curation_id IS NULL OR curation_id = $curation_id
+    WHERE ($curation_id IS NULL OR curation_id = $curation_id)
+      AND ($recipe IS NULL OR curation_id IN (SELECT curation_id FROM curations WHERE recipe = $recipe))
 ),
 banded AS (
     SELECT

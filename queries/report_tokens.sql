@@ -1,12 +1,15 @@
 -- Report, tokens: a handful of candidates of the curations in scope (the curation $curation_id;
 -- every curation when that is NULL), with their tokens: up to 6 selected rows (partly pruned ones first) and up
--- to 6 rejected ones taken in turn from each reason; within a reason the order is md5 of
+-- to 6 rejected ones taken in turn from each reason (up to 2 of the selected ones replayed, when any
+-- was; `replayed` and `age` mark them); within a reason the order is md5 of
 -- (curation_id, rollout_id), so the same snapshot always shows the same rollouts. Each token's
 -- score is |advantage_final|·H (null when the row has no advantage or no entropies) and `kept` is
 -- the curated loss mask (all false for rejected rows). At most 400 tokens of a response are shown.
+-- Scope: the curation $curation_id, else the curations of the recipe $recipe, else every curation.
 WITH scoped AS (
     SELECT * FROM selections
-    WHERE $curation_id IS NULL OR curation_id = $curation_id
+    WHERE ($curation_id IS NULL OR curation_id = $curation_id)
+      AND ($recipe IS NULL OR curation_id IN (SELECT curation_id FROM curations WHERE recipe = $recipe))
 ),
 ranked AS (
     SELECT
@@ -15,11 +18,15 @@ ranked AS (
             PARTITION BY selected, CASE WHEN selected THEN '' ELSE reason END
             ORDER BY (selected AND tokens_kept > 0 AND tokens_kept < tokens_total) DESC,
                      md5(curation_id || '/' || rollout_id)
-        ) AS rank_in_reason
+        ) AS rank_in_reason,
+        row_number() OVER (
+            PARTITION BY selected, replayed IS TRUE ORDER BY md5(curation_id || '/' || rollout_id)
+        ) AS rank_in_replayed
     FROM scoped
 ),
-picks AS (
-    (SELECT * FROM ranked WHERE selected ORDER BY rank_in_reason LIMIT 6)
+picks AS (  -- up to 2 of the selected rows are replayed ones, when the scope replayed any
+    (SELECT * FROM ranked WHERE selected
+     ORDER BY (replayed IS TRUE AND rank_in_replayed <= 2) DESC, rank_in_reason LIMIT 6)
     UNION ALL
     (SELECT * FROM ranked WHERE NOT selected ORDER BY rank_in_reason, reason LIMIT 6)
 )
@@ -35,6 +42,8 @@ SELECT
     p.advantage_final,
     p.tokens_total,
     p.tokens_kept,
+    p.replayed,
+    p.age,
     r.prompt,
     r.response,
     r.correct,

@@ -338,7 +338,7 @@ def audit(
 def report(
     buffer: str,
     out_file: str = typer.Option(..., "--out", "-o", help="The HTML file to write (replaced atomically)."),
-    curation: Optional[str] = typer.Option(None, "--curation", help="Scope the candidate-level sections to this curation (default: all)."),
+    curation: Optional[str] = typer.Option(None, "--curation", help="Scope the candidate-level sections to this curation (default: all, one block per recipe)."),
     snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to report (default: latest)."),
 ):
     """One self-contained HTML report (charts, token views, the SQL behind each) of a buffer."""

@@ -6,14 +6,19 @@ Invariants:
   parameter, `$curation_id`, bound as a literal, so the text runs as is with `rollstore sql`) and
   embeds that query's result as JSON (`<script type="application/json" id="data-report_…">`).
 - The page loads nothing from anywhere: inline CSS, inline SVG charts and one inline script (which
-  only records that the sections rendered, and any script error, as attributes of `<html>`). It
+  only records that the sections rendered, any table wider than its frame, and any script error, as
+  attributes of `<html>`). It
   opens offline.
 - Its size does not grow with the number of rollouts: per-token views are a fixed sample (at most
   12 rollouts × 400 tokens, chosen in SQL); everything else is aggregated in SQL (per policy
   version, step, curation, band, histogram bin). Long per-step tables are cut in the page (the JSON
   block keeps every row).
-- `--curation ID` scopes the candidate-level sections (bands, advantages, tokens); the accuracy,
-  curation timeline and training sections always cover the whole snapshot.
+- `--curation ID` scopes the candidate-level sections (bands, advantages, tokens); without it they
+  cover every curation, one block per recipe when curations of several recipes are in the buffer
+  (candidates of different recipes are never pooled). The accuracy, curation timeline, replay and
+  training sections always cover the whole snapshot.
+- Every chart's legend names every series drawn (report_svg); a replayed row's token card is marked
+  with its age.
 - The output file appears atomically (written beside its target, then renamed).
 """
 
@@ -84,11 +89,30 @@ SERIES_COLORS = {"raw": "#7f7f7f", "pool": "#0072B2", "selected": "#009E73"}
 MAX_TABLE_ROWS = 200
 
 
+# The candidate-level queries: scoped to `--curation`, else run once per recipe when the buffer
+# holds curations of several recipes (never pooled across recipes), else over every curation.
+SCOPED = ("report_bands", "report_advantages", "report_advantage_stats", "report_tokens")
+
+
 @dataclass
 class Result:
     name: str
     sql: str  # the exact text that ran
     rows: list[dict]
+    key: str = ""  # the page's id of this result (data-<key>): the name, with a suffix per recipe scope
+
+    def __post_init__(self):
+        self.key = self.key or self.name
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One block of the candidate-level sections: every curation in scope (`recipe` None) or the
+    curations of one recipe; `suffix` makes its results' keys unique on the page."""
+
+    recipe: str | None = None
+    suffix: str = ""
+    curations: int = 0
 
 
 @dataclass
@@ -114,10 +138,22 @@ def bind(sql: str, params: dict) -> str:
     return re.sub(r"\$([A-Za-z_][A-Za-z0-9_]*)", literal, sql)
 
 
-def run_query(session: Session, name: str, curation_id: str | None) -> Result:
-    sql = bind(load_sql(name), {"curation_id": curation_id})
+def run_query(session: Session, name: str, curation_id: str | None, scope: Scope = Scope()) -> Result:
+    sql = bind(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
     rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
-    return Result(name, sql, rows)
+    return Result(name, sql, rows, name + scope.suffix)
+
+
+def scopes(session: Session, curation_id: str | None) -> list[Scope]:
+    """The blocks of the candidate-level sections: one, unless no curation is focused and the
+    buffer holds curations of several recipes: then one per recipe, in the order they first ran."""
+    if curation_id is not None:
+        return [Scope()]
+    recipes = session.execute("SELECT recipe, count(*) FROM curations GROUP BY recipe "
+                              "ORDER BY min(created_at), recipe").fetchall()
+    if len(recipes) <= 1:
+        return [Scope()]
+    return [Scope(recipe, f"__{i}", n) for i, (recipe, n) in enumerate(recipes, 1)]
 
 
 def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
@@ -129,7 +165,13 @@ def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
         n = session.one("SELECT count(*) FROM curations")[0]
         raise RollstoreError(f"no curation {curation_id!r} in this buffer ({n} curations; "
                              "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
-    return {name: run_query(session, name, curation_id) for name in QUERIES}
+    res = {}
+    blocks = scopes(session, curation_id)
+    for name in QUERIES:
+        for scope in blocks if name in SCOPED else [Scope()]:
+            result = run_query(session, name, curation_id, scope)
+            res[result.key] = result
+    return res
 
 
 # ---- HTML pieces ------------------------------------------------------------------------------
@@ -140,7 +182,7 @@ def _json_block(result: Result) -> str:
     # No "<" at all inside the block: neither "</script>" nor "<!--<script>" (which would make the
     # HTML parser swallow the rest of the page) can occur; JSON reads \u003c back as "<".
     text = text.replace("<", "\\u003c")
-    return f'<script type="application/json" id="data-{result.name}">{text}</script>'
+    return f'<script type="application/json" id="data-{result.key}">{text}</script>'
 
 
 def sql_block(result: Result) -> str:
@@ -151,7 +193,7 @@ def sql_block(result: Result) -> str:
 
 def table(rows: list[dict], columns: list[str], *, highlight=None, limit: int = MAX_TABLE_ROWS,
           name: str = "") -> str:
-    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    head = "".join(f"<th>{escape(c).replace('_', '_<wbr>')}</th>" for c in columns)  # headers may wrap
     body = []
     for r in rows[:limit]:
         cls = ' class="focus"' if highlight and highlight(r) else ""
@@ -191,7 +233,7 @@ def _unit_range(values) -> tuple[float, float] | None:
 def section_overview(res: dict[str, Result], root: str, seq: int, curation_id: str | None) -> str:
     o = res["report_overview"].rows[0]
     scope = (f"the curation <code>{escape(curation_id)}</code>" if curation_id
-             else f"every curation of the buffer ({o['curations']})")
+             else f"every curation of the buffer ({o['curations']}), one block per recipe when there are several")
     cells = "".join(f'<div class="stat"><div class="v" data-col="{k}">{escape(fmt(v))}</div>'
                     f'<div class="k">{escape(k.replace("_", " "))}</div></div>' for k, v in o.items())
     intro = (f"Buffer <code>{escape(root)}</code> at snapshot {seq}. Candidate-level sections (bands, "
@@ -277,11 +319,15 @@ def section_curations(res: dict[str, Result], curation_id: str | None) -> str:
                    title="Variance of advantages before / after selection", x_label="curation",
                    y_label="Var(A)", integer_x=True),
     )
+    # two tables, so that neither is wider than the page: the schedule and what it kept, then the
+    # candidates by reason and the token threshold
+    focus = lambda r: r["curation_id"] == curation_id  # noqa: E731
     cols = ["seq", "curation_id", "recipe", "progress", "n_candidates", "sample_budget", "n_selected",
-            "token_fraction", "token_threshold", "tokens_candidate", "tokens_kept", "token_keep_rate",
-            "adv_var_before", "adv_var_after"] + reasons
-    body = charts + table(rows, cols, highlight=lambda r: r["curation_id"] == curation_id,
-                          name="report_curations") + sql_block(res["report_curations"])
+            "token_fraction", "tokens_kept", "token_keep_rate", "adv_var_before", "adv_var_after"]
+    by_reason = ["seq", "curation_id", "recipe"] + reasons + ["tokens_candidate", "token_threshold"]
+    body = (charts + table(rows, cols, highlight=focus, name="report_curations")
+            + "<h3>Candidates by reason, and the token threshold</h3>"
+            + table(rows, by_reason, highlight=focus, name="report_curations") + sql_block(res["report_curations"]))
     intro = ("One point per curation run, in the order they ran (<code>seq</code>): the audit's reason counts, "
              "the sample budget against what was kept, the schedule position t with the token fraction κ it "
              "gave, the fractions of samples and tokens actually kept, and the population variance of the "
@@ -290,11 +336,19 @@ def section_curations(res: dict[str, Result], curation_id: str | None) -> str:
     return _section("curations", "Curations", intro, body)
 
 
-def section_bands(res: dict[str, Result]) -> str:
-    rows = res["report_bands"].rows
+def _scope_head(scope: Scope) -> str:
+    if scope.recipe is None:
+        return ""
+    return (f'<h3 class="scope" data-scope="{escape(scope.recipe)}">Recipe <code>{escape(scope.recipe)}</code> '
+            f"({scope.curations} curation{'s' if scope.curations != 1 else ''})</h3>")
+
+
+def _bands_block(res: dict[str, Result], scope: Scope) -> str:
+    result = res["report_bands" + scope.suffix]
+    rows = result.rows
     if not rows:
-        return _section("bands", "Keep rate by difficulty band", "No candidates in scope (no curation yet: "
-                        "<code>rollstore curate</code>).", sql_block(res["report_bands"]))
+        return _scope_head(scope) + ('<p class="note">No candidates in scope (no curation yet: '
+                                     "<code>rollstore curate</code>).</p>") + sql_block(result)
     charts = []
     for measure, title in (("group accuracy", "Keep rate by group accuracy (dynamic sampling)"),
                            ("difficulty", "Keep rate by estimated difficulty q̂ (amplification)")):
@@ -306,13 +360,17 @@ def section_bands(res: dict[str, Result]) -> str:
                                         title=title, x_label="fraction kept"))
     if not any(r["measure"] == "difficulty" for r in rows):
         charts.append('<p class="note">No difficulty q̂ recorded: it is estimated with <code>amplify=da3po</code>.</p>')
-    body = (_charts(*charts) + table(rows, ["measure", "band", "candidates", "selected", "keep_rate", "tokens_total",
-                                            "tokens_kept", "token_keep_rate", "amplified", "max_amplification"],
-                                     name="report_bands") + sql_block(res["report_bands"]))
+    return (_scope_head(scope) + _charts(*charts)
+            + table(rows, ["measure", "band", "candidates", "selected", "keep_rate", "tokens_total", "tokens_kept",
+                           "token_keep_rate", "amplified", "max_amplification"], name=result.key) + sql_block(result))
+
+
+def section_bands(res: dict[str, Result], blocks: list[Scope] = (Scope(),)) -> str:
     intro = ("Candidates banded by their group's accuracy (dynamic sampling drops acc = 0 and acc = 1) and by "
              "the prompt's estimated success rate q̂ (amplification scales correct answers of hard groups); "
-             "<em>ineligible</em> rows left before group statistics (invalid, truncated, stale, reused).")
-    return _section("bands", "Keep rate by difficulty band", intro, body)
+             "<em>ineligible</em> rows left before group statistics (invalid, truncated, stale, reused)."
+             + (" One block per recipe: candidates of different recipes are never pooled." if len(blocks) > 1 else ""))
+    return _section("bands", "Keep rate by difficulty band", intro, "".join(_bands_block(res, b) for b in blocks))
 
 
 def section_replay(res: dict[str, Result]) -> str:
@@ -335,13 +393,12 @@ def section_replay(res: dict[str, Result]) -> str:
     return _section("replay", "Replay: share and age of the rows trained", intro, body)
 
 
-def section_advantages(res: dict[str, Result]) -> str:
-    hist = res["report_advantages"].rows
-    stats = res["report_advantage_stats"].rows
+def _advantages_block(res: dict[str, Result], scope: Scope) -> str:
+    hist_result, stats_result = res["report_advantages" + scope.suffix], res["report_advantage_stats" + scope.suffix]
+    hist, stats = hist_result.rows, stats_result.rows
     if not stats:
-        return _section("advantages", "Advantages before and after amplification and selection",
-                        "No candidate in scope reached group statistics.",
-                        sql_block(res["report_advantages"]) + sql_block(res["report_advantage_stats"]))
+        return (_scope_head(scope) + '<p class="note">No candidate in scope reached group statistics.</p>'
+                + sql_block(hist_result) + sql_block(stats_result))
     series = _by(hist, "series")  # every series has the same 30 bins (queries/report_advantages.sql)
     first = next(iter(series.values()))
     edges = [r["bin_lo"] for r in first] + [first[-1]["bin_hi"]]
@@ -350,14 +407,20 @@ def section_advantages(res: dict[str, Result]) -> str:
     charts = [histogram(edges, [(name, [r["n"] for r in rs], SERIES_COLORS.get(name, PALETTE[0]))],
                         title=titles.get(name, name), x_label="advantage", y_label="rollouts", width=350)
               for name, rs in series.items()]  # one panel each: shared bins, own count scale
-    body = (_charts(*charts) + table(stats, ["series", "n", "mean", "var_pop", "min", "max", "amplified",
-                                           "mean_amplification"], name="report_advantage_stats")
-            + sql_block(res["report_advantages"]) + sql_block(res["report_advantage_stats"]))
+    return (_scope_head(scope) + _charts(*charts)
+            + table(stats, ["series", "n", "mean", "var_pop", "min", "max", "amplified", "mean_amplification"],
+                    name=stats_result.key)
+            + sql_block(hist_result) + sql_block(stats_result))
+
+
+def section_advantages(res: dict[str, Result], blocks: list[Scope] = (Scope(),)) -> str:
     intro = ("<b>raw</b>: group-normalised advantages of every row that reached group statistics, before the "
              "filter and amplification; <b>pool</b>: final advantages (after amplification) of the rows that "
              "entered sample selection; <b>selected</b>: final advantages of the selected rows, what the "
-             "learner receives. Var over the pool and over the selected rows is what selection trades.")
-    return _section("advantages", "Advantages before and after amplification and selection", intro, body)
+             "learner receives. Var over the pool and over the selected rows is what selection trades."
+             + (" One block per recipe." if len(blocks) > 1 else ""))
+    return _section("advantages", "Advantages before and after amplification and selection", intro,
+                    "".join(_advantages_block(res, b) for b in blocks))
 
 
 def _token_card(r: dict, text: TokenText, top: float) -> str:
@@ -379,32 +442,41 @@ def _token_card(r: dict, text: TokenText, top: float) -> str:
     if more > 0:
         spans.append(f'<span class="more">… {more} more tokens</span>')
     badge = f'<span class="badge" style="background:{REASON_COLORS.get(r["reason"], "#777")}">{escape(r["reason"])}</span>'
+    if r.get("replayed"):  # a stored row from the replay window, not the fresh batch
+        badge += (f' <span class="badge replay" data-replayed="{escape(fmt(r.get("age")))}" title="replayed from the '
+                  f'replay window: sampled {escape(fmt(r.get("age")))} policy versions before this curation">'
+                  f'replayed · age {escape(fmt(r.get("age")))}</span>')
     facts = (f"A<sub>final</sub> {escape(fmt(r['advantage_final']))} · w {escape(fmt(r['amplification']))} · "
              f"group acc {escape(fmt(r['group_accuracy']))} · q̂ {escape(fmt(r['difficulty']))} · "
              f"tokens kept {r['tokens_kept']}/{r['tokens_total']} · correct {escape(fmt(r['correct']))} · "
              f"reward {escape(fmt(r['reward']))} · {escape(r['finish_reason'])}")
-    return (f'<div class="card" data-rollout="{escape(r["rollout_id"])}">{badge} <code>{escape(r["rollout_id"])}</code> '
+    replayed = ' data-replayed="true"' if r.get("replayed") else ""
+    return (f'<div class="card" data-rollout="{escape(r["rollout_id"])}"{replayed}>{badge} <code>{escape(r["rollout_id"])}</code> '
             f'<span class="cid">in {escape(r["curation_id"])}</span><div class="facts">{facts}</div>'
             f'<div class="resp"><span class="prompt" title="prompt">{escape(r["prompt"][-300:])}</span>'
             f'<span class="arrow">→</span>{"".join(spans)}</div></div>')
 
 
-def section_tokens(res: dict[str, Result], text: TokenText) -> str:
-    rows = res["report_tokens"].rows
-    scores = [s for r in rows for s in (r["scores"] or []) if isinstance(s, (int, float))]
+def section_tokens(res: dict[str, Result], text: TokenText, blocks: list[Scope] = (Scope(),)) -> str:
+    results = [res["report_tokens" + b.suffix] for b in blocks]
+    scores = [s for result in results for r in result.rows for s in (r["scores"] or []) if isinstance(s, (int, float))]
     top = max(scores, default=0.0)
-    cards = "".join(_token_card(r, text, top) for r in rows) or '<p class="note">No candidates in scope.</p>'
+    body = ""
+    for scope, result in zip(blocks, results):
+        cards = "".join(_token_card(r, text, top) for r in result.rows) or '<p class="note">No candidates in scope.</p>'
+        body += _scope_head(scope) + cards + sql_block(result)
     decoded = (f"decoded with <code>{escape(text.source)}</code>" if text.source else
                "shown as characters when the response has one character per token, else as <code>[id]</code>")
     legend = ('<p class="legend"><span class="tok" style="background:rgba(213,94,0,0.9)">high</span> '
               '<span class="tok" style="background:rgba(213,94,0,0.3)">low</span> |A|·H score (shared scale, max '
               f"{escape(fmt(top))}) · <span class=\"tok kept\">kept</span> token in the loss · "
-              '<span class="tok sp">special</span> token</p>')
-    intro = ("A fixed sample of candidates: selected rows (partly pruned ones first) and rejected rows from each "
-             "reason in turn. Each token is shaded by its |A|·H score (|advantage_final| × entropy) and "
+              '<span class="tok sp">special</span> token · <span class="badge replay">replayed · age a</span> a '
+              "stored row from the replay window, sampled a policy versions earlier</p>")
+    intro = ("A fixed sample of candidates: selected rows (partly pruned ones first, and up to two replayed ones) "
+             "and rejected rows from each reason in turn. Each token is shaded by its |A|·H score "
+             "(|advantage_final| × entropy) and "
              f"framed green when the curated loss mask kept it; tokens are {decoded}. Hover a token for its numbers.")
-    return _section("tokens", "Selected and rejected rollouts, token by token", intro,
-                    legend + cards + sql_block(res["report_tokens"]))
+    return _section("tokens", "Selected and rejected rollouts, token by token", intro, legend + body)
 
 
 def section_training(res: dict[str, Result]) -> str:
@@ -440,7 +512,8 @@ svg.chart{display:block;font-family:inherit}svg .ct{font-size:13px;font-weight:6
 svg .tick{font-size:10.5px;fill:var(--mut)}svg .al{font-size:11px;fill:var(--mut)}svg .lg{font-size:11px;fill:var(--fg)}
 svg .grid{stroke:#e7eaee}svg .axis{stroke:#8a949e}
 div.tw{overflow-x:auto;max-width:100%}table{border-collapse:collapse;margin:10px 0;font-size:12.5px}th,td{border-bottom:1px solid var(--line);padding:3px 8px;text-align:right;white-space:nowrap}
-th{background:var(--card);font-weight:600}td.txt{text-align:left}tr.focus td{background:#fff3cd}
+th{background:var(--card);font-weight:600;white-space:normal;vertical-align:bottom}
+td[data-col=curation_id]{white-space:normal;word-break:break-all;min-width:8em}td.txt{text-align:left}tr.focus td{background:#fff3cd}
 details.sql{margin:6px 0}details.sql pre{background:#f2f4f7;border:1px solid var(--line);padding:8px;overflow:auto;font-size:12px;max-height:360px}
 summary{cursor:pointer;color:var(--mut)}.note{color:var(--mut);font-style:italic}
 .stats{display:flex;flex-wrap:wrap;gap:10px;margin:8px 0}.stat{background:var(--card);border:1px solid var(--line);border-radius:6px;padding:6px 12px;min-width:110px}
@@ -450,27 +523,32 @@ summary{cursor:pointer;color:var(--mut)}.note{color:var(--mut);font-style:italic
 .facts{color:var(--mut);font-size:12px;margin:2px 0}.prompt{color:var(--mut)}.arrow{color:var(--mut);margin:0 6px}
 .resp{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:15px;line-height:2;white-space:pre-wrap;word-break:break-all}
 .tok{padding:1px 1px;margin:0 1px;border:2px solid transparent;border-radius:3px}.tok.kept{border-color:#009E73}
+.badge.replay{background:#56B4E9;color:#10222e}h3.scope{border-top:1px dashed var(--line);padding-top:8px}
 .tok.sp{font-size:11px;color:var(--mut)}.tok.na{background-image:repeating-linear-gradient(45deg,#0000 0 3px,#0001 3px 6px)}
 .more{color:var(--mut);font-size:12px}.legend{font-size:12.5px}
 """
 
 HEAD_SCRIPT = ("<script>window.addEventListener('error',function(e){var d=document.documentElement;"
                "d.setAttribute('data-errors',(d.getAttribute('data-errors')||'')+(e.message||'error')+';');});</script>")
-TAIL_SCRIPT = ("<script>(function(){var ok=[];document.querySelectorAll('section[data-section]').forEach(function(s){"
+TAIL_SCRIPT = ("<script>(function(){var ok=[],wide=[];document.querySelectorAll('section[data-section]').forEach(function(s){"
                "var r=s.getBoundingClientRect();if(r.width>0&&r.height>0)ok.push(s.id);});"
-               "document.documentElement.setAttribute('data-rendered',ok.join(' '));})();</script>")
+               "document.querySelectorAll('div.tw').forEach(function(w){var t=w.querySelector('table');"
+               "if(t&&w.scrollWidth>w.clientWidth+1)wide.push(t.getAttribute('data-query'));});"
+               "var d=document.documentElement;d.setAttribute('data-rendered',ok.join(' '));"
+               "if(wide.length)d.setAttribute('data-overflow',wide.join(' '));})();</script>")
 
 
-def render(res: dict[str, Result], text: TokenText, root: str, seq: int, curation_id: str | None) -> str:
+def render(res: dict[str, Result], text: TokenText, root: str, seq: int, curation_id: str | None,
+           blocks: list[Scope] = (Scope(),)) -> str:
     nav = "".join(f'<a href="#{sid}">{escape(title.split(",")[0])}</a>' for sid, title in SECTIONS)
     sections = [
         section_overview(res, root, seq, curation_id),
         section_accuracy(res),
         section_curations(res, curation_id),
-        section_bands(res),
+        section_bands(res, blocks),
         section_replay(res),
-        section_advantages(res),
-        section_tokens(res, text),
+        section_advantages(res, blocks),
+        section_tokens(res, text, blocks),
         section_training(res),
     ]
     title = f"rollstore report — {os.path.basename(os.path.normpath(root))} @ snapshot {seq}"
@@ -490,7 +568,7 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
     with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:
         res = collect(session, curation_id)
         text = TokenText.for_snapshot(session)
-        page = render(res, text, buf.root, snap.seq, curation_id)
+        page = render(res, text, buf.root, snap.seq, curation_id, scopes(session, curation_id))
         seq = snap.seq
     def write(partial: str) -> None:
         with open(partial, "x", encoding="utf-8") as fh:

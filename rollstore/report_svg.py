@@ -6,6 +6,8 @@ Invariants:
   number the query returned.
 - Pure functions of their arguments: the same data gives byte-identical SVG.
 - Non-finite and missing values (None, NaN, ±inf) are skipped, never drawn at a wrong place.
+- The legend names every series drawn: it wraps onto as many lines as it needs (the chart grows
+  taller), and legend entries and marks carry the series' name in `data-series`.
 """
 
 from __future__ import annotations
@@ -124,19 +126,46 @@ def _axes(p: Plot, xticks: list[float], yticks: list[float], x_label: str, y_lab
     return out
 
 
-def _legend(names: list[tuple[str, str, bool]], width: int) -> list[str]:
-    """Legend on the line under the title, left to right: (name, color, dashed)."""
-    out = []
+LEGEND_ROW = 14  # pixels between legend lines
+
+
+def _legend_rows(names: list[tuple[str, str, bool]], width: int) -> list[list[tuple[float, str, str, bool]]]:
+    """Every legend entry placed left to right, wrapping onto further lines: (x, name, color, dashed)."""
+    rows: list[list[tuple[float, str, str, bool]]] = [[]]
     x = MARGIN_L
     for name, color, dashed in names:
         w = 6.2 * len(name) + 30
-        if x + w > width and x > MARGIN_L:
-            break  # no room: the marks' <title>s still name every series
-        dash = ' stroke-dasharray="4 3"' if dashed else ""
-        out.append(f'<line x1="{x:.0f}" x2="{x + 14:.0f}" y1="28" y2="28" stroke="{color}" stroke-width="2.5"{dash}/>')
-        out.append(f'<text x="{x + 18:.0f}" y="32" class="lg">{escape(name)}</text>')
+        if x + w > width - MARGIN_R and rows[-1]:
+            rows.append([])
+            x = MARGIN_L
+        rows[-1].append((x, name, color, dashed))
         x += w
-    return out
+    return rows if rows[0] else []
+
+
+def _finish(parts: list[str], names: list[tuple[str, str, bool]], title: str, width: int, height: int) -> str:
+    """Close a chart: its legend names every series (on as many lines as it takes, the plot moved
+    down by the extra lines, the SVG taller by as much); each entry and each mark carry the
+    series' name in `data-series`, so a reader (or a test) can match marks to legend entries."""
+    rows = _legend_rows(names, width)
+    extra = LEGEND_ROW * max(0, len(rows) - 1)
+    out = _open(title, width, height + extra)
+    for k, row in enumerate(rows):
+        y = 28 + LEGEND_ROW * k
+        for x, name, color, dashed in row:
+            dash = ' stroke-dasharray="4 3"' if dashed else ""
+            out.append(f'<g class="lgi" data-series="{escape(name)}"><line x1="{x:.0f}" x2="{x + 14:.0f}" y1="{y}" '
+                       f'y2="{y}" stroke="{color}" stroke-width="2.5"{dash}/>'
+                       f'<text x="{x + 18:.0f}" y="{y + 4}" class="lg">{escape(name)}</text></g>')
+    body = parts[3:]  # after _open's three elements
+    if extra:
+        out.append(f'<g transform="translate(0 {extra})">')
+        out += body
+        out.append("</g>")
+    else:
+        out += body
+    out.append("</svg>")
+    return "".join(out)
 
 
 def empty_chart(title: str, message: str) -> str:
@@ -192,16 +221,16 @@ def line_chart(series: list[Series], *, title: str, x_label: str, y_label: str,
             segments.append(run)
         for seg in segments:
             if len(seg) > 1:
-                parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{" ".join(seg)}"/>')
+                parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} '
+                             f'data-series="{escape(s.name)}" points="{" ".join(seg)}"/>')
         good = [(x, y) for x, y in s.points if finite(x) and finite(y)]
         show = s.markers if s.markers is not None else len(good) <= 120
         if show or len(good) == 1:
             for x, y in good:
-                parts.append(f'<circle cx="{p.sx(x):.1f}" cy="{p.sy(y):.1f}" r="3" fill="{color}">'
+                parts.append(f'<circle cx="{p.sx(x):.1f}" cy="{p.sy(y):.1f}" r="3" fill="{color}" '
+                             f'data-series="{escape(s.name)}">'
                              f"<title>{escape(s.name)}: {escape(x_label)} {fmt(x)} → {fmt(y, 6)}</title></circle>")
-    parts += _legend(legend, WIDTH)
-    parts.append("</svg>")
-    return "".join(parts)
+    return _finish(parts, legend, title, WIDTH, HEIGHT)
 
 
 def stacked_bars(categories: list[str], stacks: list[tuple[str, list[float], str]], *, title: str,
@@ -226,12 +255,11 @@ def stacked_bars(categories: list[str], stacks: list[tuple[str, list[float], str
                 continue
             y_top, y_bot = p.sy(base + v), p.sy(base)
             parts.append(f'<rect x="{p.sx(i) + bw * 0.125:.1f}" y="{y_top:.1f}" width="{bw:.1f}" '
-                         f'height="{max(0.5, y_bot - y_top):.1f}" fill="{color}">'
+                         f'height="{max(0.5, y_bot - y_top):.1f}" fill="{color}" data-series="{escape(name)}">'
                          f"<title>{escape(x_label)} {escape(cat)}: {escape(name)} {fmt(v)}</title></rect>")
             base += v
-    parts += _legend([(name, color, False) for name, values, color in stacks if any(values)], WIDTH)
-    parts.append("</svg>")
-    return "".join(parts)
+    return _finish(parts, [(name, color, False) for name, values, color in stacks if any(values)], title, WIDTH,
+                   HEIGHT)
 
 
 def grouped_hbars(categories: list[str], groups: list[tuple[str, list[float | None], str]], *, title: str,
@@ -264,12 +292,10 @@ def grouped_hbars(categories: list[str], groups: list[tuple[str, list[float | No
             if not finite(v):
                 continue
             y = y0 + j * 12
-            parts.append(f'<rect x="{left}" y="{y:.1f}" width="{max(0.5, sx(v) - left):.1f}" height="10" fill="{color}">'
-                         f"<title>{escape(cat)}: {escape(name)} {fmt(v, 6)}</title></rect>")
+            parts.append(f'<rect x="{left}" y="{y:.1f}" width="{max(0.5, sx(v) - left):.1f}" height="10" fill="{color}" '
+                         f'data-series="{escape(name)}"><title>{escape(cat)}: {escape(name)} {fmt(v, 6)}</title></rect>')
     parts.append(f'<line x1="{left}" x2="{left}" y1="{MARGIN_T}" y2="{bottom}" class="axis"/>')
-    parts += _legend([(name, color, False) for name, _, color in groups], width)
-    parts.append("</svg>")
-    return "".join(parts)
+    return _finish(parts, [(name, color, False) for name, _, color in groups], title, width, height)
 
 
 def histogram(edges: list[float], series: list[tuple[str, list[int], str]], *, title: str, x_label: str,
@@ -288,13 +314,12 @@ def histogram(edges: list[float], series: list[tuple[str, list[int], str]], *, t
         for i, c in enumerate(counts):
             path.append(f"L{p.sx(edges[i]):.1f},{p.sy(c):.1f}L{p.sx(edges[i + 1]):.1f},{p.sy(c):.1f}")
         path.append(f"L{p.sx(edges[-1]):.1f},{p.sy(0):.1f}Z")
-        parts.append(f'<path d="{"".join(path)}" fill="{color}" fill-opacity="0.18" stroke="{color}" stroke-width="1.6"/>')
+        parts.append(f'<path d="{"".join(path)}" fill="{color}" fill-opacity="0.18" stroke="{color}" stroke-width="1.6" '
+                     f'data-series="{escape(name)}"/>')
         for i, c in enumerate(counts):
             if c:
                 x, w = p.sx(edges[i]), p.sx(edges[i + 1]) - p.sx(edges[i])
                 parts.append(f'<rect x="{x:.1f}" y="{p.sy(c):.1f}" width="{max(w, 0.5):.1f}" height="{p.sy(0) - p.sy(c):.1f}" '
                              f'fill="transparent"><title>{escape(name)}: [{fmt(edges[i])}, {fmt(edges[i + 1])}) '
                              f"{c}</title></rect>")
-    parts += _legend([(name, color, False) for name, _, color in series], width)
-    parts.append("</svg>")
-    return "".join(parts)
+    return _finish(parts, [(name, color, False) for name, _, color in series], title, width, HEIGHT)

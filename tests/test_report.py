@@ -61,7 +61,7 @@ def data_blocks(html: str) -> dict[str, list[dict]]:
     return {name: json.loads(text) for name, text in blocks}
 
 
-def documented(root: str, name: str, curation_id: str | None = None) -> list[dict]:
+def documented(root: str, name: str, curation_id: str | None = None, recipe: str | None = None) -> list[dict]:
     """Run queries/<name>.sql straight with DuckDB over the buffer's latest snapshot (own connection,
     the snapshot's views and the user views of queries/views.sql), as a user would."""
     from rollstore.result_formats import jsonable
@@ -70,7 +70,7 @@ def documented(root: str, name: str, curation_id: str | None = None) -> list[dic
         con = duckdb.connect()
         snap.register_duckdb(con)
         con.execute(load_sql("views"))
-        rows = con.sql(bind(load_sql(name), {"curation_id": curation_id})).to_arrow_table().to_pylist()
+        rows = con.sql(bind(load_sql(name), {"curation_id": curation_id, "recipe": recipe})).to_arrow_table().to_pylist()
         con.close()
     return [jsonable(r) for r in rows]
 
@@ -141,6 +141,89 @@ def test_report_renders_in_headless_chromium(report_html, tmp_path):
     assert rendered, "the page's script did not run"
     assert rendered.group(1).split() == [sid for sid, _ in SECTIONS]  # every section laid out, in order
     assert "data-errors" not in root_tag.group(0)
+
+
+@pytest.fixture(scope="module")
+def two_recipe_report(tmp_path_factory):
+    """A report of a buffer with two recipes, one of them a replay recipe: four steps of synthetic
+    rollouts (policy version = step), each curated by d3s and by replay-d3s."""
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.synthetic import rollouts_table
+
+    root = str(tmp_path_factory.mktemp("two-recipes") / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(4):
+            buf.append_rollouts(rollouts_table(n_groups=8, group_size=8, step=step, policy_version=step, seed=step,
+                                               run_id="run"))
+            for recipe in ("d3s", "replay-d3s"):
+                curate(buf, load_recipe(recipe), {"where": f"step = {step}", "progress": step / 4})
+        path = str(tmp_path_factory.mktemp("two-recipes-out") / "report.html")
+        build_report(buf, path)
+    with open(path, encoding="utf-8") as fh:
+        return root, path, fh.read()
+
+
+def legend_gaps(html: str) -> list[str]:
+    """Every chart whose marks name a series its legend does not show, or whose legend runs past its
+    right edge: `title: problem`."""
+    gaps = []
+    for svg in re.findall(r"<svg[^>]*class=\"chart\".*?</svg>", html, re.DOTALL):
+        width = float(re.search(r'width="([0-9.]+)"', svg).group(1))
+        title = re.search(r"<title>(.*?)</title>", svg).group(1)
+        legend = re.findall(r'<g class="lgi" data-series="([^"]*)">.*?<text x="([0-9.]+)"[^>]*>(.*?)</text>', svg)
+        names = {name for name, _, _ in legend}
+        marks = set(re.findall(r'<(?:circle|polyline|rect|path)\b[^>]*\bdata-series="([^"]*)"', svg))
+        if marks - names:
+            gaps.append(f"{title}: {sorted(marks - names)} not in the legend")
+        gaps += [f"{title}: {name} past the edge" for name, x, text in legend
+                 if float(x) + 6.2 * len(unescape(text)) > width + 1]
+    return gaps
+
+
+def test_two_recipes_every_series_in_its_legend_and_one_block_per_recipe(two_recipe_report):
+    root, _, html = two_recipe_report
+    assert not legend_gaps(html), legend_gaps(html)
+    charts = re.findall(r"<svg[^>]*class=\"chart\".*?</svg>", html, re.DOTALL)
+    assert sum('data-series="replay-d3s · candidates"' in svg for svg in charts) == 1  # the series that went missing
+    # candidate-level sections: one block per recipe, each its recipe's query, never pooled
+    assert html.count('<h3 class="scope" data-scope="d3s">') == 3
+    assert html.count('<h3 class="scope" data-scope="replay-d3s">') == 3
+    blocks = {name: json.loads(text) for name, text in re.findall(
+        r'<script type="application/json" id="data-([a-z_0-9]+)">(.*?)</script>', html, re.DOTALL)}
+    for i, recipe in enumerate(("d3s", "replay-d3s"), 1):
+        for name in ("report_bands", "report_advantages", "report_advantage_stats", "report_tokens"):
+            assert same(blocks[f"{name}__{i}"], documented(root, name, recipe=recipe)), (name, recipe)
+        assert {c["curation_id"] for c in blocks[f"report_tokens__{i}"]} <= {
+            c["curation_id"] for c in blocks["report_curations"] if c["recipe"] == recipe}
+    # replayed rows are marked on their token cards, with their age
+    replayed = [c for c in blocks["report_tokens__2"] if c["replayed"]]
+    assert replayed and all(f'data-rollout="{c["rollout_id"]}" data-replayed="true"' in html for c in replayed)
+    assert all(c["age"] >= 1 for c in replayed) and "replayed · age" in html
+    assert not any(c["replayed"] for c in blocks["report_tokens__1"])  # d3s does not replay
+
+
+def test_two_recipe_report_in_headless_chromium(two_recipe_report, tmp_path):
+    """Opened in a real browser: no console message, every section laid out, every chart's legend
+    naming every series drawn (read back from the rendered DOM), no table wider than its frame."""
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary (chromium, chromium-browser or google-chrome) on PATH: "
+                    "`make browser` installs Debian's chromium when run as root; the browser check is skipped")
+    _, path, _ = two_recipe_report
+    base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+            "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2400"]
+    run = subprocess.run(base + ["--enable-logging=stderr", "--v=0", "--dump-dom", f"file://{path}"], check=False,
+                         capture_output=True, text=True, timeout=120)
+    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    assert console == [], console
+    root_tag = re.search(r"<html[^>]*>", run.stdout)
+    assert root_tag, run.stderr[-2000:]
+    assert re.search(r'data-rendered="([^"]*)"', root_tag.group(0)).group(1).split() == [sid for sid, _ in SECTIONS]
+    assert "data-errors" not in root_tag.group(0)
+    assert "data-overflow" not in root_tag.group(0), root_tag.group(0)  # e.g. the curations table fits
+    assert not legend_gaps(run.stdout), legend_gaps(run.stdout)
+    assert 'data-replayed="true"' in run.stdout
 
 
 # ---- the numbers ------------------------------------------------------------------------------

@@ -87,9 +87,8 @@ def runs_to_mask(runs: pa.ChunkedArray | pa.Array, tokens: np.ndarray) -> pa.Arr
     run_offsets = runs.offsets.to_numpy().astype(np.int64)
     row_of = np.repeat(np.arange(len(tokens)), np.diff(run_offsets))
     flat = bounds + offsets[row_of]
-    edges = np.zeros(int(offsets[-1]) + 1, np.int32)
-    np.add.at(edges, flat[0::2], 1)
-    np.add.at(edges, flat[1::2], -1)
+    size = int(offsets[-1]) + 1  # +1 for run ends at the last token; counting beats np.add.at by ~10x
+    edges = np.bincount(flat[0::2], minlength=size) - np.bincount(flat[1::2], minlength=size)
     mask = np.cumsum(edges[:-1]) > 0
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(mask, pa.bool_()))
 

@@ -249,11 +249,13 @@ def test_every_command_against_a_damaged_referenced_shard(cli, thin, tmp_path, h
         assert path in line and words in line, (args, line)
         assert seq_of(thin) == seq
     assert not os.path.exists(tmp_path / "x")
-    res = cli("sql", thin, "SELECT count(*) AS n FROM rollouts", "--format", "csv")
-    if how in ("same-size", "flipped-byte"):  # sql checks size and place only
-        assert res.code == 0 or (path in one_error_line(res)), res.stderr
-    else:
-        assert path in one_error_line(res) and words in res.stderr
+    for args in (["sql", thin, "SELECT count(*) AS n FROM curated", "--format", "csv"], ["audit", thin],
+                 ["curate", thin, "--recipe", "dapo", "--set", "where=true", "--dry-run"]):
+        res = cli(*args)
+        if how in ("same-size", "flipped-byte"):  # place and size only: read (or a read error naming the file)
+            assert res.code == 0 or path in one_error_line(res), (args, res.stderr)
+        else:
+            assert path in one_error_line(res) and words in res.stderr, (args, res.stderr)
 
 
 # ---- 3: no non-finite number is ever trained or published ---------------------------------------

@@ -80,6 +80,10 @@ def run_one(job: dict) -> dict:
     from rollstore.storage.buffer import Buffer
 
     root = os.path.join(job["out_root"], f"{job['split']}-{job['name']}-s{job['seed']}")
+    if job.get("reuse"):
+        done = from_buffer(root, job)
+        if done is not None:
+            return done
     if os.path.exists(root):
         import shutil
 
@@ -125,6 +129,60 @@ def run_one(job: dict) -> dict:
             "token_passes": passes, "generated_tokens": generated, "phases": phases,
             "loop_seconds": sum(r["seconds"] for r in summary["iterations"]),
             "skips": summary["skips"], "skip_outcomes": _skip_outcomes(root), "buffer": root}
+
+
+def from_buffer(root: str, job: dict) -> dict | None:
+    """A finished run rebuilt from its buffer alone (None if the buffer is missing or the run did not
+    reach its last evaluation): the curve from `evaluations`, rollouts and tokens per step from
+    `rollouts`, costs from `selections`, the skips from `prompt_selections`. The run's own timings are
+    not stored: wall and loop seconds are the span of its rows' timestamps, and phases are absent."""
+    import re
+
+    from rollstore.queries.session import Session
+    from rollstore.storage.buffer import Buffer
+
+    if not os.path.exists(os.path.join(root, "manifest.sqlite")):
+        return None
+    with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap) as s:
+        evals = s.execute("SELECT iteration, metric, value, epoch(created_at) FROM evaluations ORDER BY iteration").fetchall()
+        if not evals or max(e[0] for e in evals) < job["iterations"]:
+            return None
+        curs = s.execute("SELECT c.params, s.n, s.trained, s.lagged, c.tokens_kept FROM curations c JOIN (SELECT "
+                         "curation_id, count(*) FILTER (WHERE selected) AS n, sum(tokens_total) FILTER (WHERE selected) "
+                         "AS trained, sum(tokens_total) FILTER (WHERE selected AND coalesce(age, 0) > 0) AS lagged FROM "
+                         "selections GROUP BY curation_id) s USING (curation_id)").fetchall()
+        gen = {int(st): (int(n), int(t or 0)) for st, n, t in s.execute(
+            "SELECT step, count(*), sum(len(response_token_ids)) FROM rollouts GROUP BY step").fetchall()}
+        start = s.one("SELECT epoch(min(created_at)) FROM rollouts")[0]
+        skips = s.execute("SELECT step, count(*) FILTER (WHERE decision = 'skip'), count(*) FROM prompt_selections "
+                          "GROUP BY step ORDER BY step").fetchall()
+    per_step = {}
+    for params, n, trained, lagged, kept in curs:
+        step = int(re.search(r"step = (\d+)", json.loads(params)["where"]).group(1))
+        per_step[step] = (int(n), int(trained or 0), int(lagged or 0), int(kept))
+    mu = job["epochs"]
+    cum, tot = {0: (0, 0, 0, 0, 0)}, [0, 0, 0, 0, 0]
+    for it in range(job["iterations"]):
+        n, trained, lagged, kept = per_step.get(it, (0, 0, 0, 0))
+        rollouts, gen_tokens = gen.get(it, (0, 0))
+        for k, v in enumerate((kept * mu, n * mu, rollouts, (trained + lagged) * mu, gen_tokens)):
+            tot[k] += v
+        cum[it + 1] = tuple(tot)
+    points: dict[int, dict] = {}
+    for it, metric, value, at in evals:
+        points.setdefault(it, {"iteration": it})[metric] = value
+        points[it]["_at"] = at
+    curve = []
+    for it in sorted(points):
+        t, smp, g, tp, gt = cum[it]
+        m = points[it]
+        curve.append({**{k: v for k, v in m.items() if k != "_at"}, "learner_tokens": t, "learner_samples": smp,
+                      "rollouts": g, "seconds": m["_at"] - start, "token_passes": tp, "generated_tokens": gt})
+    return {**{k: job[k] for k in ("name", "recipe", "sets", "seed", "split", "lr", "epochs")}, "curve": curve,
+            "learner_tokens": tot[0], "learner_samples": tot[1], "rollouts": tot[2], "token_passes": tot[3],
+            "generated_tokens": tot[4], "wall_seconds": curve[-1]["seconds"], "loop_seconds": curve[-1]["seconds"],
+            "phases": {}, "skips": [(int(a), int(b), int(c)) for a, b, c in skips],
+            "skip_outcomes": _skip_outcomes(root), "buffer": root, "rebuilt": True}
 
 
 def _learner_costs(root: str, summary: dict) -> dict[int, tuple[int, int, int]]:
@@ -360,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "learning"), help="where the JSON and SVG go")
     ap.add_argument("--root", default=None, help="where the run buffers go (default: a temporary directory)")
     ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--reuse", action="store_true",
+                    help="a run whose buffer under --root already holds its last evaluation is rebuilt from the "
+                         "buffer instead of run again (its timings then come from the rows' timestamps)")
     ap.add_argument("--from-json", action="store_true",
                     help="do not run: rebuild tables and plots from the JSON curves already in --out")
     args = ap.parse_args(argv)
@@ -397,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
          "micro_batch": defaults.train.micro_batch_size, "grad_accum": defaults.train.grad_accum,
          "warmup": defaults.train.warmup_steps, "epochs": c["epochs"], "eval_every": args.eval_every,
          "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "pool_size": pool_size,
-         "max_gen_batches": args.max_gen_batches, "out_root": out_root}
+         "max_gen_batches": args.max_gen_batches, "out_root": out_root, "reuse": args.reuse}
         for split in args.splits for seed in range(args.seed_start, args.seed_start + args.seeds) for c in configs
     ]
     runs = []

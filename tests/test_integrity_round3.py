@@ -584,3 +584,22 @@ def test_the_extremes_of_every_range_run(thin, recipe, name, value):
 def test_where_nonsense_is_one_line(cli, thin, where):
     line = one_error_line(cli("curate", thin, "--recipe", "grpo", "--set", f"where={where}"))
     assert "where" in line, line
+
+
+def test_the_trl_plugin_verifies_the_rows_it_replays(thin, tmp_path):
+    """`trl_replay.stored_rows` (what the TRL plug-in trains replayed rows from) hashes the rollouts
+    shards before it reads a row: a same-size rewrite is one line naming the file."""
+    from types import SimpleNamespace
+
+    from rollstore.storage.verify import ShardError
+
+    pytest.importorskip("trl")
+    from rollstore import trl_replay
+
+    path = referenced(thin)
+    same_size_tamper(path)
+    with Buffer.open(thin) as buf:
+        tr = SimpleNamespace(rollstore_buffer=buf, rollstore_run_id="run-0", num_generations=4)
+        with pytest.raises(ShardError) as err:
+            trl_replay.stored_rows(tr, [{"rollout_id": "x", "advantage": 1.0, "weight": 1.0, "loss_mask": [1]}])
+    assert path in str(err.value) and "sha256 differs" in str(err.value)

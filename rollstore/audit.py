@@ -221,6 +221,34 @@ def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
     emit(fmt, {"a": rec_a, "b": rec_b}, views, as_table)
 
 
+def audit_skips(s: Session, run_id: str | None, fmt: str, out: Console) -> None:
+    """Pre-rollout prompt selection of one run, per step (queries/audit_skips.sql)."""
+    from rollstore.queries import load_sql, render
+
+    runs = [r[0] for r in s.execute("SELECT DISTINCT run_id FROM prompt_selections ORDER BY run_id").fetchall()]
+    if run_id is None:
+        if len(runs) != 1:
+            raise RollstoreError("no run has pre-rollout prompt selections in this buffer" if not runs else
+                                 f"--skips: {len(runs)} runs have prompt selections ({', '.join(runs[:5])}"
+                                 f"{', ...' if len(runs) > 5 else ''}): name one with --run")
+        run_id = runs[0]
+    elif run_id not in runs:
+        raise RollstoreError(f"--run {run_id!r}: no pre-rollout prompt selection recorded for this run")
+    steps = s.table(render("audit_skips", {"outcomes": load_sql("prompt_skip_outcomes")}), {"run": run_id})
+    views = [("steps", steps)]
+
+    def as_table():
+        total = sum(steps.column("examined").to_pylist())
+        skipped = sum(steps.column("skipped").to_pylist())
+        later = sum(steps.column("later_sampled").to_pylist())
+        wrong = sum(steps.column("later_informative").to_pylist())
+        out.print(f"run {run_id}: {total} prompts examined, {skipped} skipped; {later} skipped prompts generated "
+                  f"again later, {wrong} of those groups informative", highlight=False, markup=False)
+        render_table(steps, out, "pre-rollout prompt selection by step")
+
+    emit(fmt, {"run": run_id}, views, as_table)
+
+
 def _cell(v) -> str:
     if v is None:
         return "NULL"
@@ -230,9 +258,16 @@ def _cell(v) -> str:
 
 
 def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out: Console, fmt: str = "table",
-              compare: str | None = None) -> None:
+              compare: str | None = None, skips: bool = False, run_id: str | None = None) -> None:
     if fmt not in FORMATS:
         raise RollstoreError(f"--format must be table, json or csv, not {fmt!r}")
+    if skips or run_id is not None:
+        if curation_id is not None or rollout_id is not None or compare is not None:
+            raise RollstoreError("--skips shows a run's prompt selection: it takes --run, not a curation, --rollout "
+                                 "or --compare")
+        with buf.snapshot(pin=True) as snap, Session(snap) as s:
+            audit_skips(s, run_id, fmt, out)
+        return
     if compare is not None and rollout_id is not None:
         raise RollstoreError("--compare and --rollout cannot be used together")
     with buf.snapshot(pin=True) as snap, Session(snap) as s:

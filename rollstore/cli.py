@@ -325,12 +325,15 @@ def audit(
     rollout: Optional[str] = typer.Option(None, "--rollout", help="Show one rollout's tokens, scores and kept marks."),
     compare: Optional[str] = typer.Option(None, "--compare", help="A second curation id: both side by side, and what one kept that the other did not."),
     format: str = typer.Option("table", "--format", "-f", help="table|json|csv"),
+    skips: bool = typer.Option(False, "--skips", help="A run's pre-rollout prompt selection, step by step."),
+    run: Optional[str] = typer.Option(None, "--run", help="With --skips: the run (needed when several have one)."),
 ):
-    """Reason counts and keep rates of a curation, one rollout's kept tokens, or two curations compared."""
+    """Reason counts and keep rates of a curation, one rollout's kept tokens, two curations compared,
+    or a run's pre-rollout prompt selection (--skips)."""
     from rollstore.audit import run_audit
 
     with open_buffer(buffer) as buf:
-        run_audit(buf, curation_id, rollout, out, format, compare)
+        run_audit(buf, curation_id, rollout, out, format, compare, skips=skips, run_id=run)
 
 
 @app.command()

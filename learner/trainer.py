@@ -220,17 +220,19 @@ class _Origin:
         return self.paths[int(np.searchsorted(self.ends, ids.index(rollout_id), side="right"))]
 
 
-def _first_bad_row(model, micro: list[Batch], prox: list) -> tuple[str, str] | None:
+def _first_bad_row(model, micro: list[Batch], prox: list, forward: bool) -> tuple[str, str] | None:
     """(rollout_id, what) of the first row of `micro` whose inputs or log-probs are not finite
-    (a no-grad forward of the weights the step ran with), or None."""
+    (with `forward`, a no-grad forward of the weights the step ran with; not under ranks, where a
+    forward is a collective that every rank would have to run alike), or None."""
     with torch.no_grad():
         for b, px in zip(micro, prox):
-            logp, _ = response_logprobs(model, b, with_entropy=False)
             tok = b.response_mask
             checks = [("advantage", ~torch.isfinite(b.advantage)), ("weight", ~torch.isfinite(b.weight)),
                       ("old_logprobs", (~torch.isfinite(b.old_logprobs) & tok).any(1)),
-                      ("gen_logprobs", (~torch.isfinite(b.gen_logprobs) & tok).any(1)),
-                      ("the model's log-probs", (~torch.isfinite(logp.float()) & tok).any(1))]
+                      ("gen_logprobs", (~torch.isfinite(b.gen_logprobs) & tok).any(1))]
+            if forward:
+                logp, _ = response_logprobs(model, b, with_entropy=False)
+                checks.append(("the model's log-probs", (~torch.isfinite(logp.float()) & tok).any(1)))
             if px is not None:
                 checks.append(("proximal log-probs", (~torch.isfinite(px) & tok).any(1)))
             for i in range(len(b)):
@@ -305,7 +307,7 @@ class _Steps:
         if not bad:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        found = _first_bad_row(self.model, micro, prox)
+        found = _first_bad_row(self.model, micro, prox, forward=not self.dist.active)
         rid, what = found if found else ((micro or [part.filler])[0].rollout_ids[0], "no single row")
         shard = self.origin.shard_of(rid) if self.origin is not None else "?"
         curation = ",".join(part.curation_ids)

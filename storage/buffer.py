@@ -152,6 +152,7 @@ class Buffer:
 
     @classmethod
     def init(cls, root: str) -> "Buffer":
+        """Create the buffer at `root` (its folders and manifest) if missing, and open it."""
         root = os.path.abspath(root)
         for sub in SUBDIRS:
             os.makedirs(os.path.join(root, sub), exist_ok=True)
@@ -159,6 +160,7 @@ class Buffer:
 
     @classmethod
     def open(cls, root: str) -> "Buffer":
+        """Open the buffer at `root`; a folder without one raises `NotABuffer` (one line)."""
         root = os.path.abspath(root)
         buf = cls(root, Manifest(root))
         try:
@@ -169,6 +171,9 @@ class Buffer:
 
     def close(self) -> None:
         self.manifest.close()
+
+    def __repr__(self) -> str:
+        return f"<storage.Buffer {self.root!r}>"
 
     def __enter__(self) -> "Buffer":
         return self

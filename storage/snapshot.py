@@ -78,6 +78,9 @@ class Snapshot:
                 pass  # the pin expires by itself
             self._pin = None
 
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.root!r} @ {self.seq}{', pinned' if self._pin else ''}>"
+
     def __enter__(self) -> "Snapshot":
         return self
 

@@ -310,3 +310,10 @@ def test_docs_python_md_has_nine_jobs_of_at_most_three_lines():
     blocks = re.findall(r"```python\n(.*?)```", jobs, re.DOTALL)
     assert len(blocks) == 9
     assert all(len([x for x in b.splitlines() if x.strip()]) <= 3 for b in blocks), blocks
+
+
+def test_storage_objects_have_short_reprs(two_recipes):
+    buf, _, _ = two_recipes
+    with Buffer.open(buf.root) as b, b.snapshot(pin=True) as snap:
+        assert repr(b) == f"<storage.Buffer {buf.root!r}>"
+        assert repr(snap).startswith("<Snapshot") and "pinned" in repr(snap) and "\n" not in repr(snap)

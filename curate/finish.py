@@ -59,9 +59,9 @@ class CurationResult:
     snapshot_seq: int
     committed: bool = True
     already_existed: bool = False
-    audit: pa.Table | None = None
-    curated: pa.Table | None = None
-    output_files: list[str] = field(default_factory=list)
+    audit: pa.Table | None = field(default=None, repr=False)  # a repr stays one screen, whatever the batch
+    curated: pa.Table | None = field(default=None, repr=False)
+    output_files: list[str] = field(default_factory=list, repr=False)
 
 
 def summarise(results: dict) -> dict:

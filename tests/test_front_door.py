@@ -317,3 +317,13 @@ def test_storage_objects_have_short_reprs(two_recipes):
     with Buffer.open(buf.root) as b, b.snapshot(pin=True) as snap:
         assert repr(b) == f"<storage.Buffer {buf.root!r}>"
         assert repr(snap).startswith("<Snapshot") and "pinned" in repr(snap) and "\n" not in repr(snap)
+
+
+def test_a_curation_results_repr_leaves_out_its_tables(two_recipes):
+    buf, _, _ = two_recipes
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+
+    with Buffer.open(buf.root) as b:
+        result = curate(b, load_recipe("grpo"), {}, dry_run=True)
+    assert result.audit is not None and "audit" not in repr(result) and len(repr(result)) < 2000

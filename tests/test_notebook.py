@@ -3,7 +3,9 @@ built-in task, so the front door of docs/python.md cannot silently break; its ru
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
 import pytest
@@ -19,9 +21,19 @@ def test_example_notebook_runs(tmp_path, default_tiny, capsys):  # noqa: F811
     pytest.importorskip("ipykernel")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the kernel inherits the environment (ROLLSTORE_CACHE too)
+    # a kernel of this very interpreter (a system-wide "python3" kernel spec must not be picked up)
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    spec = tmp_path / "kernels" / "rollstore-venv"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "rollstore (test venv)", "language": "python"}))
+    km = KernelManager(kernel_name="rollstore-venv",
+                       kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]))
     t0 = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
     seconds = time.perf_counter() - t0
     with capsys.disabled():
         print(f"\nexamples/python_front_door.ipynb ran in {seconds:.1f} s")

@@ -302,16 +302,25 @@ def selected_meanwhile(buf: Buffer, con, snapshot_seq: int, curation_id: str, ro
     return None
 
 
-def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = (),
-            capped: tuple[int, pa.Array] | None = None) -> CurationResult:
+def use_capped(out: CurationResult) -> tuple[int, pa.Array] | None:
+    """(snapshot seq, the audit's rollout ids) of a curation with a use cap (replay, `max_reuse`),
+    whose counted uses its commit re-checks; None for any other."""
+    params = json.loads(out.record.get("params") or "{}")
+    if out.audit is None or (params.get("replay", "none") == "none" and params.get("max_reuse") is None):
+        return None
+    return out.snapshot_seq, out.audit.column("rollout_id").combine_chunks()
+
+
+def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = ()) -> CurationResult:
     """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
     the manifest says this curation is already committed (then nothing is written: the run is
     idempotent). A concurrent identical run that commits first makes this one roll back, and so
     does a rollouts shard of `referenced` (manifest paths the curated rows refer to) that was
     retired meanwhile (compacted or quarantined): the references would not resolve. With a use cap
-    (`capped`: the snapshot seq the uses were counted in and the audit's rollout ids), a curation
-    committed meanwhile that selected one of these rows makes this one roll back: the uses it
-    counted (and the cap it applied) are out of date."""
+    (`use_capped`), a curation committed after this one's snapshot that selected one of its
+    candidates makes this one roll back: the uses it counted (and the cap it applied) are out of
+    date."""
+    capped = use_capped(out)
 
     def refuse_duplicate(con, _seq, _ids):
         if buf.manifest.live_key_count("curations", curation_id, con) > 1:
@@ -404,10 +413,7 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
         out.curated = pa.concat_tables(tables).cast(CURATED_REFS) if tables else CURATED_REFS.empty_table()
         return out
     try:
-        vals = decided.values
-        capped = ((decided.snapshot_seq, audit.column("rollout_id").combine_chunks())
-                  if vals.get("replay_on") or vals.get("max_reuse") is not None else None)
-        return publish(buf, lambda: ahead(parts()), cid, out, referenced, capped)
+        return publish(buf, lambda: ahead(parts()), cid, out, referenced)
     finally:
         if beside is not None:
             beside.close()

@@ -159,15 +159,32 @@ def test_loop_selects_before_generating_and_resumes(tmp_path, default_tiny):  # 
                              epochs=2, sets={"skip_explore_start": "0.05"}))
     assert [r["iteration"] for r in summary["iterations"]] == [2, 3]
     rows = sql(root, "SELECT step, position, prompt_id, decision, reason FROM prompt_selections ORDER BY step, position")
-    steps = sorted({r[0] for r in rows})
-    assert steps == [0, 1, 2, 3]
+    steps_ = sorted({r[0] for r in rows})
+    assert steps_ == [0, 1, 2, 3]
     assert {r[4] for r in rows if r[0] == 0} == {"no_history"}
     assert [r[1] for r in rows] == list(range(len(rows)))  # the stream goes on from step to step, no gap
-    for s in steps:
+    for s in steps_:
         chosen = sorted(r[2] for r in rows if r[0] == s and r[3] == "generate")
         got = sql(root, f"SELECT prompt_id FROM rollouts WHERE step = {s} GROUP BY group_id, prompt_id")
         assert sorted(g[0] for g in got) == chosen and len(chosen) == 8
     assert any(r[3] == "skip" for r in rows) or any(r[4] == "filled" for r in rows)
+    # `rollstore audit --skips` counts what the table holds; a second run makes --run necessary
+    import json
+
+    from typer.testing import CliRunner
+
+    from rollstore.cli import app
+
+    res = CliRunner().invoke(app, ["audit", root, "--skips", "-f", "json"])
+    assert res.exit_code == 0, res.output
+    steps = json.loads(res.output)["steps"]
+    assert [r["examined"] for r in steps] == [sum(1 for x in rows if x[0] == s) for s in steps_]
+    assert sum(r["skipped"] for r in steps) == sum(1 for x in rows if x[3] == "skip")
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        other = snap.arrow("prompt_selections").to_table().slice(0, 1)
+        buf.append("prompt_selections", other.set_column(0, "run_id", pa.array(["other"])))
+    res = CliRunner().invoke(app, ["audit", root, "--skips"])
+    assert res.exit_code == 1 and "2 runs have prompt selections (other, t): name one with --run" in res.output
     # μ = 2: twice the optimiser passes of one (the training rows of a curation come in two passes)
     per_curation = sql(root, "SELECT curation_id, count(*) FROM training GROUP BY curation_id")
     assert per_curation and all(n % 2 == 0 for _, n in per_curation)

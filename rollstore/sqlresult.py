@@ -52,7 +52,8 @@ class SqlResult:
         return self._table.num_rows
 
     def __repr__(self) -> str:
-        head = f"<SqlResult {self._table.num_rows} rows × {self._table.num_columns} columns, snapshot {self.snapshot_seq}>"
+        t = self._table
+        head = f"<SqlResult {t.num_rows} rows × {t.num_columns} columns, snapshot {self.snapshot_seq}>"
         try:
             import polars as pl
 

@@ -33,12 +33,33 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
-from rollstore.queries import render
+from rollstore.queries import load_sql, render
 from rollstore.storage.schema import PROMPT_SELECTIONS
 
 from .params import Params
 
 SKIP_PARAMS = ("prompt_skip", "skip_window", "skip_target", "skip_explore_start", "skip_explore_min", "skip_step")
+
+
+def sql_sha256() -> str:
+    """The hash of the selection's SQL as it executes (comments and spacing left out), recorded in every
+    decision's `params` beside the parameters: a change to what runs changes it."""
+    from .plan import executable
+
+    text = "\n;\n".join(executable(load_sql(name)) for name in ("prompt_history", "prompt_skip_state"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def describe(p: Params) -> list[str]:
+    """The phase as `rollstore recipes --explain` prints it, before the curation's steps."""
+    return [
+        f" 0. prompts    prompt (before generation; run by the loop)  prompt_history + prompt_skip_state",
+        f"      reads rollouts (this run, earlier steps), prompt_selections  →  writes prompt_selections",
+        f"      $window = {p['skip_window']} groups, target share {float(p['skip_target']):g}, rates start "
+        f"{float(p['skip_explore_start']):g}, step {float(p['skip_step']):g}, floor {float(p['skip_explore_min']):g}",
+        f"      skip with probability 1 − p_e^z (sql sha256 {sql_sha256()[:16]}…)",
+        "",
+    ]
 
 
 def draw(seed: int, run_id: str, step: int, prompt_id: str) -> float:
@@ -109,8 +130,8 @@ def select(session, p: Params, *, run_id: str, step: int, seed: int, stream: Cal
     if p["prompt_skip"] != "greso":
         raise ValueError(f"prompt_skip={p['prompt_skip']}: nothing to select")
     r = rates(session, run_id, step, p)
-    params = json.dumps({k: (float(p[k]) if isinstance(p[k], Fraction) else p[k]) for k in SKIP_PARAMS},
-                        sort_keys=True)
+    params = json.dumps({**{k: (float(p[k]) if isinstance(p[k], Fraction) else p[k]) for k in SKIP_PARAMS},
+                         "sql_sha256": sql_sha256()}, sort_keys=True)
     now = dt.datetime.now(dt.timezone.utc)
     chosen: list = []
     rows: list[dict] = []

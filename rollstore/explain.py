@@ -30,6 +30,11 @@ def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
     if params["current_version"] is None:
         say("current_version: the newest checkpoint's version, else the newest policy_version (at run time)")
     say()
+    if params["prompt_skip"] != "none":
+        from rollstore.curate.prompts import describe
+
+        for line in describe(params):
+            say(line)
     for row in explain(plan):
         say(f"{row['step']:>2}. {row['phase']:<10} {row['scope']:<16} {row['sql']}")
         say(f"      reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes'])}")

@@ -327,3 +327,16 @@ def test_a_curation_results_repr_leaves_out_its_tables(two_recipes):
     with Buffer.open(buf.root) as b:
         result = curate(b, load_recipe("grpo"), {}, dry_run=True)
     assert result.audit is not None and "audit" not in repr(result) and len(repr(result)) < 2000
+
+
+def test_curate_takes_a_recipe_file_and_keyword_parameters(two_recipes, tmp_path, cli):
+    buf, _, _ = two_recipes
+    recipe = tmp_path / "half.toml"
+    recipe.write_text('description = "dapo, then half of the pool"\n[params]\nfilter = "dynamic"\n'
+                      'sample = "cross_group"\n')
+    cur = buf.curate(str(recipe), sample_fraction=0.5, where="step = 0")
+    assert cur.recipe == "half" and cur.params["sample_fraction"] == 0.5 and cur.params["where"] == "step = 0"
+    out = cli("curate", buf.root, "--recipe", str(recipe), "--set", "sample_fraction=0.5", "--set", "where=step = 0",
+              "--snapshot", str(cur.record["snapshot_seq"]))
+    assert out.code == 0 and out.stdout.strip().splitlines()[-1] == cur.id  # the same curation either way
+    assert "already committed" in out.stdout

@@ -176,7 +176,7 @@ def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console)
                 f"<= {_cell(why['keep_at_or_below'])}" if why["keep_at_or_below"] is not None else "") if x)
             out.print(f"selection value {_cell(why['selection_value'])} ranks {why['pool_position']} of "
                       f"{why['pool_size']} in its pool; budget {why['budget']} "
-                      f"({'kept: value ' + ends if ends else 'the whole pool was kept'})"
+                      f"({'kept: value ' + ends + ', ties by rollout_id' if ends else 'the whole pool was kept'})"
                       + (f"; token score threshold {_cell(threshold)}" if threshold is not None else ""),
                       highlight=False, markup=False)
         else:

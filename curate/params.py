@@ -52,6 +52,7 @@ ENUMS = {
     "token": ("none", "abs_adv_entropy", "entropy"),
     "schedule": ("static", "linear"),
     "replay": ("none", "groups", "rollouts", "window"),
+    "prompt_skip": ("none", "greso"),
 }
 FRACTIONS = (
     "sample_fraction", "sample_fraction_start", "sample_fraction_end",
@@ -60,7 +61,6 @@ FRACTIONS = (
 DEFAULTS: dict[str, object] = {
     "where": None,
     "current_version": None,
-    "prompt_skip": ("none", "greso"),
     "max_policy_lag": None,
     "max_reuse": None,
     "truncated": "keep",
@@ -86,7 +86,15 @@ DEFAULTS: dict[str, object] = {
     "replay_max_uses": 2,
     "replay_count": None,
     "replay_decay": Fraction(1, 2),
+    # pre-rollout prompt selection (docs/curation.md §Before generation; curate.prompts)
+    "prompt_skip": "none",
+    "skip_window": 8,
+    "skip_target": Fraction(1, 4),
+    "skip_explore_start": Fraction(1, 2),
+    "skip_explore_min": Fraction(1, 20),
+    "skip_step": Fraction(1, 20),
 }
+SKIP_FRACTIONS = ("skip_explore_start", "skip_explore_min", "skip_step")
 STATIC_ONLY = ("sample_fraction", "token_fraction")
 LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_start", "token_fraction_end")
 
@@ -110,15 +118,7 @@ def exact(text: object, name: str) -> Fraction:
 
 def _decimal(text: object, name: str) -> Fraction:
     if isinstance(text, bool):
-    # pre-rollout prompt selection (docs/curation.md §Before generation; curate.prompts)
-    "prompt_skip": "none",
-    "skip_window": 8,
-    "skip_target": Fraction(1, 4),
-    "skip_explore_start": Fraction(1, 2),
-    "skip_explore_min": Fraction(1, 20),
-    "skip_step": Fraction(1, 20),
         raise ParamError(f"parameter {name}: expected a number, got {text!r}")
-SKIP_FRACTIONS = ("skip_explore_start", "skip_explore_min", "skip_step")
     if isinstance(text, Fraction):
         return text
     if isinstance(text, int):
@@ -174,7 +174,7 @@ def coerce(name: str, value: object) -> object:
             raise ParamError(f"parameter {name}: must be in (0, 1], got {value}")
     elif name in ("progress", "skip_target"):
         if not (0 <= f <= 1):
-            raise ParamError(f"parameter progress: must be in [0, 1], got {value}")
+            raise ParamError(f"parameter {name}: must be in [0, 1], got {value}")
     elif name == "amplify_max":
         if f < 1:
             raise ParamError(f"parameter amplify_max: must be ≥ 1, got {value}")
@@ -189,25 +189,25 @@ def coerce(name: str, value: object) -> object:
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str
-    description: str
-    presets: dict[str, object]
-    sql: str | None = None  # custom recipe: a user SELECT over `candidates`
-
-
-def builtin_recipes() -> list[str]:
-    folder = resources.files(__package__).joinpath("recipes")
     """A recipe: parameter presets (or a custom SELECT), and the training it is meant for: `epochs`
     (μ, passes per curated batch) and `lr`, used by the loop unless `--epochs` / `--lr` are given;
     `recommended` marks the recipe the README recommends for fewer generated rollouts."""
 
+    name: str
+    description: str
+    presets: dict[str, object]
+    sql: str | None = None  # custom recipe: a user SELECT over `candidates`
+    epochs: int | None = None
+    lr: float | None = None
+    recommended: bool = False
+
+
+def builtin_recipes() -> list[str]:
+    folder = resources.files(__package__).joinpath("recipes")
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
 # The keys a recipe file may hold at its top level, and the type of each (`params` is a table
-    epochs: int | None = None
-    lr: float | None = None
-    recommended: bool = False
 # whose keys are parameter names, checked by `coerce`). Anything else is refused, naming the key.
 RECIPE_KEYS = {"name": str, "description": str, "params": dict, "sql": str, "sql_file": str, "epochs": int,
                "lr": (int, float), "recommended": bool}

@@ -56,6 +56,7 @@ SECTIONS = [
     ("curations", "Curations"),
     ("bands", "Keep rate by difficulty band"),
     ("replay", "Replay: share and age of the rows trained"),
+    ("skips", "Prompts skipped before generation"),
     ("advantages", "Advantages before and after amplification and selection"),
     ("tokens", "Selected and rejected rollouts, token by token"),
     ("training", "Training"),
@@ -70,6 +71,7 @@ QUERIES = [
     "report_curations",
     "report_bands",
     "report_replay",
+    "report_prompt_skips",
     "report_advantages",
     "report_advantage_stats",
     "report_tokens",
@@ -393,6 +395,26 @@ def section_replay(res: dict[str, Result]) -> str:
     return _section("replay", "Replay: share and age of the rows trained", intro, body)
 
 
+def section_skips(res: dict[str, Result]) -> str:
+    rows = res["report_prompt_skips"].rows
+    title = "Prompts skipped before generation"
+    intro = ("Per run and step, the prompts pre-rollout selection examined before generating (docs/curation.md, "
+             "Before generation): skipped because their recent groups had no variance, and generated anyway "
+             "because the pool ran out (<code>filled</code>); the exploration rates of all-correct and all-wrong "
+             "prompts. <code>rollstore audit BUF --skips</code> adds how often a skipped prompt was informative "
+             "when generated later.")
+    columns = ["run_id", "step", "examined", "skipped", "filled", "skip_share", "explore_easy", "explore_hard"]
+    if not rows:
+        return _section("skips", title, intro + " No run of this buffer selected its prompts before generating "
+                        "(recipe <code>greso</code>, or <code>--set prompt_skip=greso</code>).",
+                        table(rows, columns, name="report_prompt_skips") + sql_block(res["report_prompt_skips"]))
+    series = [Series(run, [(r["step"], r["skip_share"]) for r in rs]) for run, rs in _by(rows, "run_id").items()]
+    chart = line_chart(series, title="Share of examined prompts skipped", x_label="step", y_label="share",
+                       y_range=(0.0, 1.0), integer_x=True)
+    return _section("skips", title, intro, _charts(chart) + table(rows, columns, name="report_prompt_skips")
+                    + sql_block(res["report_prompt_skips"]))
+
+
 def _advantages_block(res: dict[str, Result], scope: Scope) -> str:
     hist_result, stats_result = res["report_advantages" + scope.suffix], res["report_advantage_stats" + scope.suffix]
     hist, stats = hist_result.rows, stats_result.rows
@@ -547,6 +569,7 @@ def render(res: dict[str, Result], text: TokenText, root: str, seq: int, curatio
         section_curations(res, curation_id),
         section_bands(res, blocks),
         section_replay(res),
+        section_skips(res),
         section_advantages(res, blocks),
         section_tokens(res, text, blocks),
         section_training(res),

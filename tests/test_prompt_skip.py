@@ -185,6 +185,12 @@ def test_loop_selects_before_generating_and_resumes(tmp_path, default_tiny):  # 
         buf.append("prompt_selections", other.set_column(0, "run_id", pa.array(["other"])))
     res = CliRunner().invoke(app, ["audit", root, "--skips"])
     assert res.exit_code == 1 and "2 runs have prompt selections (other, t): name one with --run" in res.output
+    # the report's section shows each step's counts (queries/report_prompt_skips.sql)
+    from rollstore.report import build_report
+
+    build_report(Buffer.open(root), str(tmp_path / "r.html"))
+    html = (tmp_path / "r.html").read_text()
+    assert 'id="skips"' in html and "Share of examined prompts skipped" in html
     # μ = 2: twice the optimiser passes of one (the training rows of a curation come in two passes)
     per_curation = sql(root, "SELECT curation_id, count(*) FROM training GROUP BY curation_id")
     assert per_curation and all(n % 2 == 0 for _, n in per_curation)

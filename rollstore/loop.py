@@ -263,7 +263,6 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     optimizer, scheduler = make_optimizer(model, lr=run.train_config.lr, warmup_steps=run.train_config.warmup_steps)
     run.version, run.step = resume(buf, model, optimizer, scheduler, run.run_id)
     run.learner = (model, optimizer, scheduler)
-    run.session = None
     ck = latest_checkpoint(buf, run.run_id)
     start_iteration = ck.metrics.get("iteration", -1) + 1 if ck else 0
     # loaded once; later versions are synced in memory

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-vllm bench bench-learning clean browser
+.PHONY: setup demo test test-vllm bench bench-learning clean browser postgres
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,7 +27,16 @@ browser:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
 	echo "browser: chromium not installed (needs root and apt-get); the report's browser test will be skipped"
 
-test: $(STAMP) browser
+# Debian's PostgreSQL server binaries, for tests/test_catalog_pg.py (which starts its own server in a
+# temporary folder; it skips, saying so, without one): installed only when missing, never fails the build.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q --no-install-recommends postgresql >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends postgresql >/dev/null 2>&1; }; }; } || \
+	echo "postgres: server not installed (needs root and apt-get); the PostgreSQL catalog tests will be skipped"
+
+test: $(STAMP) browser postgres
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see

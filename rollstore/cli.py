@@ -109,12 +109,17 @@ def open_buffer(path: str):
 
 @app.command()
 @guarded
-def init(buffer: str = typer.Argument(..., help="Directory of the new (or existing) buffer.")):
-    """Create a buffer directory with its manifest."""
+def init(
+    buffer: str = typer.Argument(..., help="Directory of the new (or existing) buffer."),
+    catalog: Optional[str] = typer.Option(None, "--catalog", help="postgresql://[user@]host[:port]/db: keep the catalog there (hosts that mount BUFFER share it; docs/multihost.md). Default: BUFFER/manifest.sqlite."),
+):
+    """Create a buffer directory with its manifest (or, with --catalog, its PostgreSQL catalog)."""
     from rollstore.storage.buffer import Buffer
 
-    Buffer.init(buffer).close()
-    out.print(f"initialised {os.path.abspath(buffer)}", highlight=False, markup=False)
+    buf = Buffer.init(buffer, catalog=catalog)
+    where = "" if catalog is None else f" (catalog {buf.manifest.path})"
+    buf.close()
+    out.print(f"initialised {os.path.abspath(buffer)}{where}", highlight=False, markup=False)
 
 
 @app.command("import")

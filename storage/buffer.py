@@ -28,6 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import RollstoreError, ValidationError
+from .catalog import is_cataloged, open_manifest
+from .descriptor import DESCRIPTOR
 from .manifest import Manifest, NewShard, Shard
 from .schema import stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
@@ -49,7 +51,7 @@ TABLE_DIRS = {
 
 
 MANAGED_FILES = ("manifest.sqlite", "manifest.sqlite-wal", "manifest.sqlite-shm", "manifest.sqlite-journal",
-                 "writers.lock")
+                 "writers.lock", DESCRIPTOR)
 
 
 def managed_by(path: str) -> str | None:
@@ -61,7 +63,7 @@ def managed_by(path: str) -> str | None:
     folder = full
     while True:
         parent, name = os.path.split(folder)
-        if os.path.exists(os.path.join(parent, "manifest.sqlite")):
+        if os.path.exists(os.path.join(parent, "manifest.sqlite")) or os.path.exists(os.path.join(parent, DESCRIPTOR)):
             top = name
             if (not parts and top in MANAGED_FILES) or (parts and top in SUBDIRS + ("quarantine",)):
                 return parent
@@ -151,9 +153,16 @@ class Buffer:
         self.manifest = manifest
 
     @classmethod
-    def init(cls, root: str) -> "Buffer":
-        """Create the buffer at `root` (its folders and manifest) if missing, and open it."""
+    def init(cls, root: str, catalog: str | None = None) -> "Buffer":
+        """Create the buffer at `root` (its folders and manifest) if missing, and open it. `catalog`:
+        a PostgreSQL DSN the new buffer is cataloged at instead (`storage/catalog.py`); a folder with
+        a descriptor opens its catalog."""
         root = os.path.abspath(root)
+        if catalog is not None or is_cataloged(root):
+            manifest = open_manifest(root, create=True, catalog=catalog)  # checks all before writing
+            for sub in SUBDIRS:
+                os.makedirs(os.path.join(root, sub), exist_ok=True)
+            return cls(root, manifest)
         for sub in SUBDIRS:
             os.makedirs(os.path.join(root, sub), exist_ok=True)
         return cls(root, Manifest(root, create=True))
@@ -162,7 +171,7 @@ class Buffer:
     def open(cls, root: str) -> "Buffer":
         """Open the buffer at `root`; a folder without one raises `NotABuffer` (one line)."""
         root = os.path.abspath(root)
-        buf = cls(root, Manifest(root))
+        buf = cls(root, open_manifest(root))
         try:
             os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
         except OSError:

@@ -52,6 +52,11 @@ def writing(root: str) -> Iterator[None]:
 def collecting(root: str, wait_s: float = 30.0) -> Iterator[bool]:
     """Hold the writers' lock exclusively; yields True, or False if writers kept it for `wait_s`
     (or the lock file cannot be created: a full disk; then gc leaves the data folders alone)."""
+    if os.path.exists(os.path.join(root, "catalog.json")):
+        # A buffer cataloged in PostgreSQL has writers on other hosts, whom this host-local flock does
+        # not see: its data folders are left alone until the catalog holds writers' intents.
+        yield False
+        return
     try:
         fd = _open(root)
     except OSError:

@@ -1,0 +1,234 @@
+"""A buffer cataloged in PostgreSQL (issue 36, first slice): the catalog seam, `rollstore init BUF
+--catalog DSN`, its bad input, writers serialised in the catalog, and simulated hosts appending to
+one buffer concurrently, checked by the invariant checker. The embedded default is untouched: a
+buffer without a descriptor is the SQLite manifest (the rest of the suite tests it).
+
+The server: ROLLSTORE_TEST_PG_DSN, else Debian's binaries, else the pgserver wheel (tests/pg_server.py),
+started once for this module; without any, the server tests skip with one line saying which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pytest
+
+import pg_server
+from conftest import ROOT
+from multihost import appender_script, check_invariants
+from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.catalog import open_manifest
+from rollstore.storage.catalog_pg import CatalogError, PgManifest, translate
+from rollstore.storage.descriptor import DESCRIPTOR, redact
+from rollstore.storage.errors import ValidationError
+from rollstore.storage.manifest import Manifest
+from rollstore.synthetic import rollouts_table
+
+
+@pytest.fixture(scope="module")
+def pg():
+    missing = pg_server.why_missing()
+    if missing:
+        pytest.skip(f"PostgreSQL catalog tests: {missing}")
+    server = pg_server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pgbuf(pg, tmp_path):
+    root = str(tmp_path / "buf")
+    Buffer.init(root, catalog=pg.fresh_dsn()).close()
+    return root
+
+
+def _rollouts(step: int, run_id: str = "run0", groups: int = 2) -> pa.Table:
+    return rollouts_table(n_groups=groups, group_size=2, mean_tokens=4, step=step, run_id=run_id)
+
+
+# ---- no server needed ----------------------------------------------------------------------
+def test_the_manifest_dialect_translates_to_postgresql():
+    assert translate("SELECT 1 FROM shards WHERE path = ? LIMIT 1")[0] == "SELECT 1 FROM shards WHERE path = %s LIMIT 1"
+    text, rowid = translate("INSERT INTO shards (a) VALUES (?)")
+    assert text.endswith("RETURNING shard_id") and rowid == "shard_id"
+    text, _ = translate("INSERT OR REPLACE INTO leases (consumer_group, shard_id, consumer, lease_id, expires_at, "
+                        "acked_at) VALUES (?, ?, ?, ?, ?, NULL)")
+    assert text.startswith("INSERT INTO leases") and "ON CONFLICT (consumer_group, shard_id) DO UPDATE SET " \
+        "consumer = EXCLUDED.consumer" in text
+    assert translate("INSERT OR IGNORE INTO meta VALUES ('a', '1')")[0].endswith("ON CONFLICT DO NOTHING")
+    assert "IS DISTINCT FROM %s" in translate("SELECT 1 WHERE s.key IS NOT ?")[0]
+    assert translate("ROLLBACK TO register")[0] == "ROLLBACK TO SAVEPOINT register"
+    assert "GREATEST(" in translate("INSERT INTO meta VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
+                                    "SET value = max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))")[0]
+
+
+def test_passwords_never_reach_a_message():
+    assert redact("postgresql://me:s3cret@db:5432/x") == "postgresql://me:***@db:5432/x"
+    assert "s3cret" not in redact("host=db password=s3cret dbname=x")
+
+
+def test_a_buffer_without_a_descriptor_is_the_embedded_manifest(tmp_path):
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        assert type(buf.manifest) is Manifest
+    assert os.path.exists(os.path.join(root, "manifest.sqlite"))
+    assert not os.path.exists(os.path.join(root, DESCRIPTOR))
+    assert type(open_manifest(root)) is Manifest
+
+
+def test_a_dsn_that_is_not_postgresql_is_refused_before_anything_is_written(cli, tmp_path):
+    res = cli("init", tmp_path / "b", "--catalog", "mysql://x/y")
+    assert res.code == 1 and "not a catalog rollstore knows" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
+
+
+# ---- with a server -------------------------------------------------------------------------
+def test_init_writes_a_descriptor_and_every_operation_goes_to_the_catalog(pg, cli, tmp_path):
+    root = str(tmp_path / "buf")
+    res = cli("init", root, "--catalog", pg.fresh_dsn())
+    assert res.code == 0, res.stderr
+    assert os.path.exists(os.path.join(root, DESCRIPTOR)) and not os.path.exists(os.path.join(root, "manifest.sqlite"))
+    assert cli("init", root).code == 0  # init again without --catalog opens the same catalog
+    assert not os.path.exists(os.path.join(root, "manifest.sqlite"))
+    with Buffer.open(root) as buf:
+        assert isinstance(buf.manifest, PgManifest)
+        for step in range(3):
+            buf.append_rollouts(_rollouts(step))
+        assert buf.manifest.latest_seq() == 3
+        # a duplicate rollout_id is refused exactly as on SQLite, and nothing is committed
+        files_before = sorted(os.listdir(os.path.join(root, "rollouts")))
+        with pytest.raises(ValidationError, match="already in the buffer"):
+            buf.append_rollouts(_rollouts(1))
+        assert buf.manifest.latest_seq() == 3
+        assert sorted(os.listdir(os.path.join(root, "rollouts"))) == files_before
+        # leases: two consumers get disjoint shards; an ack is final
+        _, a = buf.lease("rollouts", 2, "a")
+        _, b = buf.lease("rollouts", 2, "b")
+        assert len(a) == 2 and len(b) == 1 and not {s.shard_id for s in a} & {s.shard_id for s in b}
+        assert buf.ack(a, "a") == 2 and buf.ack(a, "b") == 0
+        buf.ack(b, "b")
+        # a snapshot never changes: snapshot 2 before and after more commits and a compaction
+        before = [s.path for s in buf.snapshot(2).shards("rollouts")]
+        with buf.snapshot(pin=True) as snap:
+            assert buf.manifest.oldest_pinned_seq() == snap.seq
+    assert cli("curate", root, "--recipe", "d3s").code == 0
+    with Buffer.open(root) as buf:
+        assert [s.path for s in buf.snapshot(2).shards("rollouts")] == before
+    assert cli("compact", root).code == 0
+    assert cli("verify", root).code == 0
+    res = cli("gc", root)
+    assert res.code == 0 and "retired shards" in res.stdout
+    with Buffer.open(root) as buf:
+        hosts = {r[0] for r in buf.manifest.con.execute("SELECT DISTINCT host FROM commits")}
+        assert None not in hosts
+    assert check_invariants(root) == []
+
+
+def test_bad_catalogs_are_one_line_and_write_nothing(pg, cli, tmp_path):
+    def refused(folder, dsn, words):
+        res = cli("init", folder, "--catalog", dsn)
+        assert res.code == 1, res.stdout
+        assert words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+    nothing = tmp_path / "nothing"
+    refused(nothing, "postgresql://rollstore@127.0.0.1:1/postgres?connect_timeout=3", "cannot connect")
+    refused(nothing, pg_server.with_schema(pg.dsn, "no_such_schema"), "schema its search_path names does not exist")
+    assert not nothing.exists()
+    dsn = pg.fresh_dsn()
+    first = str(tmp_path / "first")
+    assert cli("init", first, "--catalog", dsn).code == 0
+    refused(nothing, dsn, "holds another buffer")  # the catalog of another buffer
+    assert not nothing.exists()
+    refused(first, pg.fresh_dsn(), "already cataloged at")
+    embedded = str(tmp_path / "embedded")
+    assert cli("init", embedded).code == 0
+    refused(embedded, pg.fresh_dsn(), "already an embedded buffer")
+    assert not os.path.exists(os.path.join(embedded, DESCRIPTOR))
+    # opening: a catalog whose tables are gone, or that another buffer's uuid now holds
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as con:
+        con.execute("UPDATE meta SET value = 'ffffffffffffffffffffffffffffffff' WHERE key = 'buffer_uuid'")
+    res = cli("info", first)
+    assert res.code == 1 and "holds buffer ffff" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    with psycopg.connect(dsn, autocommit=True) as con:
+        con.execute("DROP TABLE pins")
+    res = cli("info", first)
+    assert res.code == 1 and "no rollstore catalog there" in res.stderr
+
+
+def test_writers_are_serialised_in_the_catalog_and_seqs_follow_commit_order(pgbuf):
+    a, b = PgManifest(pgbuf), PgManifest(pgbuf)
+    order = []
+    try:
+        with a.transaction() as con:
+            seq_a = a.new_commit(con, "a")
+
+            def other():
+                with b.transaction() as con_b:  # waits for a's COMMIT (the advisory lock)
+                    order.append(("b", b.new_commit(con_b, "b")))
+
+            t = threading.Thread(target=other)
+            t.start()
+            time.sleep(0.3)
+            assert order == []  # b is blocked while a holds the lock
+            order.append(("a", seq_a))
+        t.join(10)
+        assert order == [("a", 1), ("b", 2)]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_writers_of_one_path_one_wins_and_its_file_stays(pgbuf):
+    table = _rollouts(0)  # e.g. two hosts finishing one deterministic curation: same path, same bytes
+    rids, gids = table.column("rollout_id").to_pylist(), table.column("group_id").to_pylist()
+
+    def register(buf):
+        return lambda con, seq, ids: buf.manifest.register_rollouts(con, ids[0], zip(rids, gids), sorted(set(gids)))
+
+    with Buffer.open(pgbuf) as one, Buffer.open(pgbuf) as two:
+        one.commit([Part("rollouts", table, name="same")], "e", on_commit=register(one))
+        with pytest.raises(FileExistsError):
+            two.commit([Part("rollouts", table, name="same")], "e", on_commit=register(two))
+        assert two.manifest.latest_seq() == 1
+    assert check_invariants(pgbuf) == []
+
+
+def test_a_catalog_that_goes_away_is_one_line_and_no_committed_file_is_removed(pg, pgbuf):
+    import psycopg
+
+    with Buffer.open(pgbuf) as buf:
+        buf.append_rollouts(_rollouts(0))
+        pid = buf.manifest.con.raw.info.backend_pid
+        with psycopg.connect(pg.dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(CatalogError) as err:
+            buf.append_rollouts(_rollouts(1))
+        assert len(str(err.value).splitlines()) == 1 and "catalog postgresql://" in str(err.value)
+    assert check_invariants(pgbuf) == []
+
+
+def test_simulated_hosts_append_concurrently(pgbuf, tmp_path):
+    hosts, n = ("h0", "h1", "h2"), 12
+    procs = []
+    for i, host in enumerate(hosts):
+        script = tmp_path / f"{host}.py"
+        script.write_text(appender_script(ROOT, pgbuf, n, seed=i))
+        env = {**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        assert len(out.split()) == n
+    assert check_invariants(pgbuf) == []
+    with Buffer.open(pgbuf) as buf:
+        assert buf.manifest.latest_seq() == len(hosts) * n
+        per_host = dict(buf.manifest.con.execute("SELECT host, count(*) FROM commits GROUP BY host").fetchall())
+        assert per_host == {h: n for h in hosts}

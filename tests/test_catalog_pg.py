@@ -232,3 +232,44 @@ def test_simulated_hosts_append_concurrently(pgbuf, tmp_path):
         assert buf.manifest.latest_seq() == len(hosts) * n
         per_host = dict(buf.manifest.con.execute("SELECT host, count(*) FROM commits GROUP BY host").fetchall())
         assert per_host == {h: n for h in hosts}
+
+
+class _LoseCommitAck:
+    """A psycopg connection whose next COMMIT is lost: `deliver` True sends it (it takes effect),
+    False never sends it; either way the connection then breaks and the caller sees an error."""
+
+    def __init__(self, raw, pg, deliver: bool):
+        self._raw, self._pg, self._deliver = raw, pg, deliver
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+    def execute(self, query, *args, **kwargs):
+        import psycopg
+
+        if query == "COMMIT":
+            if self._deliver:
+                self._raw.execute(query)
+            with psycopg.connect(self._pg.dsn, autocommit=True) as admin:  # the backend goes away
+                admin.execute("SELECT pg_terminate_backend(%s)", (self._raw.info.backend_pid,))
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return self._raw.execute(query, *args, **kwargs)
+
+
+@pytest.mark.parametrize("deliver", [True, False], ids=["committed", "not-committed"])
+def test_a_lost_commit_acknowledgement_is_resolved_by_the_commit_token(pg, pgbuf, deliver):
+    with Buffer.open(pgbuf) as buf:
+        buf.append_rollouts(_rollouts(0))
+        files = set(os.listdir(os.path.join(pgbuf, "rollouts")))
+        buf.manifest.con.raw = _LoseCommitAck(buf.manifest.con.raw, pg, deliver)
+        if deliver:
+            shard = buf.append_rollouts(_rollouts(1))  # resolved: it committed, so it succeeds
+            assert shard.path in {s.path for s in buf.manifest.shards("rollouts")}
+            assert buf.manifest.latest_seq() == 2
+        else:
+            with pytest.raises(CatalogError, match="was NOT committed"):
+                buf.append_rollouts(_rollouts(1))
+            assert buf.manifest.latest_seq() == 1  # the fresh connection answers
+            # no file is unlinked once COMMIT may have been sent: the unnamed one is an orphan for gc
+            assert files < set(os.listdir(os.path.join(pgbuf, "rollouts")))
+    assert check_invariants(pgbuf) == []

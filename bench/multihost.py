@@ -1,0 +1,107 @@
+"""Append throughput of a buffer: embedded SQLite manifest vs a PostgreSQL catalog, 1 and 4 writer
+processes (issue 36's commit-rate table).
+
+Each writer is a process (its own host id, its own catalog connection) that opens the buffer,
+waits at a barrier, then appends `--appends` small rollouts shards (one group of 2 rows each) and
+reports each append's latency. Commits/s = all appends / (last end - first start after the barrier).
+PostgreSQL: --dsn, else ROLLSTORE_TEST_PG_DSN, else a server started from the machine's binaries
+(tests/pg_server.py) with fsync and synchronous_commit on (as durable as SQLite's synchronous=FULL).
+
+    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WRITER = """
+import os, sys, time, json
+sys.path.insert(0, {root!r})
+from rollstore.synthetic import rollouts_table
+from rollstore.storage.buffer import Buffer
+host = os.environ["ROLLSTORE_HOST_ID"]
+buf = Buffer.open({buffer!r})
+tables = [rollouts_table(n_groups=1, group_size=2, mean_tokens=16, step=s, run_id=host) for s in range({n})]
+open({ready!r} + host, "w").close()
+while not os.path.exists({go!r}):
+    time.sleep(0.005)
+start = time.time()
+lat = []
+for t in tables:
+    a = time.perf_counter()
+    buf.append_rollouts(t, source=host)
+    lat.append(time.perf_counter() - a)
+end = time.time()
+buf.close()
+print(json.dumps({{"start": start, "end": end, "lat": lat}}), flush=True)
+"""
+
+
+def run(buffer: str, writers: int, n: int, work: str) -> dict:
+    go = os.path.join(work, f"go-{os.path.basename(buffer)}-{writers}")
+    ready = os.path.join(work, f"ready-{os.path.basename(buffer)}-{writers}-")
+    script = os.path.join(work, "writer.py")
+    with open(script, "w") as f:
+        f.write(WRITER.format(root=ROOT, buffer=buffer, n=n, ready=ready, go=go))
+    procs = [subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "ROLLSTORE_HOST_ID": f"w{writers}-{i}", "OMP_NUM_THREADS": "1"})
+             for i in range(writers)]
+    while sum(os.path.exists(f"{ready}w{writers}-{i}") for i in range(writers)) < writers:
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit("a writer failed before the barrier")
+        time.sleep(0.01)
+    open(go, "w").close()
+    results = [json.loads(p.communicate()[0]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("a writer failed")
+    lat = sorted(x for r in results for x in r["lat"])
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return {"writers": writers, "commits": len(lat), "commits_per_s": len(lat) / wall,
+            "p50_ms": 1000 * lat[len(lat) // 2], "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--appends", type=int, default=40, help="appends per writer")
+    ap.add_argument("--writers", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--dsn", default=os.environ.get("ROLLSTORE_TEST_PG_DSN"))
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from rollstore.storage.buffer import Buffer
+
+    server = None
+    if args.dsn is None:
+        import pg_server
+
+        server = pg_server.start(durable=True)
+    try:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="rollstore-bench-mh-") as work:
+            for writers in args.writers:
+                for kind in ("sqlite", "postgres"):
+                    buffer = os.path.join(work, f"{kind}-{writers}")
+                    if kind == "sqlite":
+                        Buffer.init(buffer).close()
+                    else:
+                        dsn = server.fresh_dsn() if server else args.dsn
+                        Buffer.init(buffer, catalog=dsn).close()
+                    rows.append({"catalog": kind, **run(buffer, writers, args.appends, work)})
+                    r = rows[-1]
+                    print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
+                          f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+import signal
+import subprocess
+import sys
+import time
 
 import pyarrow.parquet as pq
 
@@ -37,6 +42,59 @@ def appender_script(root: str, buffer: str, n: int, group: int = 2, seed: int = 
     return APPENDER.format(root=root, buffer=buffer, n=n, group=group, seed=seed)
 
 
+# Appends until killed; each incarnation has its own run_id (host and pid), so a restart never
+# reuses an id. Prints "ready" once its buffer is open.
+LOOPER = """
+import os, sys
+sys.path.insert(0, {root!r})
+from rollstore.synthetic import rollouts_table
+from rollstore.storage.buffer import Buffer
+run = os.environ["ROLLSTORE_HOST_ID"] + "-" + str(os.getpid())
+buf = Buffer.open({buffer!r})
+print("ready", flush=True)
+step = 0
+while True:
+    buf.append_rollouts(rollouts_table(n_groups=1, group_size=2, mean_tokens=4, step=step, run_id=run))
+    step += 1
+"""
+
+
+def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int = 0,
+                check=None) -> list[tuple[int, str, list[str]]]:
+    """Simulated hosts append to `buffer` concurrently; `kills` times, one of them (at random) is
+    sent SIGKILL at a random moment of its appending, the invariants are checked while the others
+    go on, and it is restarted. Returns (trial, host killed, violations) for each trial."""
+    rng = random.Random(seed)
+    check = check or check_invariants
+
+    def start(host: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", LOOPER.format(root=root, buffer=buffer)],
+                             env={**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"simulated host {host} did not start: {p.stderr.read()[-2000:]}")
+        return p
+
+    procs = {h: start(h) for h in hosts}
+    results = []
+    try:
+        for trial in range(kills):
+            host = rng.choice(hosts)
+            time.sleep(rng.uniform(0.05, 0.4))
+            victim = procs[host]
+            if victim.poll() is not None:
+                raise RuntimeError(f"simulated host {host} died by itself: {victim.stderr.read()[-2000:]}")
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            results.append((trial, host, check(buffer)))
+            procs[host] = start(host)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    return results
+
+
 def check_invariants(buffer: str) -> list[str]:
     """Every violation found (empty: all hold):
     - every live row's file exists, with the size and sha256 the catalog records;
@@ -46,19 +104,20 @@ def check_invariants(buffer: str) -> list[str]:
     bad: list[str] = []
     with Buffer.open(buffer) as buf:
         man = buf.manifest
-        seqs = [r[0] for r in man.con.execute("SELECT seq FROM commits ORDER BY seq")]
-        if seqs != list(range(1, len(seqs) + 1)):
+        latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
+        seqs = [r[0] for r in man.con.execute("SELECT seq FROM commits WHERE seq <= ? ORDER BY seq", (latest,))]
+        if seqs != list(range(1, latest + 1)):
             bad.append(f"commit seqs not contiguous: {seqs[:5]}... ({len(seqs)} commits, max {max(seqs, default=0)})")
-        latest = man.latest_seq()
-        rows = man.con.execute("SELECT path, added_seq, removed_seq FROM shards").fetchall()
+        rows = man.con.execute("SELECT path, added_seq, removed_seq FROM shards WHERE added_seq <= ?",
+                               (latest,)).fetchall()
         paths = [r[0] for r in rows]
         if len(paths) != len(set(paths)):
             bad.append("a shard path is named twice")
         for path, added, removed in rows:
-            if not 1 <= added <= latest or (removed is not None and not added < removed <= latest):
+            if not 1 <= added <= latest or (removed is not None and removed <= added):
                 bad.append(f"{path}: seqs {added}..{removed} outside 1..{latest}")
         seen: set[str] = set()
-        for shard in man.shards():
+        for shard in man.shards(seq=latest):
             full = os.path.join(buf.root, shard.path)
             if not os.path.exists(full):
                 bad.append(f"{shard.path}: live row, no file")
@@ -73,7 +132,44 @@ def check_invariants(buffer: str) -> list[str]:
                     if rid in seen:
                         bad.append(f"rollout_id {rid} twice")
                     seen.add(rid)
-        registered = {r[0] for r in man.con.execute("SELECT rollout_id FROM rollout_ids")}
+        registered = {r[0] for r in man.con.execute(
+            "SELECT r.rollout_id FROM rollout_ids r JOIN shards s ON s.shard_id = r.shard_id WHERE s.added_seq <= ?",
+            (latest,))}
         if registered != seen:
             bad.append(f"rollout_ids holds {len(registered)} ids, the live shards {len(seen)}")
     return bad
+
+
+if __name__ == "__main__":  # more trials than the suite runs: python tests/multihost.py --kills 30
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description="kill -9 trials of simulated hosts on a PostgreSQL-cataloged buffer")
+    ap.add_argument("--kills", type=int, default=30)
+    ap.add_argument("--hosts", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import pg_server
+
+    server = pg_server.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollstore-trials-") as work:
+            buffer = os.path.join(work, "buf")
+            Buffer.init(buffer, catalog=server.fresh_dsn()).close()
+            t0 = time.monotonic()
+            results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
+                                  args.seed)
+            final = check_invariants(buffer)
+            with Buffer.open(buffer) as buf:
+                commits = buf.manifest.latest_seq()
+            failed = [(t, h, bad) for t, h, bad in results if bad]
+            print(f"{len(results)} kill trials over {args.hosts} simulated hosts, {commits} commits, "
+                  f"{time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; final check: "
+                  f"{final or 'all hold'}")
+            for t, h, bad in failed:
+                print(f"  trial {t} ({h} killed): {bad}")
+            sys.exit(1 if failed or final else 0)
+    finally:
+        server.stop()

@@ -20,7 +20,7 @@ import pytest
 
 import pg_server
 from conftest import ROOT
-from multihost import appender_script, check_invariants
+from multihost import appender_script, check_invariants, kill_trials
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.catalog import open_manifest
 from rollstore.storage.catalog_pg import CatalogError, PgManifest, translate
@@ -273,3 +273,10 @@ def test_a_lost_commit_acknowledgement_is_resolved_by_the_commit_token(pg, pgbuf
             # no file is unlinked once COMMIT may have been sent: the unnamed one is an orphan for gc
             assert files < set(os.listdir(os.path.join(pgbuf, "rollouts")))
     assert check_invariants(pgbuf) == []
+
+
+def test_hosts_killed_mid_append_leave_every_invariant_holding(pgbuf):
+    results = kill_trials(ROOT, pgbuf, ["h0", "h1", "h2"], kills=3, seed=36)  # more: python tests/multihost.py --kills N
+    assert [(t, h) for t, h, bad in results if bad] == [], results
+    with Buffer.open(pgbuf) as buf:
+        assert buf.manifest.latest_seq() > 0

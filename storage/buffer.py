@@ -210,7 +210,7 @@ class Buffer:
         manifest opened read-only (full disk, read-only mount) refuses before any file is written.
         """
         self.manifest.require_writable()
-        with writing(self.root):  # gc collects no unnamed file while we are between link and commit
+        with writing(self.root, self.manifest):  # gc collects no unnamed file while we are between link and commit
             written: list[NewShard] = []
             inodes: list[int] = []
             ids: list[int] = []

@@ -234,7 +234,18 @@ def connect(dsn: str) -> PgConnection:
     except (psycopg.Error, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CatalogError(f"catalog {where}: cannot connect ({first}); nothing was written") from None
-    return PgConnection(raw, where)
+    con = PgConnection(raw, where)
+    try:
+        # On the database's clock: a writer stalled inside a transaction (holding the buffer's lock)
+        # is cut off after ROLLSTORE_PG_STALL_S, which rolls its transaction back and ends its
+        # session (it is fenced: nothing of it commits); keepalives end a dead host's session.
+        stall = float(os.environ.get("ROLLSTORE_PG_STALL_S", "60"))
+        con.raw.execute(f"SET idle_in_transaction_session_timeout = {int(stall * 1000)}; "
+                        "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3")
+    except (psycopg.Error, ValueError) as exc:
+        con.close()
+        raise CatalogError(f"catalog {where}: cannot set up the session ({exc})") from None
+    return con
 
 
 def _tables(con: PgConnection) -> set[str]:
@@ -340,6 +351,7 @@ class PgManifest(Manifest):
         self.path = descriptor.redact(desc.catalog)
         self.read_only = None
         self.lock_key = lock_key(desc.buffer_uuid)
+        self.writers_key = lock_key(desc.buffer_uuid + ":writers")
         self._token: str | None = None  # of the commit row of the transaction in progress
         self.con = connect(desc.catalog)
         try:
@@ -435,6 +447,44 @@ class PgManifest(Manifest):
                                       os.path.join(self.root, s.path))
             ids.append(int(row[0]))
         return ids
+
+    # ---- the writers' lock, in the catalog (what `writelock` is for the embedded buffer) -------
+    @contextmanager
+    def writers_lock(self) -> Iterator[None]:
+        """Hold the buffer's writers' lock shared, as a session-level advisory lock on this catalog
+        connection, from before a commit's first file until its transaction has ended. The commit's
+        transaction runs on the same session: if the session dies (the process killed, the host
+        cut off and its connection closed by the server), the lock goes with it, and so does any
+        chance of that commit landing, so gc may then take the files for orphans (fenced by
+        construction; no host's clock is involved)."""
+        self.con.execute("SELECT pg_advisory_lock_shared(?)", (self.writers_key,))
+        con = self.con
+        try:
+            yield
+        finally:
+            if con is self.con:  # a lost COMMIT acknowledgement replaced the session: its lock is gone
+                try:
+                    con.execute("SELECT pg_advisory_unlock_shared(?)", (self.writers_key,))
+                except CatalogError:
+                    pass  # the session is gone, and its lock with it
+
+    @contextmanager
+    def collecting_lock(self, wait_s: float) -> Iterator[bool]:
+        """Hold the writers' lock exclusively (no writer of any host is between a file and its
+        commit); yields False if writers kept it for `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while not self.con.execute("SELECT pg_try_advisory_lock(?)", (self.writers_key,)).fetchone()[0]:
+            if time.monotonic() >= deadline:
+                yield False
+                return
+            time.sleep(0.02)
+        try:
+            yield True
+        finally:
+            try:
+                self.con.execute("SELECT pg_advisory_unlock(?)", (self.writers_key,))
+            except CatalogError:
+                pass
 
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:

@@ -133,7 +133,7 @@ def collect_tmp(tmp: str, grace_s: float, now: float | None = None) -> GcReport:
 
 def _collect_data(buf: Buffer, grace_s: float, now: float, report: GcReport) -> None:
     """Under the writers' lock held exclusively: remove unnamed .parquet files of the data folders."""
-    with collecting(buf.root, GC_LOCK_WAIT_S) as held:
+    with collecting(buf.root, GC_LOCK_WAIT_S, buf.manifest) as held:
         if not held:
             report.data_dirs_skipped = True
             return

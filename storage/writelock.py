@@ -38,8 +38,13 @@ def _open(root: str) -> int:
 
 
 @contextmanager
-def writing(root: str) -> Iterator[None]:
-    """Hold the writers' lock shared (blocks only while a gc scans the data folders)."""
+def writing(root: str, catalog=None) -> Iterator[None]:
+    """Hold the writers' lock shared (blocks only while a gc scans the data folders). A catalog that
+    has its own writers' lock (`writers_lock`: PostgreSQL's, which every host sees) holds that."""
+    if getattr(catalog, "writers_lock", None) is not None:
+        with catalog.writers_lock():
+            yield
+        return
     fd = _open(root)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -49,12 +54,17 @@ def writing(root: str) -> Iterator[None]:
 
 
 @contextmanager
-def collecting(root: str, wait_s: float = 30.0) -> Iterator[bool]:
+def collecting(root: str, wait_s: float = 30.0, catalog=None) -> Iterator[bool]:
     """Hold the writers' lock exclusively; yields True, or False if writers kept it for `wait_s`
-    (or the lock file cannot be created: a full disk; then gc leaves the data folders alone)."""
+    (or the lock file cannot be created: a full disk; then gc leaves the data folders alone). A
+    catalog with its own writers' lock (`collecting_lock`) is asked instead."""
+    if getattr(catalog, "collecting_lock", None) is not None:
+        with catalog.collecting_lock(wait_s) as held:
+            yield held
+        return
     if os.path.exists(os.path.join(root, "catalog.json")):
         # A buffer cataloged in PostgreSQL has writers on other hosts, whom this host-local flock does
-        # not see: its data folders are left alone until the catalog holds writers' intents.
+        # not see: without its catalog's lock the data folders are left alone.
         yield False
         return
     try:

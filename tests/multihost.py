@@ -18,6 +18,7 @@ import time
 import pyarrow.parquet as pq
 
 from rollstore.storage.buffer import Buffer
+from rollstore.storage.maintenance import DATA_DIRS, gc
 
 APPENDER = """
 import os, sys, time
@@ -60,10 +61,12 @@ while True:
 
 
 def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int = 0,
-                check=None) -> list[tuple[int, str, list[str]]]:
+                check=None, collect: bool = True) -> list[tuple[int, str, list[str]]]:
     """Simulated hosts append to `buffer` concurrently; `kills` times, one of them (at random) is
-    sent SIGKILL at a random moment of its appending, the invariants are checked while the others
-    go on, and it is restarted. Returns (trial, host killed, violations) for each trial."""
+    sent SIGKILL at a random moment of its appending; then (`collect`) gc runs with no grace while
+    the others go on appending, the invariants are checked (orphans too), and the killed host is
+    restarted. Returns (trial, host killed, violations, orphans gc removed or -1 if it was kept
+    out) for each trial."""
     rng = random.Random(seed)
     check = check or check_invariants
 
@@ -86,7 +89,12 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
                 raise RuntimeError(f"simulated host {host} died by itself: {victim.stderr.read()[-2000:]}")
             victim.send_signal(signal.SIGKILL)
             victim.wait()
-            results.append((trial, host, check(buffer)))
+            removed = 0
+            if collect:
+                with Buffer.open(buffer) as buf:
+                    report = gc(buf, grace_s=0.0)
+                removed = -1 if report.data_dirs_skipped else report.orphans_removed
+            results.append((trial, host, check(buffer, orphans=collect), removed))
             procs[host] = start(host)
     finally:
         for p in procs.values():
@@ -95,15 +103,34 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     return results
 
 
-def check_invariants(buffer: str) -> list[str]:
+def unnamed_files(buf: Buffer) -> list[str]:
+    """The .parquet files of the data folders that no catalog row names, read under the writers' lock
+    held exclusively (no writer is then between a file and its commit): orphans."""
+    from rollstore.storage.writelock import collecting
+
+    with collecting(buf.root, 30.0, buf.manifest) as held:
+        if not held:
+            return ["(writers held the writers' lock for 30 s: orphans not checked)"]
+        known = buf.manifest.all_paths()
+        found = []
+        for top in DATA_DIRS:
+            for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
+                found += [os.path.relpath(os.path.join(dirpath, n), buf.root) for n in files if n.endswith(".parquet")]
+        return [f"{p}: no row names it" for p in found if p not in known]
+
+
+def check_invariants(buffer: str, orphans: bool = False) -> list[str]:
     """Every violation found (empty: all hold):
     - every live row's file exists, with the size and sha256 the catalog records;
     - no rollout_id in two live rows (read from the shards), and `rollout_ids` names exactly them;
     - commit seqs are exactly 1..latest, and every shard's added/removed seq is one of them;
-    - no shard path twice among the rows."""
+    - no shard path twice among the rows;
+    - (`orphans`, right after a gc) no .parquet file of the data folders that no row names."""
     bad: list[str] = []
     with Buffer.open(buffer) as buf:
         man = buf.manifest
+        if orphans:
+            bad += unnamed_files(buf)
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
         seqs = [r[0] for r in man.con.execute("SELECT seq FROM commits WHERE seq <= ? ORDER BY seq", (latest,))]
         if seqs != list(range(1, latest + 1)):
@@ -164,9 +191,12 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             final = check_invariants(buffer)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
-            failed = [(t, h, bad) for t, h, bad in results if bad]
+            failed = [(t, h, bad) for t, h, bad, _ in results if bad]
+            removed = sum(r for *_, r in results if r > 0)
+            skipped = sum(1 for *_, r in results if r < 0)
             print(f"{len(results)} kill trials over {args.hosts} simulated hosts, {commits} commits, "
-                  f"{time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; final check: "
+                  f"{time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; gc after each kill "
+                  f"removed {removed} orphans ({skipped} times kept out by writers); final check: "
                   f"{final or 'all hold'}")
             for t, h, bad in failed:
                 print(f"  trial {t} ({h} killed): {bad}")

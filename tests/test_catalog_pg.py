@@ -277,6 +277,94 @@ def test_a_lost_commit_acknowledgement_is_resolved_by_the_commit_token(pg, pgbuf
 
 def test_hosts_killed_mid_append_leave_every_invariant_holding(pgbuf):
     results = kill_trials(ROOT, pgbuf, ["h0", "h1", "h2"], kills=3, seed=36)  # more: python tests/multihost.py --kills N
-    assert [(t, h) for t, h, bad in results if bad] == [], results
+    assert [(t, h) for t, h, bad, _ in results if bad] == [], results
     with Buffer.open(pgbuf) as buf:
         assert buf.manifest.latest_seq() > 0
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from rollstore.storage.buffer import Buffer
+buf = Buffer.open({buffer!r})
+with buf.manifest.writers_lock():
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_gc_of_a_cataloged_buffer_waits_for_every_hosts_writers(pgbuf, monkeypatch):
+    """The writers' lock is in the catalog: a writer on another host between a file and its commit
+    keeps gc out of the data folders; when that writer is killed, its lock ends with its session
+    and gc removes the orphans; committed files stay."""
+    import rollstore.storage.maintenance as maintenance
+
+    with Buffer.open(pgbuf) as buf:
+        shard = buf.append_rollouts(_rollouts(0))
+    orphan = os.path.join(pgbuf, "rollouts", "orphan.parquet")
+    with open(orphan, "wb") as f:
+        f.write(b"PAR1 not committed")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=ROOT, buffer=pgbuf)],
+                              env={**os.environ, "ROLLSTORE_HOST_ID": "other"}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        monkeypatch.setattr(maintenance, "GC_LOCK_WAIT_S", 0.3)
+        with Buffer.open(pgbuf) as buf:
+            report = maintenance.gc(buf, grace_s=0.0)
+        assert report.data_dirs_skipped and os.path.exists(orphan)
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setattr(maintenance, "GC_LOCK_WAIT_S", 10.0)
+    with Buffer.open(pgbuf) as buf:
+        report = maintenance.gc(buf, grace_s=0.0)
+    assert not report.data_dirs_skipped and report.orphans_removed == 1 and not os.path.exists(orphan)
+    assert os.path.exists(os.path.join(pgbuf, shard.path))
+    assert check_invariants(pgbuf, orphans=True) == []
+
+
+STALLER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from rollstore.storage.buffer import Buffer
+from rollstore.synthetic import rollouts_table
+buf = Buffer.open({buffer!r})
+table = rollouts_table(n_groups=1, group_size=2, mean_tokens=4, run_id="stalled")
+
+def stall(con, seq, ids):  # inside the commit's transaction, holding the buffer's lock
+    print("stalling", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+try:
+    buf.commit([__import__("rollstore.storage.buffer", fromlist=["Part"]).Part("rollouts", table)], "append",
+               on_commit=stall)
+    print("committed", flush=True)
+except Exception as exc:
+    print("refused:", exc, flush=True)
+"""
+
+
+def test_a_host_stalled_inside_its_commit_is_fenced_and_the_others_go_on(pgbuf):
+    """SIGSTOP inside a commit's transaction (the buffer's lock held): after ROLLSTORE_PG_STALL_S on
+    the database's clock its session is cut off, the lock released, another host commits; on
+    SIGCONT the stalled host's commit is refused, one line, and nothing of it is visible."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", STALLER.format(root=ROOT, buffer=pgbuf)],
+                            env={**os.environ, "ROLLSTORE_HOST_ID": "stalled", "ROLLSTORE_PG_STALL_S": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stalling"
+        t = time.monotonic()
+        with Buffer.open(pgbuf) as buf:
+            buf.append_rollouts(_rollouts(0))  # waits for the lock until the stalled session is cut off
+            assert buf.manifest.latest_seq() == 1
+        assert time.monotonic() - t < 30
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    assert out.startswith("refused: catalog postgresql://") and len(out.strip().splitlines()) == 1, (out, err)
+    with Buffer.open(pgbuf) as buf:
+        assert buf.manifest.latest_seq() == 1
+        assert {r[0] for r in buf.manifest.con.execute("SELECT host FROM commits")} != {"stalled"}
+    assert check_invariants(pgbuf, orphans=False) == []

@@ -38,7 +38,7 @@ from typing import Iterator
 
 from . import descriptor
 from .errors import ManifestError
-from .manifest import REQUIRED_TABLES, Manifest, NewShard, Shard
+from .manifest import _SHARD_COLS, REQUIRED_TABLES, Manifest, NewShard, Shard
 
 SCHEMA_VERSION = "1"
 
@@ -447,6 +447,43 @@ class PgManifest(Manifest):
                                       os.path.join(self.root, s.path))
             ids.append(int(row[0]))
         return ids
+
+    # ---- leases and pins on the database's clock (the embedded manifest's, with `now` from the
+    # database instead of this host: hosts' clocks need not agree). Keep in step with Manifest's.
+    def lease(self, table: str, n: int, consumer: str, group: str = "default",
+              ttl: float = 600.0) -> tuple[str, list[Shard]]:
+        """Lease up to n live shards of `table` not acked or leased (unexpired) in `group`."""
+        lease_id = uuidlib.uuid4().hex
+        cols = ", ".join("s." + c.strip() for c in _SHARD_COLS.split(","))
+        with self.transaction() as con:
+            now = clock(con)
+            seq = self.latest_seq()
+            rows = con.execute(
+                f"SELECT {cols} FROM shards s "
+                "LEFT JOIN leases l ON l.shard_id = s.shard_id AND l.consumer_group = ? "
+                "WHERE s.table_name = ? AND s.added_seq <= ? AND s.removed_seq IS NULL "
+                "AND (l.shard_id IS NULL OR (l.acked_at IS NULL AND l.expires_at < ?)) "
+                "ORDER BY s.added_seq, s.shard_id LIMIT ?",
+                (group, table, seq, now, n),
+            ).fetchall()
+            con.executemany(
+                "INSERT OR REPLACE INTO leases (consumer_group, shard_id, consumer, lease_id, expires_at, acked_at)"
+                " VALUES (?, ?, ?, ?, ?, NULL)",
+                [(group, r[0], consumer, lease_id, now + ttl) for r in rows],
+            )
+        return lease_id, [Shard(*r) for r in rows]
+
+    def pin(self, seq: int, ttl: float = 3600.0) -> str:
+        pin_id = uuidlib.uuid4().hex
+        with self.transaction() as con:
+            con.execute("INSERT INTO pins VALUES (?, ?, extract(epoch FROM clock_timestamp()) + ?)",
+                        (pin_id, seq, float(ttl)))
+        return pin_id
+
+    def oldest_pinned_seq(self) -> int | None:
+        row = self.con.execute(
+            "SELECT min(seq) FROM pins WHERE expires_at > extract(epoch FROM clock_timestamp())").fetchone()
+        return None if row[0] is None else int(row[0])
 
     # ---- the writers' lock, in the catalog (what `writelock` is for the embedded buffer) -------
     @contextmanager

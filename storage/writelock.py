@@ -15,6 +15,9 @@ Invariants:
   `wait_s`, `collecting` yields False and gc leaves the data folders for its next run.
 - The lock is an advisory `flock` on a file that is created once and never removed; a killed
   process's hold ends with it.
+- A buffer cataloged in PostgreSQL (`catalog.json`) uses its catalog's lock instead (`writers_lock`,
+  `collecting_lock` of `catalog_pg.PgManifest`: an advisory lock every host sees); without its
+  catalog at hand, `collecting` yields False: the flock cannot see other hosts' writers.
 """
 
 from __future__ import annotations

@@ -368,3 +368,20 @@ def test_a_host_stalled_inside_its_commit_is_fenced_and_the_others_go_on(pgbuf):
         assert buf.manifest.latest_seq() == 1
         assert {r[0] for r in buf.manifest.con.execute("SELECT host FROM commits")} != {"stalled"}
     assert check_invariants(pgbuf, orphans=False) == []
+
+
+def test_leases_and_pins_expire_on_the_databases_clock(pgbuf, monkeypatch):
+    """A host whose clock runs an hour ahead neither steals a live lease nor drops a pin early."""
+    with Buffer.open(pgbuf) as buf:
+        buf.append_rollouts(_rollouts(0))
+        _, mine = buf.lease("rollouts", 1, "a", ttl=600.0)
+        pin = buf.manifest.pin(1, ttl=600.0)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600.0)
+        _, stolen = buf.lease("rollouts", 1, "skewed", ttl=600.0)
+        assert len(mine) == 1 and stolen == []
+        assert buf.manifest.oldest_pinned_seq() == 1
+        monkeypatch.setattr(time, "time", real)
+        buf.manifest.unpin(pin)
+        _, again = buf.lease("rollouts", 1, "b", ttl=0.0)  # nothing free: a's lease is live
+        assert again == []

@@ -603,3 +603,23 @@ def test_the_trl_plugin_verifies_the_rows_it_replays(thin, tmp_path):
         with pytest.raises(ShardError) as err:
             trl_replay.stored_rows(tr, [{"rollout_id": "x", "advantage": 1.0, "weight": 1.0, "loss_mask": [1]}])
     assert path in str(err.value) and "sha256 differs" in str(err.value)
+
+
+def test_train_verify_bench_smoke(tmp_path):
+    """bench/train_verify.py at a tiny size, in this process: both modes train and publish, the
+    table has its rows."""
+    from bench import train_verify
+
+    import torch
+
+    root = str(tmp_path / "buf")
+    info = train_verify.prepare(root, 4000, 2, 16, "d3s", "0")
+    threads = torch.get_num_threads()
+    try:
+        m = {**train_verify.child(root, 1), **info, "recipe": "d3s", "progress": "0", "repeat": 1, "mean_tokens": 16}
+    finally:
+        torch.set_num_threads(threads)
+    text = train_verify.section(m, command="python -m bench.train_verify --tokens 4000")
+    assert "| **median** |" in text and info["rollouts_shards"] == 2 and len(m["runs"]["with"]) == 1
+    with Buffer.open(root) as buf:
+        assert len(buf.manifest.shards("checkpoints")) == 2  # one per run, each under its own run id

@@ -97,7 +97,7 @@ def section(m: dict) -> str:
                       extra=[f"Buffer: one rollouts shard of {m['shard_mb']:.1f} MB ({m['tokens']:,} tokens); "
                              f"commit {common.commit()}"]),
         "", table, "",
-        "Verification hashes each shard once per process (cached by path, size, mtime and inode), before "
+        "Verification hashes each shard once per process (cached by path, size, mtime, ctime and inode), before "
         "curate, compact or train use it; `sql` only stats the files. The page cache was warm.",
     ])
 

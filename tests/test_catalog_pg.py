@@ -385,3 +385,33 @@ def test_leases_and_pins_expire_on_the_databases_clock(pgbuf, monkeypatch):
         buf.manifest.unpin(pin)
         _, again = buf.lease("rollouts", 1, "b", ttl=0.0)  # nothing free: a's lease is live
         assert again == []
+
+
+def test_d3s_on_a_cataloged_buffer_is_the_embedded_buffers_curation(pg, tmp_path):
+    """The same rows in an embedded and a PostgreSQL-cataloged buffer: d3s gives the same curation id,
+    byte-identical audit shards (by the sha256 the catalogs record) and the same curated rows. (The
+    curated shards' bytes differ only in `rollouts_shard`, the referenced file's name, which is
+    random per buffer: it is compared as the position of that shard in append order.)"""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    import rollstore as rs
+
+    tables = [_rollouts(step, groups=4) for step in range(3)]
+    results = {}
+    for kind in ("embedded", "postgres"):
+        root = str(tmp_path / kind)
+        Buffer.init(root, catalog=pg.fresh_dsn() if kind == "postgres" else None).close()
+        with Buffer.open(root) as buf:
+            order = [buf.append_rollouts(t).path for t in tables]
+        cur = rs.open(root).curate("d3s")
+        with Buffer.open(root) as buf:
+            audit = sorted(s.sha256 for s in buf.manifest.shards("selections"))
+            curated = pa.concat_tables(pq.read_table(os.path.join(root, s.path)) for s in buf.manifest.shards("curated"))
+        position = pa.array([order.index(p) for p in curated.column("rollouts_shard").to_pylist()])
+        curated = curated.set_column(curated.schema.get_field_index("rollouts_shard"), "rollouts_shard", position)
+        results[kind] = (cur.id, audit, curated.replace_schema_metadata(None))
+    (id_e, audit_e, cur_e), (id_p, audit_p, cur_p) = results["embedded"], results["postgres"]
+    assert id_e == id_p and audit_e == audit_p and audit_e
+    assert cur_e.num_rows > 0 and cur_e.equals(cur_p)
+    assert pc.all(pc.greater_equal(cur_e.column("rollouts_shard"), 0)).as_py()

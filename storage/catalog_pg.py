@@ -257,6 +257,26 @@ def _tables(con: PgConnection) -> set[str]:
         "SELECT table_name FROM information_schema.tables WHERE table_schema = ?", (schema,))}
 
 
+def check_hard_links(folder: str) -> None:
+    """One line unless `folder`'s filesystem makes hard links (a shard is published by linking its
+    fsynced temporary file into place, which never overwrites; some shared mounts refuse links)."""
+    import errno
+    import tempfile
+
+    fd, probe = tempfile.mkstemp(prefix=".rollstore-link-probe-", dir=folder)
+    os.close(fd)
+    try:
+        os.link(probe, probe + ".link")
+        os.unlink(probe + ".link")
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise ManifestError(f"{folder}: its filesystem makes no hard links ({exc.strerror}); a shared buffer "
+                                "folder needs them (docs/multihost.md); nothing was written") from None
+        raise
+    finally:
+        os.unlink(probe)
+
+
 def _buffer_uuid(con: PgConnection) -> str | None:
     row = con.execute("SELECT value FROM meta WHERE key = 'buffer_uuid'").fetchone()
     return None if row is None else row[0]
@@ -280,6 +300,7 @@ def create(root: str, dsn: str) -> descriptor.Descriptor:
         parent = os.path.dirname(parent)
     if not os.access(parent, os.W_OK):
         raise ManifestError(f"{root}: cannot be written (no permission on {parent}); nothing was written")
+    check_hard_links(parent)
     con = connect(dsn)
     try:
         with _locked(con, _INIT_LOCK):

@@ -121,6 +121,8 @@ def test_init_writes_a_descriptor_and_every_operation_goes_to_the_catalog(pg, cl
         assert [s.path for s in buf.snapshot(2).shards("rollouts")] == before
     assert cli("compact", root).code == 0
     assert cli("verify", root).code == 0
+    res = cli("sql", root, "SELECT 1", "--format", "csv", "--out", os.path.join(root, DESCRIPTOR))
+    assert res.code == 1 and "inside the managed files" in res.stderr  # --out never replaces the descriptor
     res = cli("gc", root)
     assert res.code == 0 and "retired shards" in res.stdout
     with Buffer.open(root) as buf:
@@ -145,6 +147,21 @@ def test_bad_catalogs_are_one_line_and_write_nothing(pg, cli, tmp_path):
     refused(nothing, dsn, "holds another buffer")  # the catalog of another buffer
     assert not nothing.exists()
     refused(first, pg.fresh_dsn(), "already cataloged at")
+    import errno
+
+    import rollstore.storage.catalog_pg as catalog_pg
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    real_link = os.link
+    os.link = no_links  # a shared mount without hard links
+    try:
+        refused(nothing, pg.fresh_dsn(), "makes no hard links")
+    finally:
+        os.link = real_link
+    assert not nothing.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".rollstore-link-probe")]
+    assert catalog_pg.check_hard_links(str(tmp_path)) is None
     embedded = str(tmp_path / "embedded")
     assert cli("init", embedded).code == 0
     refused(embedded, pg.fresh_dsn(), "already an embedded buffer")

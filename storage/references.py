@@ -56,10 +56,10 @@ def reading(path: str):
 
 
 def _buffer_of(path: str) -> str:
-    """The buffer folder above `path` (the first one holding a manifest), else BUFFER."""
+    """The buffer folder above `path` (the first one holding a manifest or a descriptor), else BUFFER."""
     folder = os.path.dirname(os.path.abspath(path))
     while True:
-        if os.path.exists(os.path.join(folder, "manifest.sqlite")):
+        if os.path.exists(os.path.join(folder, "manifest.sqlite")) or os.path.exists(os.path.join(folder, "catalog.json")):
             return folder
         parent = os.path.dirname(folder)
         if parent == folder:

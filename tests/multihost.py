@@ -60,29 +60,92 @@ while True:
 """
 
 
+# Leases rollouts shards in consumer group "trial" (a short TTL, so a killed consumer's leases come
+# back soon) and acks them one by one, logging each acked shard id once its ack returned.
+CONSUMER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from rollstore.storage.buffer import Buffer
+me = os.environ["ROLLSTORE_HOST_ID"] + "-" + str(os.getpid())
+buf = Buffer.open({buffer!r})
+log = open(os.path.join({logdir!r}, "acks-" + me), "a")
+print("ready", flush=True)
+while True:
+    _, shards = buf.lease("rollouts", 2, me, group="trial", ttl=2.0)
+    for s in shards:
+        if buf.ack([s], me, group="trial") == 1:
+            log.write(f"{{s.shard_id}}\\n")
+            log.flush()
+    if not shards:
+        time.sleep(0.05)
+"""
+
+# Curates the latest snapshot with d3s, again and again.
+CURATOR = """
+import sys, time
+sys.path.insert(0, {root!r})
+import rollstore as rs
+print("ready", flush=True)
+while True:
+    rs.open({buffer!r}).curate("d3s")
+    time.sleep(0.1)
+"""
+
+
+def double_acks(logdir: str) -> list[str]:
+    """Shard ids that two consumer logs (or one, twice) record as acked in group "trial"."""
+    seen: dict[str, str] = {}
+    bad = []
+    for name in sorted(os.listdir(logdir)):
+        if name.startswith("acks-"):
+            with open(os.path.join(logdir, name)) as f:
+                for line in f:
+                    sid = line.strip()
+                    if sid in seen:
+                        bad.append(f"shard {sid} acked by {seen[sid]} and {name[5:]}")
+                    seen[sid] = name[5:]
+    return bad
+
+
 def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int = 0,
-                check=None, collect: bool = True) -> list[tuple[int, str, list[str]]]:
-    """Simulated hosts append to `buffer` concurrently; `kills` times, one of them (at random) is
-    sent SIGKILL at a random moment of its appending; then (`collect`) gc runs with no grace while
-    the others go on appending, the invariants are checked (orphans too), and the killed host is
-    restarted. Returns (trial, host killed, violations, orphans gc removed or -1 if it was kept
-    out) for each trial."""
+                check=None, collect: bool = True, consumers: int = 0, curators: int = 0,
+                logdir: str | None = None) -> list[tuple[int, str, list[str]]]:
+    """Simulated hosts append to `buffer` concurrently (with `consumers` leasing and acking and
+    `curators` curating, each a process too); `kills` times, one process (at random) is sent
+    SIGKILL at a random moment; then (`collect`) gc runs with no grace while the others go on, the
+    invariants are checked (orphans too; no shard acked twice; snapshots recorded at earlier trials
+    unchanged), and the killed process is restarted. Returns (trial, process killed, violations,
+    orphans gc removed or -1 if it was kept out) for each trial."""
     rng = random.Random(seed)
     check = check or check_invariants
+    scripts = {h: LOOPER for h in hosts}
+    scripts.update({f"consumer{i}": CONSUMER for i in range(consumers)})
+    scripts.update({f"curator{i}": CURATOR for i in range(curators)})
+    if consumers and logdir is None:
+        raise ValueError("consumers need a logdir for their ack logs")
+    recorded: dict[int, list[str]] = {}
+
+    def snapshots_unchanged() -> list[str]:
+        with Buffer.open(buffer) as buf:
+            latest = buf.manifest.latest_seq()
+            bad = [f"snapshot {seq} changed" for seq, paths in recorded.items()
+                   if [s.path for s in buf.manifest.shards(seq=seq)] != paths]
+            recorded[latest] = [s.path for s in buf.manifest.shards(seq=latest)]
+        return bad
 
     def start(host: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", LOOPER.format(root=root, buffer=buffer)],
+        p = subprocess.Popen([sys.executable, "-c", scripts[host].format(root=root, buffer=buffer, logdir=logdir)],
                              env={**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if p.stdout.readline().strip() != "ready":
             raise RuntimeError(f"simulated host {host} did not start: {p.stderr.read()[-2000:]}")
         return p
 
-    procs = {h: start(h) for h in hosts}
+    procs = {h: start(h) for h in scripts}
     results = []
     try:
         for trial in range(kills):
-            host = rng.choice(hosts)
+            host = rng.choice(sorted(scripts))
             time.sleep(rng.uniform(0.05, 0.4))
             victim = procs[host]
             if victim.poll() is not None:
@@ -94,7 +157,10 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
                 with Buffer.open(buffer) as buf:
                     report = gc(buf, grace_s=0.0)
                 removed = -1 if report.data_dirs_skipped else report.orphans_removed
-            results.append((trial, host, check(buffer, orphans=collect), removed))
+            bad = check(buffer, orphans=collect) + snapshots_unchanged()
+            if consumers:
+                bad += double_acks(logdir)
+            results.append((trial, host, bad, removed))
             procs[host] = start(host)
     finally:
         for p in procs.values():
@@ -175,6 +241,8 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
     ap.add_argument("--kills", type=int, default=30)
     ap.add_argument("--hosts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--consumers", type=int, default=0)
+    ap.add_argument("--curators", type=int, default=0)
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
@@ -187,13 +255,20 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             Buffer.init(buffer, catalog=server.fresh_dsn()).close()
             t0 = time.monotonic()
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
-                                  args.seed)
+                                  args.seed, consumers=args.consumers, curators=args.curators, logdir=work)
             final = check_invariants(buffer)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
             failed = [(t, h, bad) for t, h, bad, _ in results if bad]
             removed = sum(r for *_, r in results if r > 0)
             skipped = sum(1 for *_, r in results if r < 0)
+            kinds = {}
+            for _, h, _, _ in results:
+                kinds[h.rstrip("0123456789")] = kinds.get(h.rstrip("0123456789"), 0) + 1
+            with Buffer.open(buffer) as buf:
+                curations = len(buf.manifest.shards("curations"))
+                acked = buf.manifest.con.execute("SELECT count(*) FROM leases WHERE acked_at IS NOT NULL").fetchone()[0]
+            print(f"killed: {kinds}; {curations} curations committed, {acked} shards acked")
             print(f"{len(results)} kill trials over {args.hosts} simulated hosts, {commits} commits, "
                   f"{time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; gc after each kill "
                   f"removed {removed} orphans ({skipped} times kept out by writers); final check: "

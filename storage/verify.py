@@ -142,7 +142,10 @@ def scan_references(root: str, manifest: Manifest) -> list[str]:
 
 def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> None:
     """Raise one `ShardError` line for the first of the curated `shards` whose references do not
-    resolve (before training on them: a quarantined rollouts shard makes its curations refuse)."""
+    resolve (before training on them: a quarantined rollouts shard makes its curations refuse).
+    The files are verified first (`verify_training_inputs`), so a damaged rollouts shard is its
+    documented line (size, link, sha256), not a read error."""
+    verify_training_inputs(root, manifest, shards)
     live = [s.path for s in manifest.shards("rollouts")]
     for refs_path in [os.path.join(root, s.path) for s in shards]:
         for refs in read_references([refs_path]):

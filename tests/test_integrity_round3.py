@@ -174,12 +174,14 @@ def tamper(path: str, how: str, tmp_path) -> str:
     return "symbolic link"
 
 
+@pytest.mark.parametrize("follow", [False, True])
 @pytest.mark.parametrize("how", TAMPERS)
-def test_train_refuses_a_damaged_referenced_rollouts_shard(cli, thin, tmp_path, how):
+def test_train_refuses_a_damaged_referenced_rollouts_shard(cli, thin, tmp_path, how, follow):
     path = referenced(thin)
     words = tamper(path, how, tmp_path)
     seq = seq_of(thin)
-    line = one_error_line(cli("train", thin, "--model", "builtin:tiny"))
+    extra = ["--follow", "--max-idle", "1", "--poll", "0.1"] if follow else []
+    line = one_error_line(cli("train", thin, "--model", "builtin:tiny", *extra))
     assert path in line and words in line, line
     assert seq_of(thin) == seq  # nothing published
     assert not os.listdir(os.path.join(thin, "checkpoints"))

@@ -11,7 +11,7 @@ from rollstore.curate.params import (
     DEFAULTS, ParamError, budget, builtin_recipes, load_recipe, parse_sets, resolve, token_budget,
 )
 
-ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "grpo", "pods",
+ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "greso", "grpo", "pods",
        "replay-d3s", "replay-groups", "replay-rollouts", "replay-rollouts-x3", "replay-window"]
 
 
@@ -35,6 +35,7 @@ def test_builtin_recipes_are_the_spec_table():
     assert presets["replay-window"] == {"replay": "window", "replay_window": 1, "replay_max_uses": 2}
     assert presets["replay-rollouts-x3"] == {"replay": "rollouts", "replay_window": 3, "replay_max_uses": 3,
                                             "replay_count": 1024}
+    assert presets["greso"] == {"prompt_skip": "greso", "skip_target": Fraction(1, 10)}
     assert all("replay" in name for name in ALL if load_recipe(name).presets.get("replay"))
 
 

@@ -371,8 +371,9 @@ def efficiency_section(runs: list[dict], args, default_lr: float) -> str:
             skipped = sum(k for r in skips for _, k, _ in r["skips"])
             later = sum(r["skip_outcomes"]["later_sampled"] for r in skips)
             wrong = sum(r["skip_outcomes"]["informative"] for r in skips)
-            sel = sum(r["phases"].get("selection", 0.0) for r in skips)
-            loop_s = sum(r["loop_seconds"] for r in skips)
+            timed = [r for r in skips if r["phases"]]  # runs rebuilt from their buffers have no phases
+            sel = sum(r["phases"].get("selection", 0.0) for r in timed)
+            loop_s = sum(r["loop_seconds"] for r in timed)
             per_it = {}
             for r in skips:
                 for it, k, n in r["skips"]:
@@ -384,7 +385,8 @@ def efficiency_section(runs: list[dict], args, default_lr: float) -> str:
                     f"({skipped / max(examined, 1):.1%}) over {len(skips)} runs; {later:,} skipped prompts were "
                     f"generated again later, and {wrong:,} of those groups were informative "
                     f"({wrong / max(later, 1):.1%}: the predictor was wrong); selection took {sel:.1f} s of "
-                    f"{loop_s:.0f} s of loop ({sel / max(loop_s, 1e-9):.1%}). Skip share per iteration: {share}", ""]
+                    f"{loop_s:.0f} s of loop ({sel / max(loop_s, 1e-9):.1%}, over the {len(timed)} runs timed in this "
+                    f"process). Skip share per iteration (all runs): {share}", ""]
     return "\n".join(out)
 
 

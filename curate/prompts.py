@@ -136,26 +136,25 @@ def select(session, p: Params, *, run_id: str, step: int, seed: int, stream: Cal
     chosen: list = []
     rows: list[dict] = []
     position = start
-    while len(chosen) < need and position - start < limit:
-        chunk = [stream(i) for i in range(position, min(start + limit, position + 2 * (need - len(chosen))))]
-        hist = history(session, run_id, step, [c.prompt_id for c in chunk], p["skip_window"])
-        for c in chunk:
-            if len(chosen) >= need:
-                break
-            seen, z, kind = hist.get(c.prompt_id, (0, 0, None))
-            explore = r.of(kind)
-            p_skip = 1.0 - explore ** z if z else 0.0
-            u = draw(seed, run_id, step, c.prompt_id)
-            skip = u < p_skip
-            reason = ("skipped" if skip else "explored") if z else ("informative" if seen else "no_history")
-            rows.append({"run_id": run_id, "step": int(step), "position": position, "prompt_id": c.prompt_id,
-                         "prompt": c.prompt, "groups_seen": seen, "z": z, "kind": kind, "explore": explore,
-                         "p_skip": p_skip, "draw": u, "decision": "skip" if skip else "generate",
-                         "reason": reason, "explore_easy": r.easy, "explore_hard": r.hard, "params": params,
-                         "created_at": now})
-            if not skip:
-                chosen.append(c)
-            position += 1
+    candidates = [stream(i) for i in range(start, start + limit)]  # one history query for all of them
+    hist = history(session, run_id, step, [c.prompt_id for c in candidates], p["skip_window"])
+    for c in candidates:
+        if len(chosen) >= need:
+            break
+        seen, z, kind = hist.get(c.prompt_id, (0, 0, None))
+        explore = r.of(kind)
+        p_skip = 1.0 - explore ** z if z else 0.0
+        u = draw(seed, run_id, step, c.prompt_id)
+        skip = u < p_skip
+        reason = ("skipped" if skip else "explored") if z else ("informative" if seen else "no_history")
+        rows.append({"run_id": run_id, "step": int(step), "position": position, "prompt_id": c.prompt_id,
+                     "prompt": c.prompt, "groups_seen": seen, "z": z, "kind": kind, "explore": explore,
+                     "p_skip": p_skip, "draw": u, "decision": "skip" if skip else "generate",
+                     "reason": reason, "explore_easy": r.easy, "explore_hard": r.hard, "params": params,
+                     "created_at": now})
+        if not skip:
+            chosen.append(c)
+        position += 1
     if len(chosen) < need:  # the stream ran out of prompts worth generating: fill from the skipped ones
         for row in rows:
             if len(chosen) >= need:

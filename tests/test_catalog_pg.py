@@ -453,3 +453,28 @@ def buf(pgbuf):
     assert isinstance(b.manifest, PgManifest)
     yield b
     b.close()
+
+
+def test_a_racing_duplicate_is_refused_in_the_commit_and_nothing_of_it_stays(pgbuf):
+    """Two hosts appending the same ids at once both pass validation; the catalog's primary keys
+    refuse the second inside its transaction (one ValidationError line, as on SQLite), the partial
+    claim is undone and the transaction goes on to roll back cleanly."""
+    with Buffer.open(pgbuf) as buf:
+        buf.append_rollouts(_rollouts(0))
+        real, real_register = buf.manifest.existing_ids, buf.manifest.register_rollouts
+        committing = []
+
+        def blind(rids, gids):  # the race: validation saw none of the other host's ids
+            return real(rids, gids) if committing else (set(), set())
+
+        def register(*args):
+            committing.append(1)
+            return real_register(*args)
+
+        buf.manifest.existing_ids, buf.manifest.register_rollouts = blind, register
+        with pytest.raises(ValidationError, match="rollout_id already in the buffer"):
+            buf.append_rollouts(_rollouts(0))
+        assert committing and buf.manifest.latest_seq() == 1
+        buf.manifest.existing_ids, buf.manifest.register_rollouts = real, real_register
+        buf.append_rollouts(_rollouts(1))  # the connection is healthy afterwards
+    assert check_invariants(pgbuf) == []

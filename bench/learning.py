@@ -501,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             f"iterations; each iteration generates a first batch of {args.prompts} prompts × {args.group_size} samples "
             f"from a pool of {pool_size} training prompts in epochs (the same batch for every recipe of a seed); "
             f"filtering recipes then over-generate batches of the same size until {args.prompts} groups survive, at "
-            f"most {args.max_gen_batches} batches. lr {lr:g} for every recipe (not tuned per recipe), micro-batch "
+            f"most {args.max_gen_batches} batches. " + (f"lr {lr:g} and μ 1 for every recipe (not tuned per recipe)"
+            if all(c["lr"] == lr and c["epochs"] == 1 for c in configs) else
+            f"learning rate and μ (passes per batch) as each configuration's name says (grpo: lr {lr:g}, μ 1)")
+            + f", micro-batch "
             f"{defaults.train.micro_batch_size} × accumulation {defaults.train.grad_accum}, loss {defaults.train.loss}; held-out: "
             f"{args.eval_prompts} distinct prompts × {args.eval_samples} samples at T={defaults.generation.temperature} every "
             f"{args.eval_every} iterations. Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with "

@@ -7,7 +7,7 @@ reports each append's latency. Commits/s = all appends / (last end - first start
 PostgreSQL: --dsn, else ROLLSTORE_TEST_PG_DSN, else a server started from the machine's binaries
 (tests/pg_server.py) with fsync and synchronous_commit on (as durable as SQLite's synchronous=FULL).
 
-    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4]
+    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--big ROWS]
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--appends", type=int, default=40, help="appends per writer")
     ap.add_argument("--writers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--dsn", default=os.environ.get("ROLLSTORE_TEST_PG_DSN"))
+    ap.add_argument("--big", type=int, default=0, metavar="ROWS",
+                    help="also time two appends of ROWS rows each (groups of 8) into each catalog")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -98,6 +100,19 @@ def main() -> None:
                     r = rows[-1]
                     print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
                           f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms", flush=True)
+            if args.big:
+                from rollstore.synthetic import rollouts_table
+
+                for kind in ("sqlite", "postgres"):
+                    buffer = os.path.join(work, f"{kind}-big")
+                    buf = Buffer.init(buffer, catalog=None if kind == "sqlite" else
+                                      (server.fresh_dsn() if server else args.dsn))
+                    for step in range(2):
+                        table = rollouts_table(n_groups=args.big // 8, group_size=8, mean_tokens=4, step=step)
+                        t = time.perf_counter()
+                        buf.append_rollouts(table)
+                        print(f"{kind:8s} one append of {table.num_rows} rows: {time.perf_counter() - t:.2f} s", flush=True)
+                    buf.close()
     finally:
         if server is not None:
             server.stop()

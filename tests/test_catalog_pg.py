@@ -72,6 +72,25 @@ def test_passwords_never_reach_a_message():
     assert "s3cret" not in redact("host=db password=s3cret dbname=x")
 
 
+def test_without_a_server_the_tests_skip_saying_what_is_missing(monkeypatch):
+    import builtins
+
+    monkeypatch.delenv("ROLLSTORE_TEST_PG_DSN", raising=False)
+    monkeypatch.setattr(pg_server, "_bindir", lambda: None)
+    real_import = builtins.__import__
+
+    def no_pgserver(name, *args, **kwargs):
+        if name == "pgserver":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pgserver)
+    line = pg_server.why_missing()
+    assert "ROLLSTORE_TEST_PG_DSN" in line and "apt-get install postgresql" in line and "pgserver" in line
+    monkeypatch.setenv("ROLLSTORE_TEST_PG_DSN", "postgresql://x@127.0.0.1/y")
+    assert pg_server.why_missing() is None
+
+
 def test_a_buffer_without_a_descriptor_is_the_embedded_manifest(tmp_path):
     root = str(tmp_path / "buf")
     with Buffer.init(root) as buf:

@@ -52,9 +52,48 @@ from rollstore.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 run = os.environ["ROLLSTORE_HOST_ID"] + "-" + str(os.getpid())
 buf = Buffer.open({buffer!r})
+inject = float(os.environ.get("ROLLSTORE_TRIAL_INJECT", "0"))
+if inject:  # kill -9 itself at a chosen point of an append, with probability `inject` per append
+    import contextlib, random, signal
+    rng = random.Random(os.getpid())
+    point = [None]
+
+    def die(where):
+        if point[0] == where:
+            print("killed", where, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    man, real_transaction, real_register = buf.manifest, buf.manifest.transaction, buf.manifest.register_rollouts
+
+    @contextlib.contextmanager
+    def transaction():
+        die("files-linked-before-transaction")
+        with real_transaction() as con:
+            yield con
+
+    def register(*args):
+        die("inside-transaction-before-commit")
+        return real_register(*args)
+
+    class Raw:
+        def __init__(self, raw):
+            self.raw = raw
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+        def execute(self, query, *args, **kwargs):
+            out = self.raw.execute(query, *args, **kwargs)
+            if query == "COMMIT":
+                die("after-commit-before-the-caller-knows")
+            return out
+
+    man.transaction, man.register_rollouts = transaction, register
+    man.con.raw = Raw(man.con.raw)
 print("ready", flush=True)
 step = 0
 while True:
+    if inject:
+        point[0] = rng.choice(["files-linked-before-transaction", "inside-transaction-before-commit",
+                               "after-commit-before-the-caller-knows"]) if rng.random() < inject else None
     buf.append_rollouts(rollouts_table(n_groups=1, group_size=2, mean_tokens=4, step=step, run_id=run))
     step += 1
 """
@@ -109,13 +148,16 @@ def double_acks(logdir: str) -> list[str]:
 
 def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int = 0,
                 check=None, collect: bool = True, consumers: int = 0, curators: int = 0,
-                logdir: str | None = None) -> list[tuple[int, str, list[str]]]:
+                logdir: str | None = None, inject: float = 0.0) -> list[tuple[int, str, list[str]]]:
     """Simulated hosts append to `buffer` concurrently (with `consumers` leasing and acking and
     `curators` curating, each a process too); `kills` times, one process (at random) is sent
     SIGKILL at a random moment; then (`collect`) gc runs with no grace while the others go on, the
     invariants are checked (orphans too; no shard acked twice; snapshots recorded at earlier trials
     unchanged), and the killed process is restarted. Returns (trial, process killed, violations,
-    orphans gc removed or -1 if it was kept out) for each trial."""
+    orphans gc removed or -1 if it was kept out) for each trial. `inject` > 0: the appending hosts
+    kill themselves instead, with that probability per append, at a point chosen at random (files
+    linked but no transaction yet; inside the transaction; right after COMMIT returned, before the
+    caller knows); the trial's name is then "host@point"."""
     rng = random.Random(seed)
     check = check or check_invariants
     scripts = {h: LOOPER for h in hosts}
@@ -134,8 +176,11 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
         return bad
 
     def start(host: str) -> subprocess.Popen:
+        env = {**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"}
+        if inject and host in hosts:
+            env["ROLLSTORE_TRIAL_INJECT"] = str(inject)
         p = subprocess.Popen([sys.executable, "-c", scripts[host].format(root=root, buffer=buffer, logdir=logdir)],
-                             env={**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"},
+                             env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if p.stdout.readline().strip() != "ready":
             raise RuntimeError(f"simulated host {host} did not start: {p.stderr.read()[-2000:]}")
@@ -145,22 +190,36 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     results = []
     try:
         for trial in range(kills):
-            host = rng.choice(sorted(scripts))
-            time.sleep(rng.uniform(0.05, 0.4))
-            victim = procs[host]
-            if victim.poll() is not None:
-                raise RuntimeError(f"simulated host {host} died by itself: {victim.stderr.read()[-2000:]}")
-            victim.send_signal(signal.SIGKILL)
-            victim.wait()
+            if inject:
+                name = None
+                while name is None:
+                    for h in hosts:
+                        if procs[h].poll() is not None:
+                            if procs[h].returncode != -signal.SIGKILL:
+                                raise RuntimeError(f"simulated host {h} failed: {procs[h].stderr.read()[-2000:]}")
+                            said = procs[h].stdout.read().split()
+                            host, name = h, f"{h}@{said[-1] if said else '?'}"
+                            break
+                    else:
+                        time.sleep(0.05)
+            else:
+                host = name = rng.choice(sorted(scripts))
+                time.sleep(rng.uniform(0.05, 0.4))
+                victim = procs[host]
+                if victim.poll() is not None:
+                    raise RuntimeError(f"simulated host {host} died by itself: {victim.stderr.read()[-2000:]}")
+                victim.send_signal(signal.SIGKILL)
+                victim.wait()
             removed = 0
+            started = time.time()
             if collect:
                 with Buffer.open(buffer) as buf:
                     report = gc(buf, grace_s=0.0)
                 removed = -1 if report.data_dirs_skipped else report.orphans_removed
-            bad = check(buffer, orphans=collect) + snapshots_unchanged()
+            bad = check(buffer, orphans=started if collect else False) + snapshots_unchanged()
             if consumers:
                 bad += double_acks(logdir)
-            results.append((trial, host, bad, removed))
+            results.append((trial, name, bad, removed))
             procs[host] = start(host)
     finally:
         for p in procs.values():
@@ -169,9 +228,11 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     return results
 
 
-def unnamed_files(buf: Buffer) -> list[str]:
+def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
     """The .parquet files of the data folders that no catalog row names, read under the writers' lock
-    held exclusively (no writer is then between a file and its commit): orphans."""
+    held exclusively (no writer is then between a file and its commit): orphans. `older_than`: only
+    files last modified before then (a gc that started then keeps younger ones, rightly: another
+    host may have died after it started; the next gc takes them)."""
     from rollstore.storage.writelock import collecting
 
     with collecting(buf.root, 30.0, buf.manifest) as held:
@@ -182,24 +243,26 @@ def unnamed_files(buf: Buffer) -> list[str]:
         for top in DATA_DIRS:
             for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
                 found += [os.path.relpath(os.path.join(dirpath, n), buf.root) for n in files if n.endswith(".parquet")]
-        return [f"{p}: no row names it" for p in found if p not in known]
+        return [f"{p}: no row names it" for p in found if p not in known
+                and (older_than is None or os.path.getmtime(os.path.join(buf.root, p)) < older_than)]
 
 
 _READ: dict[tuple, tuple[int, str, list[str]]] = {}  # (path, inode, size, mtime) -> (size, sha256, rollout ids)
 
 
-def check_invariants(buffer: str, orphans: bool = False) -> list[str]:
+def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
     """Every violation found (empty: all hold):
     - every live row's file exists, with the size and sha256 the catalog records;
     - no rollout_id in two live rows (read from the shards), and `rollout_ids` names exactly them;
     - commit seqs are exactly 1..latest, and every shard's added/removed seq is one of them;
     - no shard path twice among the rows;
-    - (`orphans`, right after a gc) no .parquet file of the data folders that no row names."""
+    - (`orphans`, right after a gc: True, or the time that gc started) no .parquet file of the data
+      folders that no row names (modified before that time)."""
     bad: list[str] = []
     with Buffer.open(buffer) as buf:
         man = buf.manifest
-        if orphans:
-            bad += unnamed_files(buf)
+        if orphans is not False:
+            bad += unnamed_files(buf, None if orphans is True else float(orphans))
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
         seqs = [r[0] for r in man.con.execute("SELECT seq FROM commits WHERE seq <= ? ORDER BY seq", (latest,))]
         if seqs != list(range(1, latest + 1)):
@@ -254,6 +317,8 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--consumers", type=int, default=0)
     ap.add_argument("--curators", type=int, default=0)
+    ap.add_argument("--inject", type=float, default=0.0,
+                    help="appenders kill themselves at chosen points with this probability per append")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
@@ -266,7 +331,8 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             Buffer.init(buffer, catalog=server.fresh_dsn()).close()
             t0 = time.monotonic()
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
-                                  args.seed, consumers=args.consumers, curators=args.curators, logdir=work)
+                                  args.seed, consumers=args.consumers, curators=args.curators, logdir=work,
+                                  inject=args.inject)
             final = check_invariants(buffer)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
@@ -275,7 +341,8 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             skipped = sum(1 for *_, r in results if r < 0)
             kinds = {}
             for _, h, _, _ in results:
-                kinds[h.rstrip("0123456789")] = kinds.get(h.rstrip("0123456789"), 0) + 1
+                kind = h.split("@")[1] if "@" in h else h.rstrip("0123456789")
+                kinds[kind] = kinds.get(kind, 0) + 1
             with Buffer.open(buffer) as buf:
                 curations = len(buf.manifest.shards("curations"))
                 acked = buf.manifest.con.execute("SELECT count(*) FROM leases WHERE acked_at IS NOT NULL").fetchone()[0]

@@ -561,7 +561,7 @@ def recipes(
             if r.recommended:
                 meant = ", ".join(f"{k} {v:g}" for k, v in (("epochs", r.epochs), ("lr", r.lr)) if v is not None)
                 mark = "  [recommended" + (f": {meant}" if meant else "") + "]"
-            out.print(f"{name:{width}s}  {r.description}{mark}", highlight=False)
+            out.print(f"{name:{width}s}  {r.description}{mark}", highlight=False, markup=False)
         return
     from rollstore.explain import print_plan
 

@@ -105,3 +105,19 @@ def test_set_parsing_and_json_record():
     assert set(rec) == set(DEFAULTS)
     assert rec["max_policy_lag"] is None and rec["progress"] == 0.5 and rec["difficulty_prior"] == 1e-6
     assert rec["difficulty_window"] == 4 and isinstance(rec["sample_fraction_end"], int)
+
+
+def test_one_builtin_recipe_is_recommended_and_recipes_says_so(cli):
+    """`rollstore recipes` marks the recommended recipe with the μ and learning rate it is meant for;
+    names of any length stay aligned."""
+    marked = [n for n in ALL if load_recipe(n).recommended]
+    assert len(marked) == 1
+    r = load_recipe(marked[0])
+    assert r.epochs >= 1 and r.lr > 0
+    res = cli("recipes")
+    assert res.code == 0
+    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines()}
+    assert set(lines) == set(ALL)
+    assert f"[recommended: epochs {r.epochs}, lr {r.lr:g}]" in lines[marked[0]]
+    assert sum("recommended" in ln for ln in lines.values()) == 1
+    assert len({ln.index(load_recipe(n).description) for n, ln in lines.items()}) == 1

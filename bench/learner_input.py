@@ -96,7 +96,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
         model.load_state_dict(initial)
         opt, sched = trainer.make_optimizer(model, lr=1e-5)
         if path == "memory":
-            trainer.read_curated = lambda _shards: None
+            trainer.read_curated = lambda *_a, **_k: None
             trainer.iter_rank_steps = lambda *_a, **_k: iter(only or rank_steps)
         try:
             t = time.perf_counter()

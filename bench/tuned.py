@@ -161,8 +161,8 @@ def pareto_svg(pts: dict, splits: list[str], path: str) -> None:
     panels = []
     for i, split in enumerate(splits):
         mine = [(n, p) for (sp, n), p in pts.items() if sp == split and p["complete"]]
-        g = [f'<g transform="translate({i * w},0)"><text x="{pad}" y="18" class="ct">{escape(split)} split: cost to '
-             f"grpo@1's final pass@1 (mean over seeds)</text>"]
+        g = [f'<g transform="translate({i * w},0)"><text x="{pad}" y="18" class="ct">{escape(split)}: cost to '
+             f"grpo@1's final (mean over seeds)</text>"]
         if mine:
             xs = [p["token_passes"] for _, p in mine]
             ys = [p["rollouts"] for _, p in mine]

@@ -20,20 +20,7 @@ from rollstore.storage.buffer import Buffer, Part
 from rollstore.synthetic import rollouts_table
 
 
-def one_error_line(res) -> str:
-    """The single stderr line of a refused command (non-zero exit, no traceback)."""
-    assert res.code != 0, (res.stdout, res.stderr)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    assert lines[0].startswith("error:"), lines[0]
-    assert "unexpected" not in lines[0], lines[0]
-    return lines[0]
-
-
-def seq_of(root: str) -> int:
-    with Buffer.open(root) as buf:
-        return buf.manifest.latest_seq()
+from test_integrity_round2 import one_error_line, seq_of  # noqa: E402  (shared helpers)
 
 
 def tiny_rows(seed: int, step: int = 0, n_groups: int = 4, group_size: int = 4) -> pa.Table:

@@ -433,8 +433,10 @@ def train(
 @guarded
 def loop(
     buffer: str,
-    model: Optional[str] = typer.Option(None, "--model", help="Default builtin:tiny."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith."),
+    model: Optional[str] = typer.Option(None, "--model", help="Default: the built-in policy of a built-in task "
+                                        "(builtin:tiny-carries for builtin:carries), else builtin:tiny."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith (builtin:carries: the "
+                                          "harder task)."),
     iterations: Optional[int] = count(None, "--iterations", "-k"),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
@@ -475,6 +477,10 @@ def loop(
 
     Buffer.init(buffer).close()
     defaults = LoopConfig(buffer=buffer)
+    if model is None and prompts is not None:
+        from rollstore.resolve import task_model
+
+        model = task_model(prompts)
     cfg = LoopConfig(
         buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
         eval_ks=(1, eval_samples) if eval_samples else (1,),

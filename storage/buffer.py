@@ -259,11 +259,12 @@ class Buffer:
 
     def append_rollouts(
         self, table: pa.Table, source: str = "<memory>", compact: bool = False,
-        metadata: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None, also: dict[str, pa.Table] | None = None,
     ) -> Shard:
         """Validate and append one table of rollouts as one shard (all or nothing). `metadata`:
         extra key-value metadata written into the shard's Parquet footer (e.g. an import's lossy
-        conversions)."""
+        conversions). `also`: rows of other tables (by name) committed in the same transaction
+        (e.g. the prompt selection that chose these rollouts' prompts)."""
         table = validate_rollouts(table, source, self.manifest.existing_ids)
         if compact:
             table = compact_entropies(table)
@@ -292,8 +293,9 @@ class Buffer:
                 rid = next(r for r, g in zip(rids, gids) if g in groups_taken)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
-        _, shards = self.commit([Part("rollouts", table, metadata=metadata, checked=True)], "append",
-                                {"source": source}, register)
+        parts = [Part("rollouts", table, metadata=metadata, checked=True)]  # first: `register` takes ids[0]
+        parts += [Part(name, rows) for name, rows in (also or {}).items()]
+        _, shards = self.commit(parts, "append", {"source": source}, register)
         return shards[0]
 
     def append(self, table_name: str, table: pa.Table, key: str | None = None) -> Shard:

@@ -168,6 +168,13 @@ def test_loop_selects_before_generating_and_resumes(tmp_path, default_tiny):  # 
         got = sql(root, f"SELECT prompt_id FROM rollouts WHERE step = {s} GROUP BY group_id, prompt_id")
         assert sorted(g[0] for g in got) == chosen and len(chosen) == 8
     assert any(r[3] == "skip" for r in rows) or any(r[4] == "filled" for r in rows)
+    # each step's decisions are committed with the rollouts they chose: one commit, no other
+    with Buffer.open(root) as buf:
+        added = {}
+        for sh in buf.manifest.shards():
+            added.setdefault(sh.added_seq, []).append(sh.table_name)
+    assert sum(t.count("prompt_selections") for t in added.values()) == 4
+    assert all(t.count("rollouts") == 1 for t in added.values() if "prompt_selections" in t)
     # `rollstore audit --skips` counts what the table holds; a second run makes --run necessary
     import json
 

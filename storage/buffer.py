@@ -14,7 +14,8 @@ Invariants:
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
-  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first.
+  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first; a
+  rollouts shard is never published as a `WrittenPart` (a file whose rows `commit` did not see).
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ class Buffer:
             try:
                 for part in parts:
                     if isinstance(part, WrittenPart):
+                        if part.table_name == "rollouts":  # its rows were never seen here: not checked finite
+                            raise ValueError(f"{part.relpath}: a rollouts shard is committed from its rows (a Part, "
+                                             "validated and checked finite), never as a file written elsewhere")
                         folder = TABLE_DIRS[part.table_name] + "/"
                         if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
                             raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")

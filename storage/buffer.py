@@ -14,7 +14,8 @@ Invariants:
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
-  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first.
+  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first; a
+  rollouts shard is never published as a `WrittenPart` (a file whose rows `commit` did not see).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .errors import RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
 from .manifest import Manifest, NewShard, Shard
-from .schema import stored_schema
+from .schema import RESPONSE_LENGTH, stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
 from .snapshot import Snapshot
 from .validate import check_finite, validate_rollouts
@@ -118,7 +119,13 @@ class WrittenPart:
 def stored_table(part: Part) -> pa.Table:
     """`part`'s rows as its shard stores them: the table's stored schema, the part's metadata."""
     schema = stored_schema(part.table_name, part.table.schema)
-    table = part.table.select(schema.names).cast(schema)
+    table = part.table
+    if part.table_name == "rollouts":  # the length is always computed here, never taken from the input
+        if RESPONSE_LENGTH in table.column_names:
+            table = table.drop_columns([RESPONSE_LENGTH])
+        table = table.append_column(RESPONSE_LENGTH,
+                                    pc.list_value_length(table.column("response_token_ids")).cast(pa.int32()))
+    table = table.select(schema.names).cast(schema)
     if part.metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
     return table
@@ -219,6 +226,9 @@ class Buffer:
             try:
                 for part in parts:
                     if isinstance(part, WrittenPart):
+                        if part.table_name == "rollouts":  # its rows were never seen here: not checked finite
+                            raise ValueError(f"{part.relpath}: a rollouts shard is committed from its rows (a Part, "
+                                             "validated and checked finite), never as a file written elsewhere")
                         folder = TABLE_DIRS[part.table_name] + "/"
                         if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
                             raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")

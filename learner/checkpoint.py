@@ -44,6 +44,7 @@ import torch
 
 from rollstore.storage.shardio import fsync_dir
 from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.catalog import holding
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.owners import owned_name
 from rollstore.storage.schema import CHECKPOINTS, TRAINING
@@ -263,15 +264,16 @@ def save_checkpoint(
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
 
-    try:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        _write_dir(tmp, model, tokenizer, optimizer, scheduler, p.step, ledger)
-        buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish_in)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in moved_aside:
-            shutil.rmtree(d, ignore_errors=True)
+    with holding(buf.manifest, os.path.relpath(tmp, buf.root)):  # a catalog's intent on the folder
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            _write_dir(tmp, model, tokenizer, optimizer, scheduler, p.step, ledger)
+            buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish_in)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            for d in moved_aside:
+                shutil.rmtree(d, ignore_errors=True)
     return Checkpoint(version, rel, run_id, p.parent_version, p.consumed, p.metrics, now, buf.root, int(p.step))
 
 

@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Iterable, Protocol
 
 from . import descriptor
@@ -60,6 +60,15 @@ class Catalog(Protocol):
     def unpin(self, pin_id: str) -> None: ...
     def collected_seq(self) -> int: ...
     def oldest_pinned_seq(self) -> int | None: ...
+
+
+def holding(catalog, relpath: str) -> AbstractContextManager[None]:
+    """While a working file or folder under tmp/ (`relpath`) is in use: an intent on it in a catalog
+    that has write intents (PostgreSQL: gc of any host leaves it alone, whatever its age; it is
+    taken before the folder is made and released after it is removed); nothing for the embedded
+    manifest, whose gc judges tmp/ by its owner's pid."""
+    hold = getattr(catalog, "holding", None)
+    return nullcontext() if hold is None else hold(relpath)
 
 
 def is_cataloged(root: str) -> bool:

@@ -235,6 +235,17 @@ def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
     host may have died after it started; the next gc takes them)."""
     from rollstore.storage.writelock import collecting
 
+    if getattr(buf.manifest, "protected", None) is not None:
+        # a catalog with write intents: files listed first, then the rows and live intents read (one
+        # statement); a file neither names is an orphan (no live writer holds an intent on it)
+        found = []
+        for top in DATA_DIRS:
+            for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
+                found += [os.path.relpath(os.path.join(dirpath, n), buf.root) for n in files if n.endswith(".parquet")]
+        held = buf.manifest.protected(found)
+        return [f"{p}: no row names it and no live intent holds it" for p in found if p not in held
+                and os.path.exists(os.path.join(buf.root, p))
+                and (older_than is None or os.path.getmtime(os.path.join(buf.root, p)) < older_than)]
     with collecting(buf.root, 30.0, buf.manifest) as held:
         if not held:
             return ["(writers held the writers' lock for 30 s: orphans not checked)"]

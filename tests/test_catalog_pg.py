@@ -323,39 +323,123 @@ import sys, time
 sys.path.insert(0, {root!r})
 from rollstore.storage.buffer import Buffer
 buf = Buffer.open({buffer!r})
-with buf.manifest.writers_lock():
+buf.manifest.intend(["rollouts/held.parquet"])  # a writer between its intent and its commit
+with buf.manifest.holding("tmp/curate-other-1-abc"):
     print("holding", flush=True)
     time.sleep(600)
 """
 
 
-def test_gc_of_a_cataloged_buffer_waits_for_every_hosts_writers(pgbuf, monkeypatch):
-    """The writers' lock is in the catalog: a writer on another host between a file and its commit
-    keeps gc out of the data folders; when that writer is killed, its lock ends with its session
-    and gc removes the orphans; committed files stay."""
+def test_gc_of_a_cataloged_buffer_leaves_what_live_intents_hold(pgbuf, monkeypatch):
+    """Another host's writer holds intents (a file not yet committed, a working folder under tmp/),
+    renewed by its heartbeat past their TTL: gc with no grace leaves them, and removes at once what
+    no row names and no intent holds (an orphan, a dead host's tmp file); once that writer is
+    killed its intents expire on the database's clock and gc takes them over and removes the
+    files. Committed files stay; no writers' lock is taken, so gc never waits."""
     import rollstore.storage.maintenance as maintenance
 
+    monkeypatch.setenv("ROLLSTORE_INTENT_TTL_S", "1")
     with Buffer.open(pgbuf) as buf:
         shard = buf.append_rollouts(_rollouts(0))
-    orphan = os.path.join(pgbuf, "rollouts", "orphan.parquet")
-    with open(orphan, "wb") as f:
-        f.write(b"PAR1 not committed")
+    held, folder = os.path.join(pgbuf, "rollouts", "held.parquet"), os.path.join(pgbuf, "tmp", "curate-other-1-abc")
+    orphan, dead_tmp = os.path.join(pgbuf, "rollouts", "orphan.parquet"), os.path.join(pgbuf, "tmp", "tmp-gone-7-ab.parquet")
     holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=ROOT, buffer=pgbuf)],
                               env={**os.environ, "ROLLSTORE_HOST_ID": "other"}, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
-        monkeypatch.setattr(maintenance, "GC_LOCK_WAIT_S", 0.3)
+        os.makedirs(folder)
+        for path in (held, orphan, dead_tmp):
+            with open(path, "wb") as f:
+                f.write(b"PAR1 not committed")
+        time.sleep(2.0)  # past the TTL: the heartbeat (every TTL/4) keeps the holder's intents live
         with Buffer.open(pgbuf) as buf:
             report = maintenance.gc(buf, grace_s=0.0)
-        assert report.data_dirs_skipped and os.path.exists(orphan)
+        assert report.orphans_removed == 2 and not os.path.exists(orphan) and not os.path.exists(dead_tmp)
+        assert os.path.exists(held) and os.path.exists(folder)
     finally:
         holder.kill()
         holder.wait()
-    monkeypatch.setattr(maintenance, "GC_LOCK_WAIT_S", 10.0)
+    time.sleep(1.5)  # its intents expire: nobody renews them
     with Buffer.open(pgbuf) as buf:
         report = maintenance.gc(buf, grace_s=0.0)
-    assert not report.data_dirs_skipped and report.orphans_removed == 1 and not os.path.exists(orphan)
+        assert buf.manifest.con.execute("SELECT count(*) FROM intents").fetchone()[0] == 0
+    assert report.orphans_removed == 2 and not os.path.exists(held) and not os.path.exists(folder)
     assert os.path.exists(os.path.join(pgbuf, shard.path))
+    assert check_invariants(pgbuf, orphans=True) == []
+
+
+BETWEEN = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from rollstore.storage.buffer import Buffer
+from rollstore.synthetic import rollouts_table
+buf = Buffer.open({buffer!r})
+real = buf.manifest.transaction
+
+def stalled():  # its files written and linked, its transaction not begun
+    print("stalling", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real()
+
+buf.manifest.transaction = stalled
+try:
+    buf.append_rollouts(rollouts_table(n_groups=1, group_size=2, mean_tokens=4, run_id="stalled"))
+    print("committed", flush=True)
+except Exception as exc:
+    print("refused:", exc, flush=True)
+"""
+
+
+def test_a_writer_stalled_between_its_files_and_its_commit_is_fenced(pgbuf):
+    """SIGSTOP after the files, before the transaction, past the intent TTL: gc (another host, no
+    grace) takes its expired intents over and removes its files; on SIGCONT its commit is refused
+    (one line), nothing of it is visible, and no file is left."""
+    import signal
+
+    import rollstore.storage.maintenance as maintenance
+
+    proc = subprocess.Popen([sys.executable, "-c", BETWEEN.format(root=ROOT, buffer=pgbuf)],
+                            env={**os.environ, "ROLLSTORE_HOST_ID": "stalled", "ROLLSTORE_INTENT_TTL_S": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stalling"
+        assert len(os.listdir(os.path.join(pgbuf, "rollouts"))) == 1
+        time.sleep(1.5)
+        with Buffer.open(pgbuf) as buf:
+            report = maintenance.gc(buf, grace_s=0.0)
+            buf.append_rollouts(_rollouts(0))  # the others go on
+        assert report.orphans_removed == 1 and len(os.listdir(os.path.join(pgbuf, "rollouts"))) == 1
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    assert out.startswith("refused: catalog postgresql://") and "fenced" in out, (out, err)
+    assert len(out.strip().splitlines()) == 1
+    with Buffer.open(pgbuf) as buf:
+        assert buf.manifest.latest_seq() == 1
+        assert buf.manifest.con.execute("SELECT count(*) FROM intents").fetchone()[0] == 0
+    assert check_invariants(pgbuf, orphans=True) == []
+
+
+def test_a_slow_writer_is_kept_alive_by_its_heartbeat(pgbuf, monkeypatch):
+    """A writer slower than the intent TTL between its files and its commit is not fenced: its
+    heartbeat renews its intents on the database's clock, and a gc meanwhile leaves its files."""
+    import rollstore.storage.maintenance as maintenance
+
+    monkeypatch.setenv("ROLLSTORE_INTENT_TTL_S", "0.8")
+    with Buffer.open(pgbuf) as buf, Buffer.open(pgbuf) as other:
+        real = buf.manifest.transaction
+        collected = []
+
+        def slow():
+            time.sleep(1.6)
+            collected.append(maintenance.gc(other, grace_s=0.0).orphans_removed)
+            time.sleep(0.5)
+            return real()
+
+        buf.manifest.transaction = slow
+        shard = buf.append_rollouts(_rollouts(0))
+        assert collected == [0] and buf.manifest.latest_seq() == 1
+        assert os.path.exists(os.path.join(pgbuf, shard.path))
     assert check_invariants(pgbuf, orphans=True) == []
 
 

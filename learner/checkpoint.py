@@ -20,7 +20,10 @@ Invariants:
 - Training metrics rows passed to `save_checkpoint` (`Publish.training_rows`) are committed in the same transaction, so the
   `training` table holds each step of a published version exactly once.
 - When leases are used (`Publish.lease=(consumer, group)`), the consumed shards' leases are acked in the
-  same transaction; a lease lost to another consumer refuses the save.
+  same transaction; a lease lost to another consumer refuses the save. On a buffer cataloged in
+  PostgreSQL the consumed ledger is also a catalog table (`consumed`, checked and written in that
+  transaction), and a lease that expired on the database's clock refuses the save even when
+  nobody took it over (a learner stalled past its TTL is refused at publish).
 - `load_checkpoint` restores weights bit-exactly (float32 safetensors) and the exact optimizer,
   scheduler and RNG states, so a resumed run continues as if never interrupted.
 """
@@ -254,7 +257,13 @@ def save_checkpoint(
     def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
-        _check_unpublished(buf, con, ids, version, run_id, shards)
+        record = getattr(buf.manifest, "record_consumed", None)  # a catalog's ledger table (PostgreSQL)
+        if record is None:
+            _check_unpublished(buf, con, ids, version, run_id, shards)
+        else:
+            why = record(con, run_id, version, p.consumed, ids[0], _seq)
+            if why is not None:
+                raise CheckpointError(f"{buf.root}: {why}")
         if p.lease is not None:
             _ack_in_transaction(buf, con, shards, *p.lease, now.timestamp())
         if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)

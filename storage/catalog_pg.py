@@ -449,6 +449,7 @@ class PgManifest(Manifest):
             if row[0] == "1":
                 for statement in filter(str.strip, _DDL_2.split(";")):
                     con.execute(statement)
+                self._backfill_consumed(con)
                 con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
         return (SCHEMA_VERSION,)
 
@@ -581,6 +582,51 @@ class PgManifest(Manifest):
             )
         return lease_id, [Shard(*r) for r in rows]
 
+    def ack(self, shard_ids: list[int], consumer: str, group: str = "default") -> int:
+        """Ack shards this consumer holds, on the database's clock; a lease that expired is not
+        acked even if nobody took it (the consumer stalled past its TTL: fenced; the embedded
+        manifest acks it while nobody took it)."""
+        with self.transaction() as con:
+            return con.execute(
+                "UPDATE leases SET acked_at = extract(epoch FROM clock_timestamp()) WHERE consumer_group = ? "
+                "AND shard_id = ANY(?::bigint[]) AND consumer = ? AND acked_at IS NULL "
+                "AND expires_at > extract(epoch FROM clock_timestamp())",
+                (group, [int(i) for i in shard_ids], consumer)).rowcount
+
+    def ack_paths(self, con, paths: list[str], consumer: str, group: str, now: float) -> list[str]:
+        """As the embedded manifest's (inside the publishing transaction), on the database's clock,
+        and only unexpired leases: a learner that stalled past its lease's TTL is refused at publish,
+        whether or not another consumer took the lease over."""
+        held = {r[0] for r in con.execute(
+            "UPDATE leases l SET acked_at = extract(epoch FROM clock_timestamp()) FROM shards s "
+            "WHERE s.shard_id = l.shard_id AND s.path = ANY(?::text[]) AND l.consumer_group = ? AND l.consumer = ? "
+            "AND l.acked_at IS NULL AND l.expires_at > extract(epoch FROM clock_timestamp()) RETURNING s.path",
+            (list(paths), group, consumer))}
+        return [p for p in paths if p not in held]
+
+    # ---- the consumed ledger (which curated shards each run trained), a table of the catalog ----
+    def record_consumed(self, con, run_id: str, version: int, entries: list[dict], checkpoint_shard_id: int,
+                        seq: int) -> str | None:
+        """Inside the publishing transaction (the buffer's lock held): why checkpoint `version` of
+        `run_id` may not be published (the version has a live row; a shard of `entries` was already
+        trained into a live checkpoint of the run), else None after recording `entries`."""
+        if con.execute("SELECT 1 FROM shards WHERE table_name = 'checkpoints' AND key = ? AND removed_seq IS NULL "
+                       "AND shard_id <> ? LIMIT 1", (str(version), checkpoint_shard_id)).fetchone():
+            return f"checkpoint version {version} already exists"
+        shards = [e["shard"] for e in entries]
+        dup = con.execute(
+            "SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
+            "WHERE s.removed_seq IS NULL AND c.run_id = ? AND c.shard = ANY(?::text[]) ORDER BY c.shard LIMIT 1",
+            (run_id, shards)).fetchone()
+        if dup is not None:
+            first = next(x for x in shards if x == dup[0])
+            return f"checkpoint v{version}: shard {first} was already trained into v{int(dup[1])} of run {run_id!r}"
+        con.execute("INSERT INTO consumed (run_id, shard, curation_id, version, checkpoint_shard_id, seq) "
+                    "SELECT ?, sh, cid, ?, ?, ? FROM unnest(?::text[], ?::text[]) AS t(sh, cid)",
+                    (run_id, int(version), int(checkpoint_shard_id), int(seq), shards,
+                     [e.get("curation_id") for e in entries]))
+        return None
+
     def pin(self, seq: int, ttl: float = 3600.0) -> str:
         pin_id = uuidlib.uuid4().hex
         with self.transaction() as con:
@@ -601,6 +647,20 @@ class PgManifest(Manifest):
     # unless all of them are still this writer's and unexpired. gc removes a file only when no shard
     # row names it and no live intent holds it, and only after taking an intent on it itself (so no
     # writer holds one while it deletes); an expired intent is taken over, which fences its writer.
+    def _backfill_consumed(self, con) -> None:
+        """The consumed ledger of the checkpoints published before the table existed (their rows'
+        `consumed` JSON, read from their shards)."""
+        import pyarrow.parquet as pq
+
+        for shard_id, path, added_seq in con.execute(
+                "SELECT shard_id, path, added_seq FROM shards WHERE table_name = 'checkpoints'").fetchall():
+            for r in pq.read_table(os.path.join(self.root, path), columns=["version", "run_id", "consumed"]).to_pylist():
+                entries = json.loads(r["consumed"])
+                con.execute("INSERT INTO consumed (run_id, shard, curation_id, version, checkpoint_shard_id, seq) "
+                            "SELECT ?, sh, cid, ?, ?, ? FROM unnest(?::text[], ?::text[]) AS t(sh, cid)",
+                            (r["run_id"], int(r["version"]), int(shard_id), int(added_seq),
+                             [e["shard"] for e in entries], [e.get("curation_id") for e in entries]))
+
     def intend(self, paths: list[str]) -> None:
         """Intents for `paths` (relative to the buffer) of the commit in progress, before their
         first byte. A path another writer holds a live intent on raises FileExistsError (two

@@ -505,6 +505,10 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
     ap.add_argument("--curators", type=int, default=0)
     ap.add_argument("--inject", type=float, default=0.0,
                     help="appenders kill themselves at chosen points with this probability per append")
+    ap.add_argument("--stalls", type=int, default=0,
+                    help="instead of kills: stop (SIGSTOP) an appender or a learner past its TTL this many times")
+    ap.add_argument("--learners", type=int, default=2)
+    ap.add_argument("--ttl", type=float, default=1.0, help="intent and lease TTL of the stall trials (seconds)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
@@ -516,6 +520,25 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             buffer = os.path.join(work, "buf")
             Buffer.init(buffer, catalog=server.fresh_dsn()).close()
             t0 = time.monotonic()
+            if args.stalls:
+                results = stall_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)],
+                                       args.stalls, work, learners=args.learners, ttl=args.ttl, seed=args.seed)
+                final = check_invariants(buffer, orphans=False) + trained_twice(buffer)
+                with Buffer.open(buffer) as buf:
+                    commits = buf.manifest.latest_seq()
+                    checkpoints = len(buf.manifest.shards("checkpoints"))
+                failed = [(t, h, bad) for t, h, bad, _ in results if bad]
+                kinds: dict[str, int] = {}
+                for _, h, _, _ in results:
+                    kinds[h.rstrip("0123456789")] = kinds.get(h.rstrip("0123456789"), 0) + 1
+                print(f"stopped: {kinds}; what they met on SIGCONT: {stall_outcomes(work)}; "
+                      f"{checkpoints} checkpoints published")
+                print(f"{len(results)} stall trials over {args.hosts} simulated hosts + {args.learners} learners, "
+                      f"{commits} commits, {time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; "
+                      f"gc removed {sum(r for *_, r in results)} orphans; final check: {final or 'all hold'}")
+                for t, h, bad in failed:
+                    print(f"  trial {t} ({h} stopped): {bad}")
+                sys.exit(1 if failed or final else 0)
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
                                   args.seed, consumers=args.consumers, curators=args.curators, logdir=work,
                                   inject=args.inject)

@@ -156,13 +156,13 @@ class Buffer:
         self.manifest = manifest
 
     @classmethod
-    def init(cls, root: str, catalog: str | None = None) -> "Buffer":
+    def init(cls, root: str, catalog: str | None = None, data: str | None = None) -> "Buffer":
         """Create the buffer at `root` (its folders and manifest) if missing, and open it. `catalog`:
         a PostgreSQL DSN the new buffer is cataloged at instead (`storage/catalog.py`); a folder with
         a descriptor opens its catalog."""
         root = os.path.abspath(root)
-        if catalog is not None or is_cataloged(root):
-            manifest = open_manifest(root, create=True, catalog=catalog)  # checks all before writing
+        if catalog is not None or data is not None or is_cataloged(root):
+            manifest = open_manifest(root, create=True, catalog=catalog, data=data)  # checks all before writing
             for sub in SUBDIRS:
                 os.makedirs(os.path.join(root, sub), exist_ok=True)
             return cls(root, manifest)
@@ -220,6 +220,8 @@ class Buffer:
             is_orphan = self.manifest.is_unnamed
             intend = getattr(self.manifest, "intend", None)  # a catalog with write intents (PostgreSQL)
             ended = getattr(self.manifest, "commit_ended", None)
+            store = getattr(self.manifest, "store", None)  # shards in object storage (storage/store.py)
+            uploaded: list[str] = []
             sent = False  # True from the moment COMMIT may have reached the manifest
             try:
                 for part in parts:
@@ -246,6 +248,9 @@ class Buffer:
                             NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
                         )
                     inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
+                    if store is not None:  # the local file stays as this host's cached copy
+                        self._upload(store, written[-1].path)
+                        uploaded.append(written[-1].path)
                 with self.manifest.transaction() as con:
                     seq = self.manifest.new_commit(con, kind, detail)
                     ids = self.manifest.add_shards(con, seq, written)
@@ -264,16 +269,37 @@ class Buffer:
                 for w, inode in zip(written, inodes):
                     full = os.path.join(self.root, w.path)
                     try:
-                        if os.stat(full).st_ino == inode and self.manifest.is_unnamed(w.path):
+                        # (a store's buffer: the local file is only this host's copy, never the object another
+                        # writer committed at that path; a cache must not keep it)
+                        if os.stat(full).st_ino == inode and (store is not None or self.manifest.is_unnamed(w.path)):
                             os.unlink(full)
                     except (FileNotFoundError, sqlite3.Error):
                         pass
+                for rel in uploaded:  # ours (put-if-absent), unnamed, and our intent still holds its key
+                    try:
+                        if self.manifest.is_unnamed(rel):
+                            store.delete(rel)
+                    except (RollstoreError, sqlite3.Error):
+                        pass  # an orphan object
                 if ended is not None:
                     ended(rolled_back=True)  # its files are gone: release their intents
                 raise
             if ended is not None:
                 ended(rolled_back=False)  # committed: the transaction deleted its intents
         return seq, self.manifest.shards_by_id(ids)
+
+    def _upload(self, store, rel: str) -> None:
+        """Put the local file of `rel` into the store if absent. An object already there that no row
+        names is a crashed writer's (this writer holds the key's intent): replaced; one a row names
+        (another writer committed that path first) raises FileExistsError."""
+        full = os.path.join(self.root, rel)
+        try:
+            store.put_if_absent(rel, full)
+        except FileExistsError:
+            if not self.manifest.is_unnamed(rel):
+                raise
+            store.delete(rel)
+            store.put_if_absent(rel, full)
 
     def append_rollouts(
         self, table: pa.Table, source: str = "<memory>", compact: bool = False,

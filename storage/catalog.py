@@ -82,16 +82,18 @@ def _refuse_both(root: str) -> None:
                             "catalog: move the one that does not belong away")
 
 
-def open_manifest(root: str, create: bool = False, catalog: str | None = None) -> Catalog:
+def open_manifest(root: str, create: bool = False, catalog: str | None = None, data: str | None = None) -> Catalog:
     """The catalog of the buffer at `root`. `create`: make it when missing (with `catalog`, a DSN:
     a buffer cataloged there; without, the embedded manifest unless the folder has a descriptor)."""
     _refuse_both(root)
+    if data is not None and catalog is None:
+        raise ManifestError(f"--data {data}: a store needs a catalog every host reaches (give --catalog postgresql://...)")
     if catalog is not None:
         if not create:
             raise ValueError("a catalog DSN is given only when creating a buffer")
         from .catalog_pg import PgManifest, create as create_pg
 
-        return PgManifest(root, create_pg(root, catalog))
+        return PgManifest(root, create_pg(root, catalog, data))
     if descriptor.exists(root):
         from .catalog_pg import PgManifest
 

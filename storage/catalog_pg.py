@@ -308,18 +308,27 @@ def _buffer_uuid(con: PgConnection) -> str | None:
     return None if row is None else row[0]
 
 
-def create(root: str, dsn: str) -> descriptor.Descriptor:
+def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descriptor:
     """Make `root` a buffer cataloged at `dsn`: check everything first (the DSN reachable, its schema
-    present, no other buffer's catalog there, the folder writable), then create the catalog's
-    tables and write the descriptor. Idempotent for the same root and DSN."""
+    present, no other buffer's catalog there, the folder writable; with `data`, an s3:// store:
+    the bucket reachable and refusing a second put-if-absent), then create the catalog's tables and
+    write the descriptor. Idempotent for the same root and DSN. With `data`, a catalog that already
+    holds the buffer of that store is joined (another host's cache folder for it)."""
     descriptor.check_dsn(dsn)
     where = descriptor.redact(dsn)
+    if data is not None:
+        from .store import S3Store
+
+        S3Store(data).check_conditional_writes()
     if os.path.exists(os.path.join(root, "manifest.sqlite")):
         raise ManifestError(f"{root}: already an embedded buffer (manifest.sqlite); a catalog is chosen "
                             "when a buffer is created; nothing was written")
     existing = descriptor.read(root) if descriptor.exists(root) else None
     if existing is not None and existing.catalog != dsn:
         raise ManifestError(f"{root}: already cataloged at {descriptor.redact(existing.catalog)}, not {where}; "
+                            "nothing was written")
+    if existing is not None and existing.data != data:
+        raise ManifestError(f"{root}: its shards live in {existing.data or 'this folder'}, not {data or 'this folder'}; "
                             "nothing was written")
     parent = root
     while not os.path.exists(parent):
@@ -338,6 +347,11 @@ def create(root: str, dsn: str) -> descriptor.Descriptor:
                     raise CatalogError(f"catalog {where}: a partial rollstore catalog (no table {missing[0]!r}); "
                                        "nothing was written")
                 found = _buffer_uuid(con)
+                stored = con.execute("SELECT value FROM meta WHERE key = 'data'").fetchone()
+                if existing is None and data is not None and stored is not None and stored[0] == data:
+                    existing = descriptor.Descriptor(found, dsn, data)  # joins its store's buffer: writes it below
+                    os.makedirs(root, exist_ok=True)
+                    descriptor.write(root, existing)
                 if existing is None or found != existing.buffer_uuid:
                     raise CatalogError(
                         f"catalog {where}: holds another buffer ({found}); give each buffer its own database "
@@ -345,12 +359,14 @@ def create(root: str, dsn: str) -> descriptor.Descriptor:
                 desc = existing
             else:
                 # none yet (or an init that wrote its descriptor and then lost its COMMIT: resumed)
-                desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn)
+                desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn, data)
                 for statement in filter(str.strip, (_DDL + ";" + _DDL_2).split(";")):
                     con.execute(statement)
                 con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
                 con.execute("INSERT INTO meta VALUES ('buffer_uuid', ?)", (desc.buffer_uuid,))
                 con.execute("INSERT INTO meta VALUES ('created_at', ?)", (repr(time.time()),))
+                if data is not None:
+                    con.execute("INSERT INTO meta VALUES ('data', ?)", (data,))
             os.makedirs(root, exist_ok=True)
             if existing is None:
                 descriptor.write(root, desc)  # inside the catalog's transaction: a failure here rolls it back
@@ -417,6 +433,9 @@ class PgManifest(Manifest):
         self._beat: threading.Thread | None = None
         self._beat_stop = threading.Event()
         self._beat_lock = threading.Lock()
+        from .store import open_store
+
+        self.store = open_store(desc.data)  # None: the shards live in the (shared) folder
         self.con = connect(desc.catalog)
         try:
             tables = _tables(self.con)
@@ -428,6 +447,10 @@ class PgManifest(Manifest):
             if found != desc.buffer_uuid:
                 raise CatalogError(f"catalog {self.path}: holds buffer {found}, not {desc.buffer_uuid} that "
                                    f"{descriptor.path_of(root)} names; nothing was read or written")
+            stored = self.con.execute("SELECT value FROM meta WHERE key = 'data'").fetchone()
+            if (stored and stored[0]) != desc.data:
+                raise CatalogError(f"catalog {self.path}: its buffer's shards live in {stored and stored[0] or 'its folder'}, "
+                                   f"{descriptor.path_of(root)} says {desc.data or 'this folder'}")
             version = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if version is not None and version[0] == "1":
                 version = self._upgrade_from_1()

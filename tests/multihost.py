@@ -450,6 +450,12 @@ def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
         if orphans is not False:
             bad += unnamed_files(buf, None if orphans is True else float(orphans))
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
+        if getattr(man, "store", None) is not None:  # shards in object storage: into this host's cache, verified
+            from rollstore.storage.snapshot import TABLES
+
+            snap = buf.snapshot(latest)
+            for table in TABLES:
+                snap.files(table)
         seqs = [r[0] for r in man.con.execute("SELECT seq FROM commits WHERE seq <= ? ORDER BY seq", (latest,))]
         if seqs != list(range(1, latest + 1)):
             bad.append(f"commit seqs not contiguous: {seqs[:5]}... ({len(seqs)} commits, max {max(seqs, default=0)})")

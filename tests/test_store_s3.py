@@ -1,0 +1,150 @@
+"""A buffer whose shards live in S3-compatible storage (issue 36, item 5, a first slice): a
+PostgreSQL catalog, objects written with put-if-absent (If-None-Match: *) against moto's server on
+127.0.0.1, the writer's sha256 in the catalog, and a host-local read cache verified by sha256.
+
+Each simulated host is its own buffer folder (descriptor + cache) joined to one catalog and bucket.
+Skips with one line when PostgreSQL or moto's server is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+import pg_server
+import s3_server
+from multihost import check_invariants
+from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.descriptor import read as read_descriptor
+from rollstore.storage.errors import ManifestError
+from rollstore.synthetic import rollouts_table
+
+
+@pytest.fixture(scope="module")
+def pg():
+    missing = pg_server.why_missing()
+    if missing:
+        pytest.skip(f"S3 store tests: {missing}")
+    server = pg_server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    missing = s3_server.why_missing()
+    if missing:
+        pytest.skip(f"S3 store tests: {missing}")
+    server = s3_server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def env(s3, monkeypatch):
+    for k, v in s3_server.environment(s3).items():
+        monkeypatch.setenv(k, v)
+    return s3
+
+
+def _rollouts(step: int, run_id: str = "run0"):
+    return rollouts_table(n_groups=2, group_size=2, mean_tokens=4, step=step, run_id=run_id)
+
+
+def _objects(s3, url: str) -> dict[str, bytes]:
+    bucket, prefix = url[5:].split("/", 1)
+    c = s3.client()
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    return {k[len(prefix) + 1:]: c.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys if k.startswith(prefix + "/")}
+
+
+def test_appends_go_to_the_store_and_another_host_reads_them_through_its_verified_cache(pg, env, cli, tmp_path):
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b = str(tmp_path / "host-a"), str(tmp_path / "host-b")
+    res = cli("init", a, "--catalog", dsn, "--data", url)
+    assert res.code == 0, res.stderr
+    assert read_descriptor(a).data == url
+    with Buffer.open(a) as buf:
+        shards = [buf.append_rollouts(_rollouts(step)) for step in range(3)]
+    objects = _objects(env, url)
+    import hashlib
+
+    for s in shards:  # each object is the writer's file, its sha256 the catalog's
+        assert hashlib.sha256(objects[s.path]).hexdigest() == s.sha256 and len(objects[s.path]) == s.bytes
+    assert cli("init", b, "--catalog", dsn, "--data", url).code == 0  # another host joins the buffer
+    assert read_descriptor(b).buffer_uuid == read_descriptor(a).buffer_uuid
+    assert not os.path.exists(os.path.join(b, shards[0].path))
+    with Buffer.open(b) as buf:
+        snap = buf.snapshot()
+        files = snap.files("rollouts")  # downloaded into b's cache, verified
+        assert [open(f, "rb").read() for f in files] == [objects[s.path] for s in shards]
+        assert snap.arrow("rollouts").to_table().num_rows == 12
+        buf.append_rollouts(_rollouts(0, run_id="from-b"))
+    res = cli("sql", a, "SELECT count(*) AS n FROM rollouts", "--format", "csv")  # b's shard reaches a's cache
+    assert res.code == 0 and res.stdout.split()[-1] == "16", res.stdout + res.stderr
+    assert check_invariants(b) == []
+
+
+def test_a_changed_object_is_never_cached(pg, env, tmp_path):
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with Buffer.init(a, catalog=dsn, data=url) as buf:
+        shard = buf.append_rollouts(_rollouts(0))
+    bucket, prefix = url[5:].split("/", 1)
+    env.client().put_object(Bucket=bucket, Key=f"{prefix}/{shard.path}", Body=b"PAR1 not what was committed")
+    with Buffer.init(b, catalog=dsn, data=url) as buf:
+        with pytest.raises(ManifestError, match="the catalog records .* not cached") as err:
+            buf.snapshot().files("rollouts")
+        assert len(str(err.value).splitlines()) == 1
+    assert not os.path.exists(os.path.join(b, shard.path)) and os.listdir(os.path.join(b, "tmp")) == []
+
+
+def test_two_writers_of_one_key_one_wins_and_its_object_stays(pg, env, tmp_path):
+    """Two hosts finishing one deterministic path (a curation's): put-if-absent lets one object in;
+    the second writer gets FileExistsError and commits nothing; an object no row names (a crashed
+    writer's) is replaced by the writer that holds the key's intent."""
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    table = _rollouts(0)
+    rids, gids = table.column("rollout_id").to_pylist(), table.column("group_id").to_pylist()
+
+    def register(buf):
+        return lambda con, seq, ids: buf.manifest.register_rollouts(con, ids[0], zip(rids, gids), sorted(set(gids)))
+
+    with Buffer.init(a, catalog=dsn, data=url) as one, Buffer.init(b, catalog=dsn, data=url) as two:
+        bucket, prefix = url[5:].split("/", 1)
+        env.client().put_object(Bucket=bucket, Key=f"{prefix}/rollouts/same.parquet", Body=b"a crashed writer's")
+        _, (shard,) = one.commit([Part("rollouts", table, name="same")], "e", on_commit=register(one))
+        first = _objects(env, url)["rollouts/same.parquet"]
+        with pytest.raises(FileExistsError):
+            two.commit([Part("rollouts", table.slice(0, 2), name="same")], "e", on_commit=register(two))
+        assert two.manifest.latest_seq() == 1 and _objects(env, url)["rollouts/same.parquet"] == first
+        import hashlib
+
+        assert hashlib.sha256(first).hexdigest() == shard.sha256
+        assert not os.path.exists(os.path.join(b, "rollouts", "same.parquet"))
+    assert check_invariants(b) == []
+
+
+def test_a_bucket_without_conditional_writes_is_refused_before_anything_is_written(pg, env, cli, tmp_path, monkeypatch):
+    import rollstore.storage.store as store
+
+    real = store.S3Store.put_if_absent
+
+    def ignores_the_condition(self, rel, local):
+        with open(local, "rb") as body:
+            self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body)
+
+    monkeypatch.setattr(store.S3Store, "put_if_absent", ignores_the_condition)
+    folder = tmp_path / "b"
+    with pytest.raises(ManifestError, match="does not refuse a second put-if-absent"):
+        Buffer.init(str(folder), catalog=pg.fresh_dsn(), data=env.fresh_url())
+    assert not folder.exists()
+    monkeypatch.setattr(store.S3Store, "put_if_absent", real)
+    res = cli("init", folder, "--catalog", pg.fresh_dsn(), "--data", "s3://no-such-bucket-rs/x")
+    assert res.code == 1 and len(res.stderr.strip().splitlines()) == 1 and "nothing was written" in res.stderr
+    res = cli("init", folder, "--data", env.fresh_url())
+    assert res.code == 1 and "needs a catalog" in res.stderr
+    assert not folder.exists()

@@ -238,6 +238,9 @@ def save_checkpoint(
     tokenizer=None,
 ) -> Checkpoint:
     """Write and publish checkpoint `publish.version` (see the module invariants); return it."""
+    if getattr(buf.manifest, "store", None) is not None:
+        raise CheckpointError(f"{buf.root}: its shards live in object storage, and checkpoints there are not built yet "
+                              "(their folder would stay on this host, unseen by the others); nothing published")
     p = replace(publish, version=int(publish.version), metrics=publish.metrics or {},
                 consumed=[consumed_entry(e["curation_id"], e["shard"]) for e in publish.consumed])
     version, run_id = p.version, p.run_id

@@ -148,3 +148,51 @@ def test_a_bucket_without_conditional_writes_is_refused_before_anything_is_writt
     res = cli("init", folder, "--data", env.fresh_url())
     assert res.code == 1 and "needs a catalog" in res.stderr
     assert not folder.exists()
+
+
+def test_d3s_on_an_s3_buffer_from_a_cold_cache_is_the_embedded_buffers_curation(pg, env, tmp_path):
+    """The same rows in an embedded buffer and in a PostgreSQL + S3 buffer, curated on another host
+    whose cache is empty: the same curation id, byte-identical audit shards, the same curated rows,
+    and the curated and audit objects in the bucket are the files the catalog names."""
+    import hashlib
+
+    import pyarrow as pa
+
+    import rollstore as rs
+
+    tables = [rollouts_table(n_groups=4, group_size=2, mean_tokens=4, step=step, run_id="run0") for step in range(3)]
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    embedded, writer, curator = str(tmp_path / "embedded"), str(tmp_path / "writer"), str(tmp_path / "curator")
+    results = {}
+    for root, where in ((embedded, embedded), (writer, curator)):
+        Buffer.init(root, catalog=None if root == embedded else dsn, data=None if root == embedded else url).close()
+        with Buffer.open(root) as buf:
+            order = [buf.append_rollouts(t).path for t in tables]
+        if where != root:
+            Buffer.init(where, catalog=dsn, data=url).close()  # another host joins: its cache is empty
+        cur = rs.open(where).curate("d3s")
+        with Buffer.open(where) as buf:
+            audit = sorted(s.sha256 for s in buf.manifest.shards("selections"))
+            files = buf.snapshot().files("curated")
+            curated = pa.concat_tables(pq.read_table(f) for f in files)
+            named = {s.path: s.sha256 for s in buf.manifest.shards() if s.table_name in ("curated", "selections")}
+        position = pa.array([order.index(p) for p in curated.column("rollouts_shard").to_pylist()])
+        curated = curated.set_column(curated.schema.get_field_index("rollouts_shard"), "rollouts_shard", position)
+        results[root] = (cur.id, audit, curated.replace_schema_metadata(None), named)
+    (id_e, audit_e, cur_e, _), (id_s, audit_s, cur_s, named) = results[embedded], results[writer]
+    assert id_e == id_s and audit_e == audit_s and audit_e
+    assert cur_e.num_rows > 0 and cur_e.equals(cur_s)
+    objects = _objects(env, url)
+    assert {p: hashlib.sha256(objects[p]).hexdigest() for p in named} == named
+    assert check_invariants(writer) == []
+
+
+def test_a_checkpoint_is_refused_on_an_s3_buffer_for_now(pg, env, tmp_path):
+    """Not built yet: publishing a checkpoint's folder to the store. Refused (one line, nothing
+    published) rather than left on one host where no other host sees it."""
+    from rollstore.learner.checkpoint import CheckpointError, Publish, save_checkpoint
+
+    with Buffer.init(str(tmp_path / "b"), catalog=pg.fresh_dsn(), data=env.fresh_url()) as buf:
+        with pytest.raises(CheckpointError, match="not built yet") as err:
+            save_checkpoint(buf, object(), publish=Publish(version=1, run_id="r", consumed=[]))
+        assert len(str(err.value).splitlines()) == 1 and buf.manifest.latest_seq() == 0

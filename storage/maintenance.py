@@ -186,6 +186,26 @@ def _collect_cataloged(buf: Buffer, grace_s: float, now: float, report: GcReport
     _collect_held(buf, candidates, grace_s, now, report)
     spill = collect_tmp(tmp, grace_s, now, only=spills)
     report.spill_dirs_removed += spill.spill_dirs_removed
+    store = getattr(buf.manifest, "store", None)
+    if store is not None:
+        _collect_objects(buf, store, grace_s, now, report)
+
+
+def _collect_objects(buf: Buffer, store, grace_s: float, now: float, report: GcReport) -> None:
+    """The store's objects under the data folders that no row names and no live intent holds
+    (listed before the catalog is read), older than the grace period: deleted, each while gc
+    holds an intent on its key (a writer takes one before its put-if-absent)."""
+    objects = [(rel, modified, size) for rel, modified, size in store.list()
+               if rel.split("/", 1)[0] in DATA_DIRS and rel.endswith(".parquet")]
+    held = buf.manifest.protected([rel for rel, _, _ in objects])
+    for rel, modified, size in objects:
+        if rel in held or now - modified < grace_s:
+            continue
+        with buf.manifest.owning(rel) as mine:
+            if mine:
+                store.delete(rel)
+                report.orphans_removed += 1
+                report.bytes_freed += size
 
 
 def _collect_data(buf: Buffer, grace_s: float, now: float, report: GcReport) -> None:
@@ -243,6 +263,13 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
             )
         full = os.path.join(buf.root, path)
         size, _ = _size_and_age(full, now)
+        store = getattr(man, "store", None)
+        if store is not None:  # the object (the local file, if any, is this host's cached copy)
+            store.delete(path)
+            _remove(full)
+            report.bytes_freed += size
+            report.retired_removed += 1
+            continue
         if _remove(full):
             report.bytes_freed += size
             report.retired_removed += 1
@@ -300,6 +327,10 @@ def compact(
     batches = [b for b in batches if len(b) > 1]
     if not batches:
         return report
+    store = getattr(man, "store", None)
+    if store is not None:  # shards in object storage: into this host's cache first, verified
+        for s in (s for b in batches for s in b):
+            store.fetch(buf.root, s.path, s.sha256, s.bytes)
     verify_shards(buf.root, [s for b in batches for s in b])  # never merge a corrupted file into a new one
     parts = []
     for batch in batches:

@@ -90,6 +90,18 @@ class S3Store:
         except (BotoCoreError, ClientError) as exc:
             raise self._fail(f"cannot delete {rel}", exc) from None
 
+    def list(self):
+        """(relative path, last-modified epoch seconds, bytes) of every object under the prefix."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        start = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+                for o in page.get("Contents", []):
+                    yield o["Key"][len(start):], o["LastModified"].timestamp(), int(o["Size"])
+        except (BotoCoreError, ClientError) as exc:
+            raise self._fail("cannot list the objects", exc) from None
+
     def fetch(self, root: str, rel: str, sha256: str, nbytes: int) -> str:
         """The local copy of `rel` in the cache at `root`, downloaded and verified when missing."""
         from botocore.exceptions import BotoCoreError, ClientError

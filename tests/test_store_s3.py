@@ -196,3 +196,28 @@ def test_a_checkpoint_is_refused_on_an_s3_buffer_for_now(pg, env, tmp_path):
         with pytest.raises(CheckpointError, match="not built yet") as err:
             save_checkpoint(buf, object(), publish=Publish(version=1, run_id="r", consumed=[]))
         assert len(str(err.value).splitlines()) == 1 and buf.manifest.latest_seq() == 0
+
+
+def test_gc_deletes_orphan_objects_and_retired_shards_objects(pg, env, tmp_path):
+    """gc of an S3 buffer: an object no row names and no live intent holds (a crashed writer's) is
+    deleted, as are the objects of shards compaction retired (no pin holds them); every committed
+    object stays, and the merged shard reads the same rows from another host's cold cache."""
+    import rollstore.storage.maintenance as maintenance
+
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with Buffer.init(a, catalog=dsn, data=url) as buf:
+        old = [buf.append_rollouts(_rollouts(step)) for step in range(3)]
+        rows = buf.snapshot().arrow("rollouts").to_table().num_rows
+    bucket, prefix = url[5:].split("/", 1)
+    env.client().put_object(Bucket=bucket, Key=f"{prefix}/rollouts/orphan.parquet", Body=b"PAR1 a crashed writer's")
+    with Buffer.init(b, catalog=dsn, data=url) as buf:
+        assert maintenance.compact(buf).merged_shards == 3  # from b's cold cache
+        report = maintenance.gc(buf, grace_s=0.0)
+        assert report.retired_removed == 3 and report.orphans_removed >= 1
+        live = {s.path for s in buf.manifest.shards()}
+    objects = _objects(env, url)
+    assert set(objects) == live and not {s.path for s in old} & set(objects)
+    with Buffer.init(str(tmp_path / "c"), catalog=dsn, data=url) as buf:
+        assert buf.snapshot().arrow("rollouts").to_table().num_rows == rows
+    assert check_invariants(b) == []

@@ -206,7 +206,8 @@ def double_acks(logdir: str) -> list[str]:
 
 def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int = 0,
                 check=None, collect: bool = True, consumers: int = 0, curators: int = 0,
-                logdir: str | None = None, inject: float = 0.0) -> list[tuple[int, str, list[str]]]:
+                logdir: str | None = None, inject: float = 0.0,
+                intent_ttl: float = 1.0) -> list[tuple[int, str, list[str]]]:
     """Simulated hosts append to `buffer` concurrently (with `consumers` leasing and acking and
     `curators` curating, each a process too); `kills` times, one process (at random) is sent
     SIGKILL at a random moment; then (`collect`) gc runs with no grace while the others go on, the
@@ -215,7 +216,11 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     orphans gc removed or -1 if it was kept out) for each trial. `inject` > 0: the appending hosts
     kill themselves instead, with that probability per append, at a point chosen at random (files
     linked but no transaction yet; inside the transaction; right after COMMIT returned, before the
-    caller knows); the trial's name is then "host@point"."""
+    caller knows); the trial's name is then "host@point". The processes' write intents live
+    `intent_ttl` seconds without a heartbeat: each gc waits that long after a kill (the killed
+    writer's intents expire on the database's clock, so gc must take them over and remove its
+    files); a live writer fenced by a late heartbeat logs its refused commit and goes on
+    (`logdir/outcomes`)."""
     rng = random.Random(seed)
     check = check or check_invariants
     scripts = {h: LOOPER for h in hosts}
@@ -234,7 +239,9 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
         return bad
 
     def start(host: str) -> subprocess.Popen:
-        env = {**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1",
+               "ROLLSTORE_INTENT_TTL_S": str(intent_ttl),
+               "ROLLSTORE_TRIAL_LOG": os.path.join(logdir or os.path.dirname(buffer), "outcomes")}
         if inject and host in hosts:
             env["ROLLSTORE_TRIAL_INJECT"] = str(inject)
         p = subprocess.Popen([sys.executable, "-c", scripts[host].format(root=root, buffer=buffer, logdir=logdir)],
@@ -269,6 +276,8 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
                 victim.send_signal(signal.SIGKILL)
                 victim.wait()
             removed = 0
+            if collect:
+                time.sleep(intent_ttl * 1.2)  # the killed writer's intents expire (the others renew theirs)
             started = time.time()
             if collect:
                 with Buffer.open(buffer) as buf:
@@ -547,7 +556,7 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
                 sys.exit(1 if failed or final else 0)
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
                                   args.seed, consumers=args.consumers, curators=args.curators, logdir=work,
-                                  inject=args.inject)
+                                  inject=args.inject, intent_ttl=args.ttl)
             final = check_invariants(buffer)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
@@ -561,7 +570,8 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             with Buffer.open(buffer) as buf:
                 curations = len(buf.manifest.shards("curations"))
                 acked = buf.manifest.con.execute("SELECT count(*) FROM leases WHERE acked_at IS NOT NULL").fetchone()[0]
-            print(f"killed: {kinds}; {curations} curations committed, {acked} shards acked")
+            print(f"killed: {kinds}; {curations} curations committed, {acked} shards acked; live appenders' "
+                  f"commits refused as fenced (a heartbeat later than the TTL): {stall_outcomes(work)['append refused']}")
             print(f"{len(results)} kill trials over {args.hosts} simulated hosts, {commits} commits, "
                   f"{time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; gc after each kill "
                   f"removed {removed} orphans ({skipped} times kept out by writers); final check: "

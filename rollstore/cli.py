@@ -112,11 +112,12 @@ def open_buffer(path: str):
 def init(
     buffer: str = typer.Argument(..., help="Directory of the new (or existing) buffer."),
     catalog: Optional[str] = typer.Option(None, "--catalog", help="postgresql://[user@]host[:port]/db: keep the catalog there (hosts that mount BUFFER share it; docs/multihost.md). Default: BUFFER/manifest.sqlite."),
+    data: Optional[str] = typer.Option(None, "--data", help="s3://bucket/prefix: keep the shards in S3-compatible storage (needs --catalog; BUFFER is then this host's read cache; docs/multihost.md)."),
 ):
     """Create a buffer directory with its manifest (or, with --catalog, its PostgreSQL catalog)."""
     from rollstore.storage.buffer import Buffer
 
-    buf = Buffer.init(buffer, catalog=catalog)
+    buf = Buffer.init(buffer, catalog=catalog, data=data)
     where = "" if catalog is None else f" (catalog {buf.manifest.path})"
     buf.close()
     out.print(f"initialised {os.path.abspath(buffer)}{where}", highlight=False, markup=False)

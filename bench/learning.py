@@ -80,7 +80,7 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     from rollstore.learner.config import TrainConfig
-    from rollstore.generate import GenerationConfig
+    from rollstore.loop.generate import GenerationConfig
     from rollstore.loop import LoopConfig, run_loop
     from rollstore.storage.buffer import Buffer
 
@@ -313,7 +313,7 @@ HEADER = ["recipe", "seeds", "start pass@1", "final pass@1 [95 % CI]", "final pa
 
 
 def plot(runs: list[dict], split: str, path: str) -> None:
-    from rollstore.report_svg import Series, line_chart
+    from rollstore.report.svg import Series, line_chart
 
     by = {}
     for r in runs:
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_prompts, args.eval_samples, args.group_size, args.max_gen_batches = 16, 2, 4, 2
     from rollstore.curate.params import builtin_recipes
     from rollstore.loop import LoopConfig
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
 
     defaults = LoopConfig(buffer="")
     lr = args.lr if args.lr is not None else defaults.train.lr

@@ -15,7 +15,7 @@ from rollstore.curate.params import ParamError, load_recipe, resolve
 from rollstore.curate.prompts import draw, select
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 G = 3  # samples per group
@@ -193,7 +193,7 @@ def test_loop_selects_before_generating_and_resumes(tmp_path, default_tiny):  # 
     res = CliRunner().invoke(app, ["audit", root, "--skips"])
     assert res.exit_code == 1 and "2 runs have prompt selections (other, t): name one with --run" in res.output
     # the report's section shows each step's counts (queries/report_prompt_skips.sql)
-    from rollstore.report import build_report
+    from rollstore.report.page import build_report
 
     build_report(Buffer.open(root), str(tmp_path / "r.html"))
     html = (tmp_path / "r.html").read_text()

@@ -1,6 +1,6 @@
 """Generate, append, curate a step: written once, for the loop (`rollstore.loop`), the generator
 process of the two-process mode (`rollstore generate --follow`) and the loop with an N-rank
-learner (`rollstore.loop_ranks`, which runs that generator).
+learner (`rollstore.loop.ranks`, which runs that generator).
 
 Invariants:
 - `generate` samples one batch of a step with the loaded backend and reward pool and appends it

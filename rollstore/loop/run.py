@@ -42,7 +42,7 @@ from rollstore.curate.params import ParamError, load_recipe, resolve
 from rollstore.curate.run import CurationResult
 from rollstore.learner.config import TrainConfig
 from rollstore.queries.session import Session
-from rollstore.generate import GenerationConfig, StepStamp
+from rollstore.loop.generate import GenerationConfig, StepStamp
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.timing import Stopwatch
 
@@ -132,7 +132,7 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
     iteration; extra batches of a filtering recipe draw n prompts of the pool seeded by
     (seed, iteration, batch).
     """
-    from rollstore.resolve import resolve_prompts
+    from rollstore.builtin.resolve import resolve_prompts
 
     if not cfg.pool_size:
         return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
@@ -153,7 +153,7 @@ def pool_prompt(cfg: LoopConfig, position: int):
 
 @functools.lru_cache(maxsize=8)
 def _prompt_pool(ref: str, size: int, seed: int) -> tuple:
-    from rollstore.resolve import resolve_prompts
+    from rollstore.builtin.resolve import resolve_prompts
 
     return tuple(resolve_prompts(ref, size, seed=seed, split="train"))
 
@@ -166,7 +166,7 @@ def _epoch_order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def heldout_prompts(cfg: LoopConfig):
-    from rollstore.resolve import resolve_prompts
+    from rollstore.builtin.resolve import resolve_prompts
 
     return resolve_prompts(cfg.prompts, cfg.eval_prompts, seed=cfg.seed, split=cfg.eval_split)
 
@@ -254,8 +254,8 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     from rollstore.learner.trainer import make_optimizer
     from rollstore.rollout.backends import get_backend
     from rollstore.rollout.reward import RewardPool
-    from rollstore.resolve import resolve_model
-    from rollstore.step import StepWriter
+    from rollstore.builtin.resolve import resolve_model
+    from rollstore.loop.step import StepWriter
 
     run = _Run(cfg, on_iteration, on_eval)
     buf = Buffer.open(cfg.buffer)

@@ -372,7 +372,7 @@ BETWEEN = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from rollstore.storage.buffer import Buffer
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 buf = Buffer.open({buffer!r})
 real = buf.manifest.transaction
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstore.resolve import TINY_MODELS, resolve_prompts, task_model, tiny_dir, tiny_spec, warm_targets
+from rollstore.builtin.resolve import TINY_MODELS, resolve_prompts, task_model, tiny_dir, tiny_spec, warm_targets
 from rollstore.rollout import carries
 from rollstore.rollout.prompts import prompt_hash
 

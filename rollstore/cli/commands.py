@@ -499,7 +499,7 @@ def loop(
     Buffer.init(buffer).close()
     defaults = LoopConfig(buffer=buffer)
     if model is None and prompts is not None:
-        from rollstore.resolve import task_model
+        from rollstore.builtin.resolve import task_model
 
         model = task_model(prompts)
     cfg = LoopConfig(

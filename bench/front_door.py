@@ -6,8 +6,15 @@ A generated buffer of about `--tokens` response tokens (`bench.common.build_buff
 alternating order, (a) the handle: open the buffer, take the curation's handle, read `.curated`
 (its thin shards resolved against the rollouts shards they refer to, this curation's alone), and
 (b) `pl.read_parquet` of the export's `curated/` folder (the same rows, materialised). Only the read
-is timed (imports excluded). The median of the per-round ratios is reported beside the fastest of
-each.
+is timed (imports excluded), as wall time and as CPU time of the process (all its threads; on a
+shared machine the CPU time moves much less with the load than the wall time). The median of the
+per-round ratios is reported beside the fastest of each.
+
+Three last children each read `.curated` once more under cProfile with a CPU-time clock and split
+it (medians of the three): the thin curated shard, the referenced rollouts row groups
+(`ParquetFile.read_row_groups`), the gather of the referenced rows (`take`), the loss masks from
+kept runs (`runs_to_mask`) and the rest (manifest, snapshot, checks, Polars conversion), beside the
+CPU time of `pl.read_parquet`.
 
     python -m bench.front_door --tokens 10000000 --rounds 5
 """
@@ -34,9 +41,9 @@ def _handle(root: str, curation_id: str) -> dict:
     import rollstore.handle  # noqa: F401
     import rollstore.storage.references  # noqa: F401
 
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     rows = rs.open(root).curation(curation_id).curated
-    return {"seconds": time.perf_counter() - t0, "rows": rows.height,
+    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0, "rows": rows.height,
             "tokens": int(rows["response_token_ids"].list.len().sum())}
 
 
@@ -44,10 +51,39 @@ def _export(folder: str) -> dict:
     import polars as pl
 
     files = sorted(glob.glob(os.path.join(folder, "curated", "*.parquet")))
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     rows = pl.read_parquet(files)
-    return {"seconds": time.perf_counter() - t0, "rows": rows.height,
+    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0, "rows": rows.height,
             "tokens": int(rows["response_token_ids"].list.len().sum())}
+
+
+# (label, function names whose cumulative CPU time it sums) of the breakdown
+PARTS = [("thin curated shard", ("read_table",)), ("rollouts row groups", ("read_row_groups",)),
+         ("gather (take)", ("take",)), ("loss masks", ("runs_to_mask",))]
+
+
+def _breakdown(root: str, curation_id: str) -> dict:
+    """CPU seconds of one `.curated` read, split by `PARTS` (cProfile with a CPU-time clock)."""
+    import cProfile
+    import pstats
+
+    import polars  # noqa: F401
+
+    import rollstore as rs
+    import rollstore.curation  # noqa: F401
+    import rollstore.handle  # noqa: F401
+    import rollstore.storage.references  # noqa: F401
+
+    prof = cProfile.Profile(time.process_time)
+    c0 = time.process_time()
+    prof.enable()
+    rs.open(root).curation(curation_id).curated
+    prof.disable()
+    total = time.process_time() - c0
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
+    parts = {label: sum(v[3] for k, v in stats.items() if k[2] in names) for label, names in PARTS}
+    parts["rest"] = total - sum(parts.values())
+    return {"cpu_seconds": total, "parts": parts}
 
 
 def main() -> None:
@@ -57,7 +93,7 @@ def main() -> None:
     ap.add_argument("--progress", default="0.3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--root", default=None, help="Keep the generated buffer here (default: a temporary folder).")
-    ap.add_argument("--child", choices=("handle", "export"), default=None)
+    ap.add_argument("--child", choices=("handle", "export", "breakdown"), default=None)
     ap.add_argument("--path", default=None)
     ap.add_argument("--curation", default=None)
     ap.add_argument("--no-record", action="store_true", help="Do not append to bench/RESULTS.md.")
@@ -67,6 +103,9 @@ def main() -> None:
         return
     if args.child == "export":
         common.child_result(_export(args.path))
+        return
+    if args.child == "breakdown":
+        common.child_result(_breakdown(args.path, args.curation))
         return
 
     work = tempfile.mkdtemp(prefix="rollstore-front-door-")
@@ -91,20 +130,35 @@ def main() -> None:
                 got[kind] = common.run_child("bench.front_door", ["--child", kind, "--path", path, *extra])
             assert got["handle"]["rows"] == got["export"]["rows"] and got["handle"]["tokens"] == got["export"]["tokens"]
             rounds.append(got)
-            print(f"round {k + 1}: handle {got['handle']['seconds']:.3f} s, read_parquet {got['export']['seconds']:.3f} s, "
+            print(f"round {k + 1}: handle {got['handle']['seconds']:.3f} s (cpu {got['handle']['cpu_seconds']:.3f}), "
+                  f"read_parquet {got['export']['seconds']:.3f} s (cpu {got['export']['cpu_seconds']:.3f}), "
                   f"ratio {got['handle']['seconds'] / got['export']['seconds']:.2f}", flush=True)
         ratios = [r["handle"]["seconds"] / r["export"]["seconds"] for r in rounds]
+        cpu_ratios = [r["handle"]["cpu_seconds"] / r["export"]["cpu_seconds"] for r in rounds]
         best_h = min(r["handle"]["seconds"] for r in rounds)
         best_e = min(r["export"]["seconds"] for r in rounds)
         rows, tokens = rounds[0]["handle"]["rows"], rounds[0]["handle"]["tokens"]
-        summary = (f"median ratio {statistics.median(ratios):.2f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)}); "
+        splits = [common.run_child("bench.front_door", ["--child", "breakdown", "--path", root, "--curation", cur.id])
+                  for _ in range(3)]
+        split = {"cpu_seconds": statistics.median(x["cpu_seconds"] for x in splits),
+                 "parts": {k: statistics.median(x["parts"][k] for x in splits) for k in splits[0]["parts"]}}
+        export_cpu = statistics.median(r["export"]["cpu_seconds"] for r in rounds)
+        summary = (f"median ratio {statistics.median(ratios):.2f} wall (rounds: {', '.join(f'{x:.2f}' for x in ratios)}), "
+                   f"{statistics.median(cpu_ratios):.2f} CPU (rounds: {', '.join(f'{x:.2f}' for x in cpu_ratios)}); "
                    f"fastest handle {best_h:.3f} s, fastest read_parquet {best_e:.3f} s; "
                    f"{rows:,} curated rows, {tokens:,} response tokens of {info['tokens']:,}")
         print(summary)
+        breakdown = common.md_table(
+            ["CPU of one `.curated` (cProfile, median of 3 processes)", "s", "× read_parquet's CPU (median)"],
+            [[label, sec, sec / export_cpu] for label, sec in split["parts"].items()]
+            + [["total", split["cpu_seconds"], split["cpu_seconds"] / export_cpu]], digits=3)
+        print(breakdown)
         if not args.no_record:
-            table = common.md_table(["round", "handle .curated (s)", "pl.read_parquet of the export (s)", "ratio"],
-                                    [[k + 1, r["handle"]["seconds"], r["export"]["seconds"], x]
-                                     for k, (r, x) in enumerate(zip(rounds, ratios))], digits=3)
+            table = common.md_table(["round", "handle .curated (s)", "pl.read_parquet of the export (s)", "ratio",
+                                     "handle CPU (s)", "read_parquet CPU (s)", "CPU ratio"],
+                                    [[k + 1, r["handle"]["seconds"], r["export"]["seconds"], x,
+                                      r["handle"]["cpu_seconds"], r["export"]["cpu_seconds"], c]
+                                     for k, (r, x, c) in enumerate(zip(rounds, ratios, cpu_ratios))], digits=3)
             with open(common.RESULTS, "a", encoding="utf-8") as fh:
                 fh.write(f"\n## Front door: a curation handle's rows against read_parquet of its export "
                          f"({dt.date.today().isoformat()})\n\n"
@@ -113,7 +167,7 @@ def main() -> None:
                          f"load average {common.load_avg()}.\n\n"
                          f"Buffer: {info['tokens']:,} response tokens in {info['shards']} shards; curation "
                          f"`{args.recipe}` at progress {args.progress}. Target: handle ≤ 1.2× read_parquet.\n\n"
-                         f"{table}\n\n{summary}.\n")
+                         f"{table}\n\n{summary}.\n\n{breakdown}\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -161,6 +161,20 @@ def test_runs_to_mask_matches_a_loop():
         runs.append(edges)
     got = runs_to_mask(pa.array(runs, pa.list_(pa.int32())), np.array([len(m) for m in masks]))
     assert got.to_pylist() == [[bool(x) for x in m] for m in masks]
+    sliced = runs_to_mask(pa.array(runs, pa.list_(pa.int32())).slice(7, 50), np.array([len(m) for m in masks[7:57]]))
+    assert sliced.to_pylist() == [[bool(x) for x in m] for m in masks[7:57]]
+
+
+def test_runs_to_mask_edges_and_refusals():
+    """A run ending where the next begins, empty runs, empty rows, several chunks; a bound outside
+    the row, an odd number of bounds, a run ending before it starts: a ValueError, never a mask."""
+    runs = pa.chunked_array([pa.array([[0, 2, 2, 5], []], pa.list_(pa.int32())),
+                             pa.array([[1, 1], [0, 0, 1, 3, 3, 3], [0, 4], []], pa.list_(pa.int32()))])
+    got = runs_to_mask(runs, np.array([5, 3, 4, 3, 4, 0]))
+    assert got.to_pylist() == [[True] * 5, [False] * 3, [False] * 4, [False, True, True], [True] * 4, []]
+    for bad, match in (([0, 6], "not pairs"), ([0], "not pairs"), ([-1, 2], "not pairs"), ([3, 1], "ends before")):
+        with pytest.raises(ValueError, match=match):
+            runs_to_mask(pa.array([bad], pa.list_(pa.int32())), np.array([5]))
 
 
 def test_verify_follows_references_and_quarantine_refuses_training(curated_buffer, cli, tmp_path):

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRITER = """
 import os, sys, time, json
 sys.path.insert(0, {root!r})
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 host = os.environ["ROLLSTORE_HOST_ID"]
 buf = Buffer.open({buffer!r})
@@ -101,7 +101,7 @@ def main() -> None:
                     print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
                           f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms", flush=True)
             if args.big:
-                from rollstore.synthetic import rollouts_table
+                from rollstore.builtin.synthetic import rollouts_table
 
                 for kind in ("sqlite", "postgres"):
                     buffer = os.path.join(work, f"{kind}-big")

@@ -49,6 +49,7 @@ import pyarrow as pa
 
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer
+from rollstore.storage.catalog import holding
 from rollstore.storage.owners import owned_name
 from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.shardio import READ_THREADS
@@ -167,14 +168,15 @@ def curate_dask(
                                 limits.memory_limit, limits.threads or 1, folder, READ_THREADS, limits.timeout,
                                 dict(_task_hooks or {}))
         job = _Run(client, ctx, run)
-        os.makedirs(os.path.join(buf.root, folder))
-        try:
-            return _curate(buf, snap, session, job, recipe, params, commit, dry_run, verified)
-        except BaseException:
-            job.cancel()
-            raise
-        finally:
-            shutil.rmtree(os.path.join(buf.root, folder), ignore_errors=True)
+        with holding(buf.manifest, folder):  # a catalog's intent on the folder, taken before it is made
+            os.makedirs(os.path.join(buf.root, folder))
+            try:
+                return _curate(buf, snap, session, job, recipe, params, commit, dry_run, verified)
+            except BaseException:
+                job.cancel()
+                raise
+            finally:
+                shutil.rmtree(os.path.join(buf.root, folder), ignore_errors=True)
 
 
 def _resolve(job: _Run, session: Session, params: Params) -> Params:

@@ -30,6 +30,7 @@ import queue
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
@@ -39,6 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rollstore.storage.buffer import Buffer, Part, WrittenPart, write_part
+from rollstore.storage.catalog import holding
 from rollstore.storage.owners import owned_name
 from rollstore.storage.references import logprob_lists
 from rollstore.storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
@@ -393,7 +395,7 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
 
     beside = None
     if audit_part is None and commit:  # the audit is known: write it while the curated rows are made
-        beside = Beside(buf.root, Part("selections", audit, cid, cid, "audit"))
+        beside = Beside(buf.root, Part("selections", audit, cid, cid, "audit"), buf.manifest)
         audit_part = beside.result
 
     def parts():
@@ -431,14 +433,17 @@ class Beside:
     `close` waits for the writer, then removes the folder: nothing of it is left, whether the
     commit linked the file into place (its temp name is gone then) or failed before."""
 
-    def __init__(self, root: str, part: Part):
+    def __init__(self, root: str, part: Part, catalog=None):
         self.root, self.part = root, part
         self.folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this process lives
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollstore-beside")
         self.future = None
+        self.catalog = catalog
+        self.held = ExitStack()  # a catalog's intent on the folder (storage.catalog.holding)
 
     def start(self) -> None:
         if self.future is None:
+            self.held.enter_context(holding(self.catalog, self.folder))
             os.makedirs(os.path.join(self.root, self.folder))
             self.future = self.pool.submit(write_part, self.root, self.part, self.folder)
 
@@ -450,3 +455,4 @@ class Beside:
         self.pool.shutdown(wait=True)
         if self.future is not None:
             shutil.rmtree(os.path.join(self.root, self.folder), ignore_errors=True)
+        self.held.close()

@@ -20,7 +20,10 @@ Invariants:
 - Training metrics rows passed to `save_checkpoint` (`Publish.training_rows`) are committed in the same transaction, so the
   `training` table holds each step of a published version exactly once.
 - When leases are used (`Publish.lease=(consumer, group)`), the consumed shards' leases are acked in the
-  same transaction; a lease lost to another consumer refuses the save.
+  same transaction; a lease lost to another consumer refuses the save. On a buffer cataloged in
+  PostgreSQL the consumed ledger is also a catalog table (`consumed`, checked and written in that
+  transaction), and a lease that expired on the database's clock refuses the save even when
+  nobody took it over (a learner stalled past its TTL is refused at publish).
 - `load_checkpoint` restores weights bit-exactly (float32 safetensors) and the exact optimizer,
   scheduler and RNG states, so a resumed run continues as if never interrupted.
 """
@@ -44,6 +47,7 @@ import torch
 
 from rollstore.storage.shardio import fsync_dir
 from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.catalog import holding
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.owners import owned_name
 from rollstore.storage.schema import CHECKPOINTS, TRAINING
@@ -234,6 +238,9 @@ def save_checkpoint(
     tokenizer=None,
 ) -> Checkpoint:
     """Write and publish checkpoint `publish.version` (see the module invariants); return it."""
+    if getattr(buf.manifest, "store", None) is not None:
+        raise CheckpointError(f"{buf.root}: its shards live in object storage, and checkpoints there are not built yet "
+                              "(their folder would stay on this host, unseen by the others); nothing published")
     p = replace(publish, version=int(publish.version), metrics=publish.metrics or {},
                 consumed=[consumed_entry(e["curation_id"], e["shard"]) for e in publish.consumed])
     version, run_id = p.version, p.run_id
@@ -253,7 +260,13 @@ def save_checkpoint(
     def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
-        _check_unpublished(buf, con, ids, version, run_id, shards)
+        record = getattr(buf.manifest, "record_consumed", None)  # a catalog's ledger table (PostgreSQL)
+        if record is None:
+            _check_unpublished(buf, con, ids, version, run_id, shards)
+        else:
+            why = record(con, run_id, version, p.consumed, ids[0], _seq)
+            if why is not None:
+                raise CheckpointError(f"{buf.root}: {why}")
         if p.lease is not None:
             _ack_in_transaction(buf, con, shards, *p.lease, now.timestamp())
         if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)
@@ -263,15 +276,16 @@ def save_checkpoint(
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
 
-    try:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        _write_dir(tmp, model, tokenizer, optimizer, scheduler, p.step, ledger)
-        buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish_in)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in moved_aside:
-            shutil.rmtree(d, ignore_errors=True)
+    with holding(buf.manifest, os.path.relpath(tmp, buf.root)):  # a catalog's intent on the folder
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            _write_dir(tmp, model, tokenizer, optimizer, scheduler, p.step, ledger)
+            buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish_in)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            for d in moved_aside:
+                shutil.rmtree(d, ignore_errors=True)
     return Checkpoint(version, rel, run_id, p.parent_version, p.consumed, p.metrics, now, buf.root, int(p.step))
 
 

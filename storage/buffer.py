@@ -10,7 +10,9 @@ Invariants:
   trusted; on failure only files that are still ours (same inode) and still unnamed by the
   manifest are unlinked. From its first file to the end of its transaction a commit holds the
   writers' lock shared (`writelock`), so `gc` never takes a linked, not yet committed file for
-  an orphan. A `WrittenPart` (a file
+  an orphan (a catalog with write intents, PostgreSQL's, takes no lock: an intent in the catalog
+  on each file, its temporary name and its final path, before its first byte; the commit's
+  transaction deletes them and is refused if they expired: `catalog_pg`). A `WrittenPart` (a file
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
@@ -32,6 +34,7 @@ from .errors import RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
 from .manifest import Manifest, NewShard, Shard
+from .owners import owned_name
 from .schema import RESPONSE_LENGTH, stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
 from .snapshot import Snapshot
@@ -160,13 +163,13 @@ class Buffer:
         self.manifest = manifest
 
     @classmethod
-    def init(cls, root: str, catalog: str | None = None) -> "Buffer":
+    def init(cls, root: str, catalog: str | None = None, data: str | None = None) -> "Buffer":
         """Create the buffer at `root` (its folders and manifest) if missing, and open it. `catalog`:
         a PostgreSQL DSN the new buffer is cataloged at instead (`storage/catalog.py`); a folder with
         a descriptor opens its catalog."""
         root = os.path.abspath(root)
-        if catalog is not None or is_cataloged(root):
-            manifest = open_manifest(root, create=True, catalog=catalog)  # checks all before writing
+        if catalog is not None or data is not None or is_cataloged(root):
+            manifest = open_manifest(root, create=True, catalog=catalog, data=data)  # checks all before writing
             for sub in SUBDIRS:
                 os.makedirs(os.path.join(root, sub), exist_ok=True)
             return cls(root, manifest)
@@ -222,6 +225,10 @@ class Buffer:
             inodes: list[int] = []
             ids: list[int] = []
             is_orphan = self.manifest.is_unnamed
+            intend = getattr(self.manifest, "intend", None)  # a catalog with write intents (PostgreSQL)
+            ended = getattr(self.manifest, "commit_ended", None)
+            store = getattr(self.manifest, "store", None)  # shards in object storage (storage/store.py)
+            uploaded: list[str] = []
             sent = False  # True from the moment COMMIT may have reached the manifest
             try:
                 for part in parts:
@@ -232,6 +239,8 @@ class Buffer:
                         folder = TABLE_DIRS[part.table_name] + "/"
                         if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
                             raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
+                        if intend is not None:
+                            intend([part.relpath])  # before the link: gc leaves it alone, the commit fences
                         link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan)
                         written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
                                                 part.bytes, part.sha256, part.key))
@@ -240,11 +249,18 @@ class Buffer:
                         if part.table_name == "rollouts" and not part.checked:  # no path skips finite floats
                             check_finite(table, kind)
                         rel = part.relpath()
-                        nbytes, digest = publish_file(table, self.root, rel, is_orphan)
+                        tmp_rel = None
+                        if intend is not None:  # intents on its temporary and final names before any byte
+                            tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
+                            intend([tmp_rel, rel])
+                        nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel)
                         written.append(
                             NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
                         )
                     inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
+                    if store is not None:  # the local file stays as this host's cached copy
+                        self._upload(store, written[-1].path)
+                        uploaded.append(written[-1].path)
                 with self.manifest.transaction() as con:
                     seq = self.manifest.new_commit(con, kind, detail)
                     ids = self.manifest.add_shards(con, seq, written)
@@ -255,25 +271,54 @@ class Buffer:
                 if sent:
                     # COMMIT was sent and failed (or was interrupted): whether it took effect is not
                     # known here, so no file is removed. Unnamed ones are orphans for `gc`, which
-                    # decides from the manifest, under the writers' lock, after this commit ends.
+                    # decides from the manifest, under the writers' lock, after this commit ends
+                    # (a catalog's intents of this commit are left to expire, not released).
+                    if ended is not None:
+                        ended(rolled_back=False)
                     raise
                 for w, inode in zip(written, inodes):
                     full = os.path.join(self.root, w.path)
                     try:
-                        if os.stat(full).st_ino == inode and self.manifest.is_unnamed(w.path):
+                        # (a store's buffer: the local file is only this host's copy, never the object another
+                        # writer committed at that path; a cache must not keep it)
+                        if os.stat(full).st_ino == inode and (store is not None or self.manifest.is_unnamed(w.path)):
                             os.unlink(full)
                     except (FileNotFoundError, sqlite3.Error):
                         pass
+                for rel in uploaded:  # ours (put-if-absent), unnamed, and our intent still holds its key
+                    try:
+                        if self.manifest.is_unnamed(rel):
+                            store.delete(rel)
+                    except (RollstoreError, sqlite3.Error):
+                        pass  # an orphan object
+                if ended is not None:
+                    ended(rolled_back=True)  # its files are gone: release their intents
                 raise
+            if ended is not None:
+                ended(rolled_back=False)  # committed: the transaction deleted its intents
         return seq, self.manifest.shards_by_id(ids)
+
+    def _upload(self, store, rel: str) -> None:
+        """Put the local file of `rel` into the store if absent. An object already there that no row
+        names is a crashed writer's (this writer holds the key's intent): replaced; one a row names
+        (another writer committed that path first) raises FileExistsError."""
+        full = os.path.join(self.root, rel)
+        try:
+            store.put_if_absent(rel, full)
+        except FileExistsError:
+            if not self.manifest.is_unnamed(rel):
+                raise
+            store.delete(rel)
+            store.put_if_absent(rel, full)
 
     def append_rollouts(
         self, table: pa.Table, source: str = "<memory>", compact: bool = False,
-        metadata: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None, also: dict[str, pa.Table] | None = None,
     ) -> Shard:
         """Validate and append one table of rollouts as one shard (all or nothing). `metadata`:
         extra key-value metadata written into the shard's Parquet footer (e.g. an import's lossy
-        conversions)."""
+        conversions). `also`: rows of other tables (by name) committed in the same transaction
+        (e.g. the prompt selection that chose these rollouts' prompts)."""
         table = validate_rollouts(table, source, self.manifest.existing_ids)
         if compact:
             table = compact_entropies(table)
@@ -302,8 +347,9 @@ class Buffer:
                 rid = next(r for r, g in zip(rids, gids) if g in groups_taken)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
-        _, shards = self.commit([Part("rollouts", table, metadata=metadata, checked=True)], "append",
-                                {"source": source}, register)
+        parts = [Part("rollouts", table, metadata=metadata, checked=True)]  # first: `register` takes ids[0]
+        parts += [Part(name, rows) for name, rows in (also or {}).items()]
+        _, shards = self.commit(parts, "append", {"source": source}, register)
         return shards[0]
 
     def append(self, table_name: str, table: pa.Table, key: str | None = None) -> Shard:

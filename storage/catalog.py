@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Iterable, Protocol
 
 from . import descriptor
@@ -62,6 +62,15 @@ class Catalog(Protocol):
     def oldest_pinned_seq(self) -> int | None: ...
 
 
+def holding(catalog, relpath: str) -> AbstractContextManager[None]:
+    """While a working file or folder under tmp/ (`relpath`) is in use: an intent on it in a catalog
+    that has write intents (PostgreSQL: gc of any host leaves it alone, whatever its age; it is
+    taken before the folder is made and released after it is removed); nothing for the embedded
+    manifest, whose gc judges tmp/ by its owner's pid."""
+    hold = getattr(catalog, "holding", None)
+    return nullcontext() if hold is None else hold(relpath)
+
+
 def is_cataloged(root: str) -> bool:
     """True when the buffer at `root` has a descriptor (its catalog is not the embedded manifest)."""
     return descriptor.exists(root)
@@ -73,16 +82,18 @@ def _refuse_both(root: str) -> None:
                             "catalog: move the one that does not belong away")
 
 
-def open_manifest(root: str, create: bool = False, catalog: str | None = None) -> Catalog:
+def open_manifest(root: str, create: bool = False, catalog: str | None = None, data: str | None = None) -> Catalog:
     """The catalog of the buffer at `root`. `create`: make it when missing (with `catalog`, a DSN:
     a buffer cataloged there; without, the embedded manifest unless the folder has a descriptor)."""
     _refuse_both(root)
+    if data is not None and catalog is None:
+        raise ManifestError(f"--data {data}: a store needs a catalog every host reaches (give --catalog postgresql://...)")
     if catalog is not None:
         if not create:
             raise ValueError("a catalog DSN is given only when creating a buffer")
         from .catalog_pg import PgManifest, create as create_pg
 
-        return PgManifest(root, create_pg(root, catalog))
+        return PgManifest(root, create_pg(root, catalog, data))
     if descriptor.exists(root):
         from .catalog_pg import PgManifest
 

@@ -12,6 +12,11 @@ Invariants:
 - Snapshot S is `added_seq <= S AND (removed_seq IS NULL OR removed_seq > S)`, as in SQLite; later
   commits only add rows or set `removed_seq` to a larger seq, so a snapshot never changes.
 - `meta.buffer_uuid` equals the descriptor's `buffer_uuid`, checked on every open.
+- Every file a writer makes is held by an intent row (path, writer, expiry on the database's
+  clock) from before its first byte until the commit that names it deletes the intent in its own
+  transaction; a heartbeat renews live intents, never expired ones; a commit whose intents expired
+  or were taken over is refused (`Fenced`): nothing of it is visible. gc removes only files no row
+  names and no live intent holds, each while holding an intent on it itself.
 - Reads outside a transaction run in autocommit, one statement one snapshot, as on SQLite.
 - A failure of the database is one `CatalogError` line (also a `sqlite3.OperationalError`, so the
   code written against the embedded manifest treats it as it treats a busy or broken SQLite); a
@@ -31,6 +36,7 @@ import os
 import re
 import socket
 import sqlite3
+import threading
 import time
 import uuid as uuidlib
 from contextlib import contextmanager
@@ -40,7 +46,7 @@ from . import descriptor
 from .errors import ManifestError
 from .manifest import _SHARD_COLS, REQUIRED_TABLES, Manifest, NewShard, Shard
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -80,6 +86,26 @@ CREATE TABLE IF NOT EXISTS leases (
     PRIMARY KEY (consumer_group, shard_id)
 );
 CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, seq BIGINT NOT NULL, expires_at DOUBLE PRECISION NOT NULL)
+"""
+
+# Schema version 2 (added to a version-1 catalog when it is opened): write intents and the consumed ledger.
+_DDL_2 = """
+CREATE TABLE IF NOT EXISTS intents (
+    path TEXT PRIMARY KEY,
+    writer TEXT NOT NULL,
+    host TEXT,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS intents_by_writer ON intents (writer);
+CREATE TABLE IF NOT EXISTS consumed (
+    run_id TEXT NOT NULL,
+    shard TEXT NOT NULL,
+    curation_id TEXT,
+    version BIGINT NOT NULL,
+    checkpoint_shard_id BIGINT NOT NULL,
+    seq BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)
 """
 
 # The primary key of each table an `INSERT OR REPLACE` may target, and the serial column whose value
@@ -282,18 +308,27 @@ def _buffer_uuid(con: PgConnection) -> str | None:
     return None if row is None else row[0]
 
 
-def create(root: str, dsn: str) -> descriptor.Descriptor:
+def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descriptor:
     """Make `root` a buffer cataloged at `dsn`: check everything first (the DSN reachable, its schema
-    present, no other buffer's catalog there, the folder writable), then create the catalog's
-    tables and write the descriptor. Idempotent for the same root and DSN."""
+    present, no other buffer's catalog there, the folder writable; with `data`, an s3:// store:
+    the bucket reachable and refusing a second put-if-absent), then create the catalog's tables and
+    write the descriptor. Idempotent for the same root and DSN. With `data`, a catalog that already
+    holds the buffer of that store is joined (another host's cache folder for it)."""
     descriptor.check_dsn(dsn)
     where = descriptor.redact(dsn)
+    if data is not None:
+        from .store import S3Store
+
+        S3Store(data).check_conditional_writes()
     if os.path.exists(os.path.join(root, "manifest.sqlite")):
         raise ManifestError(f"{root}: already an embedded buffer (manifest.sqlite); a catalog is chosen "
                             "when a buffer is created; nothing was written")
     existing = descriptor.read(root) if descriptor.exists(root) else None
     if existing is not None and existing.catalog != dsn:
         raise ManifestError(f"{root}: already cataloged at {descriptor.redact(existing.catalog)}, not {where}; "
+                            "nothing was written")
+    if existing is not None and existing.data != data:
+        raise ManifestError(f"{root}: its shards live in {existing.data or 'this folder'}, not {data or 'this folder'}; "
                             "nothing was written")
     parent = root
     while not os.path.exists(parent):
@@ -312,6 +347,11 @@ def create(root: str, dsn: str) -> descriptor.Descriptor:
                     raise CatalogError(f"catalog {where}: a partial rollstore catalog (no table {missing[0]!r}); "
                                        "nothing was written")
                 found = _buffer_uuid(con)
+                stored = con.execute("SELECT value FROM meta WHERE key = 'data'").fetchone()
+                if existing is None and data is not None and stored is not None and stored[0] == data:
+                    existing = descriptor.Descriptor(found, dsn, data)  # joins its store's buffer: writes it below
+                    os.makedirs(root, exist_ok=True)
+                    descriptor.write(root, existing)
                 if existing is None or found != existing.buffer_uuid:
                     raise CatalogError(
                         f"catalog {where}: holds another buffer ({found}); give each buffer its own database "
@@ -319,12 +359,14 @@ def create(root: str, dsn: str) -> descriptor.Descriptor:
                 desc = existing
             else:
                 # none yet (or an init that wrote its descriptor and then lost its COMMIT: resumed)
-                desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn)
-                for statement in filter(str.strip, _DDL.split(";")):
+                desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn, data)
+                for statement in filter(str.strip, (_DDL + ";" + _DDL_2).split(";")):
                     con.execute(statement)
                 con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
                 con.execute("INSERT INTO meta VALUES ('buffer_uuid', ?)", (desc.buffer_uuid,))
                 con.execute("INSERT INTO meta VALUES ('created_at', ?)", (repr(time.time()),))
+                if data is not None:
+                    con.execute("INSERT INTO meta VALUES ('data', ?)", (data,))
             os.makedirs(root, exist_ok=True)
             if existing is None:
                 descriptor.write(root, desc)  # inside the catalog's transaction: a failure here rolls it back
@@ -357,6 +399,15 @@ def _locked(con: PgConnection, key: int) -> Iterator[PgConnection]:
             raise CommitUnknown(con._fail(exc)) from None
 
 
+class Fenced(CatalogError):
+    """A writer's intents expired (it stalled past their TTL) or were taken over: its commit is refused."""
+
+
+def intent_ttl() -> float:
+    """How long an intent lives without a heartbeat, on the database's clock (`ROLLSTORE_INTENT_TTL_S`)."""
+    return float(os.environ.get("ROLLSTORE_INTENT_TTL_S", "60"))
+
+
 class CommitUnknown(Exception):
     """COMMIT was sent and no acknowledgement came back: the transaction may or may not have
     committed (`args[0]`: the CatalogError of the failure)."""
@@ -372,8 +423,19 @@ class PgManifest(Manifest):
         self.path = descriptor.redact(desc.catalog)
         self.read_only = None
         self.lock_key = lock_key(desc.buffer_uuid)
-        self.writers_key = lock_key(desc.buffer_uuid + ":writers")
         self._token: str | None = None  # of the commit row of the transaction in progress
+        # write intents (see "intents" below): this process's writer id, the intents of the commit in
+        # progress, the folders it holds, and the heartbeat that renews them
+        self.writer = f"{host_id()}:{os.getpid()}:{uuidlib.uuid4().hex[:12]}"
+        self.intent_ttl = intent_ttl()
+        self._pending: list[str] = []
+        self._held: set[str] = set()
+        self._beat: threading.Thread | None = None
+        self._beat_stop = threading.Event()
+        self._beat_lock = threading.Lock()
+        from .store import open_store
+
+        self.store = open_store(desc.data)  # None: the shards live in the (shared) folder
         self.con = connect(desc.catalog)
         try:
             tables = _tables(self.con)
@@ -385,7 +447,13 @@ class PgManifest(Manifest):
             if found != desc.buffer_uuid:
                 raise CatalogError(f"catalog {self.path}: holds buffer {found}, not {desc.buffer_uuid} that "
                                    f"{descriptor.path_of(root)} names; nothing was read or written")
+            stored = self.con.execute("SELECT value FROM meta WHERE key = 'data'").fetchone()
+            if (stored and stored[0]) != desc.data:
+                raise CatalogError(f"catalog {self.path}: its buffer's shards live in {stored and stored[0] or 'its folder'}, "
+                                   f"{descriptor.path_of(root)} says {desc.data or 'this folder'}")
             version = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if version is not None and version[0] == "1":
+                version = self._upgrade_from_1()
             if version is None or version[0] != SCHEMA_VERSION:
                 raise CatalogError(f"catalog {self.path}: schema version {version and version[0]!r}, this "
                                    f"rollstore reads version {SCHEMA_VERSION}")
@@ -395,6 +463,18 @@ class PgManifest(Manifest):
 
     def __repr__(self) -> str:
         return f"<PgManifest {self.root!r} at {self.path}>"
+
+    def _upgrade_from_1(self) -> tuple[str]:
+        """Add version 2's tables (intents, consumed) to a version-1 catalog, under the buffer's lock;
+        version-1 processes then refuse to open it (they write no intents)."""
+        with _locked(self.con, self.lock_key) as con:
+            row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row[0] == "1":
+                for statement in filter(str.strip, _DDL_2.split(";")):
+                    con.execute(statement)
+                self._backfill_consumed(con)
+                con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
+        return (SCHEMA_VERSION,)
 
     @contextmanager
     def transaction(self) -> Iterator[PgConnection]:
@@ -456,6 +536,7 @@ class PgManifest(Manifest):
         (`ON CONFLICT DO NOTHING`: a failed INSERT would abort the whole PostgreSQL transaction.)"""
         import errno
 
+        self.fence(con)
         ids = []
         for s in shards:
             row = con.execute(
@@ -524,6 +605,51 @@ class PgManifest(Manifest):
             )
         return lease_id, [Shard(*r) for r in rows]
 
+    def ack(self, shard_ids: list[int], consumer: str, group: str = "default") -> int:
+        """Ack shards this consumer holds, on the database's clock; a lease that expired is not
+        acked even if nobody took it (the consumer stalled past its TTL: fenced; the embedded
+        manifest acks it while nobody took it)."""
+        with self.transaction() as con:
+            return con.execute(
+                "UPDATE leases SET acked_at = extract(epoch FROM clock_timestamp()) WHERE consumer_group = ? "
+                "AND shard_id = ANY(?::bigint[]) AND consumer = ? AND acked_at IS NULL "
+                "AND expires_at > extract(epoch FROM clock_timestamp())",
+                (group, [int(i) for i in shard_ids], consumer)).rowcount
+
+    def ack_paths(self, con, paths: list[str], consumer: str, group: str, now: float) -> list[str]:
+        """As the embedded manifest's (inside the publishing transaction), on the database's clock,
+        and only unexpired leases: a learner that stalled past its lease's TTL is refused at publish,
+        whether or not another consumer took the lease over."""
+        held = {r[0] for r in con.execute(
+            "UPDATE leases l SET acked_at = extract(epoch FROM clock_timestamp()) FROM shards s "
+            "WHERE s.shard_id = l.shard_id AND s.path = ANY(?::text[]) AND l.consumer_group = ? AND l.consumer = ? "
+            "AND l.acked_at IS NULL AND l.expires_at > extract(epoch FROM clock_timestamp()) RETURNING s.path",
+            (list(paths), group, consumer))}
+        return [p for p in paths if p not in held]
+
+    # ---- the consumed ledger (which curated shards each run trained), a table of the catalog ----
+    def record_consumed(self, con, run_id: str, version: int, entries: list[dict], checkpoint_shard_id: int,
+                        seq: int) -> str | None:
+        """Inside the publishing transaction (the buffer's lock held): why checkpoint `version` of
+        `run_id` may not be published (the version has a live row; a shard of `entries` was already
+        trained into a live checkpoint of the run), else None after recording `entries`."""
+        if con.execute("SELECT 1 FROM shards WHERE table_name = 'checkpoints' AND key = ? AND removed_seq IS NULL "
+                       "AND shard_id <> ? LIMIT 1", (str(version), checkpoint_shard_id)).fetchone():
+            return f"checkpoint version {version} already exists"
+        shards = [e["shard"] for e in entries]
+        dup = con.execute(
+            "SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
+            "WHERE s.removed_seq IS NULL AND c.run_id = ? AND c.shard = ANY(?::text[]) ORDER BY c.shard LIMIT 1",
+            (run_id, shards)).fetchone()
+        if dup is not None:
+            first = next(x for x in shards if x == dup[0])
+            return f"checkpoint v{version}: shard {first} was already trained into v{int(dup[1])} of run {run_id!r}"
+        con.execute("INSERT INTO consumed (run_id, shard, curation_id, version, checkpoint_shard_id, seq) "
+                    "SELECT ?, sh, cid, ?, ?, ? FROM unnest(?::text[], ?::text[]) AS t(sh, cid)",
+                    (run_id, int(version), int(checkpoint_shard_id), int(seq), shards,
+                     [e.get("curation_id") for e in entries]))
+        return None
+
     def pin(self, seq: int, ttl: float = 3600.0) -> str:
         pin_id = uuidlib.uuid4().hex
         with self.transaction() as con:
@@ -536,43 +662,165 @@ class PgManifest(Manifest):
             "SELECT min(seq) FROM pins WHERE expires_at > extract(epoch FROM clock_timestamp())").fetchone()
         return None if row[0] is None else int(row[0])
 
-    # ---- the writers' lock, in the catalog (what `writelock` is for the embedded buffer) -------
+    # ---- intents: what replaces host-local liveness (writers.lock, pids) -------------------
+    # Before its first byte, every file a writer makes (a shard at its final path, its temporary
+    # name under tmp/, a working folder under tmp/) gets an intent row: (path, writer, expires_at on
+    # the database's clock). A heartbeat renews the live intents of this process every TTL/4; the
+    # commit that names the files deletes its intents in its own transaction and is refused (fenced)
+    # unless all of them are still this writer's and unexpired. gc removes a file only when no shard
+    # row names it and no live intent holds it, and only after taking an intent on it itself (so no
+    # writer holds one while it deletes); an expired intent is taken over, which fences its writer.
+    def _backfill_consumed(self, con) -> None:
+        """The consumed ledger of the checkpoints published before the table existed (their rows'
+        `consumed` JSON, read from their shards)."""
+        import pyarrow.parquet as pq
+
+        for shard_id, path, added_seq in con.execute(
+                "SELECT shard_id, path, added_seq FROM shards WHERE table_name = 'checkpoints'").fetchall():
+            for r in pq.read_table(os.path.join(self.root, path), columns=["version", "run_id", "consumed"]).to_pylist():
+                entries = json.loads(r["consumed"])
+                con.execute("INSERT INTO consumed (run_id, shard, curation_id, version, checkpoint_shard_id, seq) "
+                            "SELECT ?, sh, cid, ?, ?, ? FROM unnest(?::text[], ?::text[]) AS t(sh, cid)",
+                            (r["run_id"], int(r["version"]), int(shard_id), int(added_seq),
+                             [e["shard"] for e in entries], [e.get("curation_id") for e in entries]))
+
+    def intend(self, paths: list[str]) -> None:
+        """Intents for `paths` (relative to the buffer) of the commit in progress, before their
+        first byte. A path another writer holds a live intent on raises FileExistsError (two
+        writers of one deterministic path: one goes on); an expired one is taken over."""
+        self._claim(paths, self.writer)
+        with self._beat_lock:
+            self._pending += paths
+        self._start_heartbeat()
+
+    def _claim(self, paths: list[str], writer: str) -> None:
+        import errno
+
+        got = {r[0] for r in self.con.execute(
+            "INSERT INTO intents (path, writer, host, expires_at) "
+            "SELECT p, ?, ?, extract(epoch FROM clock_timestamp()) + ? FROM unnest(?::text[]) AS t(p) "
+            "ON CONFLICT (path) DO UPDATE SET writer = EXCLUDED.writer, host = EXCLUDED.host, "
+            "expires_at = EXCLUDED.expires_at WHERE intents.expires_at < extract(epoch FROM clock_timestamp()) "
+            "RETURNING path", (writer, host_id(), self.intent_ttl, list(paths)))}
+        lost = [p for p in paths if p not in got]
+        if lost:
+            self._release(list(got), writer)
+            raise FileExistsError(errno.EEXIST, "another writer holds a live intent on it", os.path.join(self.root, lost[0]))
+
+    def _release(self, paths: list[str], writer: str) -> None:
+        if paths:
+            try:
+                self.con.execute("DELETE FROM intents WHERE writer = ? AND path = ANY(?::text[])", (writer, list(paths)))
+            except CatalogError:
+                pass  # they expire; gc takes them over
+
     @contextmanager
-    def writers_lock(self) -> Iterator[None]:
-        """Hold the buffer's writers' lock shared, as a session-level advisory lock on this catalog
-        connection, from before a commit's first file until its transaction has ended. The commit's
-        transaction runs on the same session: if the session dies (the process killed, the host
-        cut off and its connection closed by the server), the lock goes with it, and so does any
-        chance of that commit landing, so gc may then take the files for orphans (fenced by
-        construction; no host's clock is involved)."""
-        self.con.execute("SELECT pg_advisory_lock_shared(?)", (self.writers_key,))
-        con = self.con
+    def holding(self, path: str) -> Iterator[None]:
+        """An intent on a working folder or file under tmp/ (e.g. a curation's), renewed while held,
+        released at the end (its owner removed it)."""
+        self._claim([path], self.writer)
+        with self._beat_lock:
+            self._held.add(path)
+        self._start_heartbeat()
         try:
             yield
         finally:
-            if con is self.con:  # a lost COMMIT acknowledgement replaced the session: its lock is gone
+            with self._beat_lock:
+                self._held.discard(path)
+            self._release([path], self.writer)
+
+    def fence(self, con) -> None:
+        """Inside the commit's transaction: delete this writer's intents of the commit in progress;
+        refused (one line, the transaction rolls back) unless every one was still this writer's and
+        unexpired on the database's clock."""
+        paths = sorted(set(self._pending))
+        if not paths:
+            return
+        gone = con.execute(
+            "DELETE FROM intents WHERE writer = ? AND path = ANY(?::text[]) "
+            "AND expires_at > extract(epoch FROM clock_timestamp())", (self.writer, paths)).rowcount
+        if gone != len(paths):
+            raise Fenced(f"catalog {self.path}: this writer's intents expired or were taken over (it stalled past "
+                         f"ROLLSTORE_INTENT_TTL_S={self.intent_ttl:g} s on the database's clock): fenced, nothing "
+                         "of this commit is visible")
+
+    def commit_ended(self, rolled_back: bool) -> None:
+        """The commit in progress ended; `rolled_back`: before COMMIT was sent, its files removed,
+        so its intents are released now (else they are left to expire: its outcome may be unknown)."""
+        with self._beat_lock:
+            paths, self._pending = self._pending, []
+        if rolled_back:
+            self._release(paths, self.writer)
+
+    def _start_heartbeat(self) -> None:
+        with self._beat_lock:
+            if self._beat is None:
+                self._beat = threading.Thread(target=self._heartbeat, name="rollstore-intents", daemon=True)
+                self._beat.start()
+
+    def _heartbeat(self) -> None:
+        """Renew this process's unexpired intents every TTL/4 on a connection of its own (opened at
+        the first renewal, so a short commit never opens it). An expired intent is never renewed: a
+        process stopped past the TTL stays fenced. A renewal that fails leaves them to expire."""
+        con = None
+        try:
+            while not self._beat_stop.wait(self.intent_ttl / 4):
+                with self._beat_lock:
+                    paths = sorted(set(self._pending) | self._held)
+                if not paths:
+                    continue
                 try:
-                    con.execute("SELECT pg_advisory_unlock_shared(?)", (self.writers_key,))
+                    con = con or connect(self.descriptor.catalog)
+                    con.execute("UPDATE intents SET expires_at = extract(epoch FROM clock_timestamp()) + ? "
+                                "WHERE writer = ? AND path = ANY(?::text[]) "
+                                "AND expires_at > extract(epoch FROM clock_timestamp())",
+                                (self.intent_ttl, self.writer, paths))
                 except CatalogError:
-                    pass  # the session is gone, and its lock with it
+                    if con is not None:
+                        con.close()
+                    con = None
+        finally:
+            if con is not None:
+                con.close()
+
+    # gc's side
+    def protected(self, paths: list[str]) -> set[str]:
+        """Those of `paths` that a shard row names or a live intent holds (one statement: one snapshot,
+        so a commit that turned an intent into a row is seen as one or the other)."""
+        out: set[str] = set()
+        for chunk in _chunks(paths, 50_000):
+            out.update(r[0] for r in self.con.execute(
+                "SELECT path FROM shards WHERE path = ANY(?::text[]) UNION "
+                "SELECT path FROM intents WHERE path = ANY(?::text[]) AND expires_at > extract(epoch FROM clock_timestamp())",
+                (chunk, chunk)))
+        return out
 
     @contextmanager
-    def collecting_lock(self, wait_s: float) -> Iterator[bool]:
-        """Hold the writers' lock exclusively (no writer of any host is between a file and its
-        commit); yields False if writers kept it for `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        while not self.con.execute("SELECT pg_try_advisory_lock(?)", (self.writers_key,)).fetchone()[0]:
-            if time.monotonic() >= deadline:
-                yield False
-                return
-            time.sleep(0.02)
+    def owning(self, path: str) -> Iterator[bool]:
+        """gc's intent on `path` (an unnamed file it means to remove): yields True when it took it
+        (no live intent of a writer holds it, and no shard row names it), then releases it."""
+        me = self.writer + ":gc"
         try:
-            yield True
+            self._claim([path], me)
+        except FileExistsError:
+            yield False
+            return
+        try:
+            yield self.is_unnamed(path)
         finally:
-            try:
-                self.con.execute("SELECT pg_advisory_unlock(?)", (self.writers_key,))
-            except CatalogError:
-                pass
+            self._release([path], me)
+
+    def drop_expired_intents(self) -> int:
+        """Delete intents expired for a whole TTL (their writers are fenced; a file of theirs that
+        gc did not see is unheld from now on, for the next gc)."""
+        return self.con.execute("DELETE FROM intents WHERE expires_at < extract(epoch FROM clock_timestamp()) - ?",
+                                (self.intent_ttl,)).rowcount
+
+    def close(self) -> None:
+        self._beat_stop.set()
+        if self._beat is not None:
+            self._beat.join(5)
+        self.con.close()
 
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:

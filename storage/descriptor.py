@@ -3,6 +3,9 @@
 
     {"rollstore_descriptor": 1, "buffer_uuid": "<32 hex>", "catalog": "postgresql://host/db"}
 
+and, for a buffer whose shards live in object storage, `"data": "s3://bucket/prefix"` (then the
+folder is host-local: this file and a read cache; `storage/store.py`).
+
 Invariants:
 - A buffer folder holds either `manifest.sqlite` (the embedded default, unchanged) or this file,
   never both; a folder with neither is not a buffer.
@@ -32,6 +35,7 @@ SCHEMES = ("postgresql://", "postgres://")
 class Descriptor:
     buffer_uuid: str
     catalog: str  # the catalog's DSN, e.g. postgresql://user@host:5432/db
+    data: str | None = None  # where the shards' bytes live: s3://bucket/prefix (None: this folder)
 
 
 def path_of(root: str) -> str:
@@ -69,15 +73,20 @@ def read(root: str) -> Descriptor:
     uuid, dsn = data.get("buffer_uuid"), data.get("catalog")
     if not isinstance(uuid, str) or not re.fullmatch(r"[0-9a-f]{32}", uuid) or not isinstance(dsn, str):
         raise ManifestError(f"{path}: a rollstore descriptor needs buffer_uuid (32 hex) and catalog (a DSN)")
-    return Descriptor(uuid, check_dsn(dsn))
+    data = data.get("data")
+    if data is not None and (not isinstance(data, str) or not data.startswith("s3://")):
+        raise ManifestError(f"{path}: data must be s3://bucket/prefix when given")
+    return Descriptor(uuid, check_dsn(dsn), data)
 
 
 def write(root: str, desc: Descriptor) -> None:
     """Write the descriptor of `root` atomically (temporary file, fsync, rename, fsync the folder)."""
     path = path_of(root)
     tmp = f"{path}.tmp-{os.getpid()}"
-    body = json.dumps({"rollstore_descriptor": VERSION, "buffer_uuid": desc.buffer_uuid,
-                       "catalog": desc.catalog}, indent=1) + "\n"
+    fields = {"rollstore_descriptor": VERSION, "buffer_uuid": desc.buffer_uuid, "catalog": desc.catalog}
+    if desc.data is not None:
+        fields["data"] = desc.data
+    body = json.dumps(fields, indent=1) + "\n"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(body)
         f.flush()

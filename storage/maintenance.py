@@ -14,6 +14,12 @@ Invariants:
   - files of shards retired by compaction or quarantine are removed once no pinned snapshot can
     read them: the manifest row goes first (recording the highest `removed_seq` collected;
     snapshots older than that are refused from then on), then the file.
+- A buffer cataloged in PostgreSQL is judged by its catalog alone, on every host alike: a file of
+  the data folders or an entry of tmp/ is removed only when no shard row names it and no live
+  intent holds it (writers take one before a file's first byte and renew it by a heartbeat on the
+  database's clock), older than the grace period, and only while gc holds an intent on it itself;
+  an expired intent is taken over, which fences its writer's commit. No writers' lock, no pids
+  (but DuckDB spill folders, judged as above).
 - Concurrent gcs (and a file vanishing under one) are fine: a file already gone is skipped.
 - `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
   merged rows are the old rows in commit order, so every query's result is unchanged; the old
@@ -103,12 +109,13 @@ def _remove(path: str) -> bool:
         return False
 
 
-def collect_tmp(tmp: str, grace_s: float, now: float | None = None) -> GcReport:
-    """Remove the entries of `tmp/` that no live writer owns (see the module invariants)."""
+def collect_tmp(tmp: str, grace_s: float, now: float | None = None, only: list[str] | None = None) -> GcReport:
+    """Remove the entries of `tmp/` that no live writer owns (see the module invariants). `only`:
+    judge these names alone."""
     report = GcReport()
     now = time.time() if now is None else now
     try:
-        names = os.listdir(tmp)
+        names = os.listdir(tmp) if only is None else only
     except FileNotFoundError:
         return report
     for name in names:
@@ -130,6 +137,76 @@ def collect_tmp(tmp: str, grace_s: float, now: float | None = None) -> GcReport:
                 report.orphans_removed += 1
                 report.bytes_freed += size
     return report
+
+
+def _collect_held(buf: Buffer, candidates: list[tuple[str, str]], grace_s: float, now: float,
+                  report: GcReport) -> None:
+    """A catalog with write intents (PostgreSQL): of `candidates` ((relative path, kind): "file", a
+    .parquet of the data folders; "tmp", an entry of tmp/), listed BEFORE this reads the catalog,
+    remove those no shard row names and no live intent holds, older than the grace period, each
+    only while gc holds an intent on it itself (`owning`). A writer takes its intent before a
+    file's first byte, so a file listed without one is no live writer's; one whose intent expired
+    is taken over, which fences that writer's commit."""
+    man = buf.manifest
+    held = man.protected([rel for rel, _ in candidates])
+    for rel, kind in candidates:
+        if rel in held:
+            continue
+        full = os.path.join(buf.root, rel)
+        size, age = _size_and_age(full, now)
+        if age < grace_s or not os.path.lexists(full):
+            continue
+        with man.owning(rel) as mine:
+            if mine and _remove(full):
+                report.orphans_removed += 1
+                report.bytes_freed += size
+    man.drop_expired_intents()
+
+
+def _collect_cataloged(buf: Buffer, grace_s: float, now: float, report: GcReport) -> None:
+    """`collect_tmp` and `_collect_data` for a catalog with write intents: the same files, judged by
+    the catalog's rows and intents instead of pids and the writers' flock (DuckDB spill folders,
+    which are no writer's, are still judged as `collect_tmp` judges them)."""
+    tmp = os.path.join(buf.root, "tmp")
+    candidates: list[tuple[str, str]] = []
+    try:
+        names = os.listdir(tmp)
+    except FileNotFoundError:
+        names = []
+    spills = []
+    for name in names:
+        owner = parse(name)
+        if owner is not None and owner[0] == "duckdb":
+            spills.append(name)
+        else:
+            candidates.append((os.path.join("tmp", name), "tmp"))
+    for top in DATA_DIRS:
+        for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
+            candidates += [(os.path.relpath(os.path.join(dirpath, n), buf.root), "file")
+                           for n in files if n.endswith(".parquet")]
+    _collect_held(buf, candidates, grace_s, now, report)
+    spill = collect_tmp(tmp, grace_s, now, only=spills)
+    report.spill_dirs_removed += spill.spill_dirs_removed
+    store = getattr(buf.manifest, "store", None)
+    if store is not None:
+        _collect_objects(buf, store, grace_s, now, report)
+
+
+def _collect_objects(buf: Buffer, store, grace_s: float, now: float, report: GcReport) -> None:
+    """The store's objects under the data folders that no row names and no live intent holds
+    (listed before the catalog is read), older than the grace period: deleted, each while gc
+    holds an intent on its key (a writer takes one before its put-if-absent)."""
+    objects = [(rel, modified, size) for rel, modified, size in store.list()
+               if rel.split("/", 1)[0] in DATA_DIRS and rel.endswith(".parquet")]
+    held = buf.manifest.protected([rel for rel, _, _ in objects])
+    for rel, modified, size in objects:
+        if rel in held or now - modified < grace_s:
+            continue
+        with buf.manifest.owning(rel) as mine:
+            if mine:
+                store.delete(rel)
+                report.orphans_removed += 1
+                report.bytes_freed += size
 
 
 def _collect_data(buf: Buffer, grace_s: float, now: float, report: GcReport) -> None:
@@ -164,8 +241,12 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
     if man.read_only is not None and (_read_only_mount(buf.root) or not os.access(buf.root, os.W_OK)):
         man.require_writable()  # nothing can be removed from a read-only buffer: one line
     now = time.time()
-    report = collect_tmp(os.path.join(buf.root, "tmp"), grace_s, now)
-    _collect_data(buf, grace_s, now, report)
+    if getattr(man, "protected", None) is not None:  # a catalog with write intents (PostgreSQL)
+        report = GcReport()
+        _collect_cataloged(buf, grace_s, now, report)
+    else:
+        report = collect_tmp(os.path.join(buf.root, "tmp"), grace_s, now)
+        _collect_data(buf, grace_s, now, report)
     if man.read_only is not None:  # a full disk: orphans are gone (space freed), the manifest waits
         report.retired_skipped = man.read_only
         return report
@@ -183,6 +264,13 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
             )
         full = os.path.join(buf.root, path)
         size, _ = _size_and_age(full, now)
+        store = getattr(man, "store", None)
+        if store is not None:  # the object (the local file, if any, is this host's cached copy)
+            store.delete(path)
+            _remove(full)
+            report.bytes_freed += size
+            report.retired_removed += 1
+            continue
         if _remove(full):
             report.bytes_freed += size
             report.retired_removed += 1
@@ -259,6 +347,10 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, seen_seq: 
     commit that retires the old shards (and moves their ids); returns the rows written. The old
     shards are verified first; the commit refuses when one changed, was leased, or (rollouts) a
     curation committed since `seen_seq`. Until the commit, the old files are the live ones."""
+    store = getattr(buf.manifest, "store", None)
+    if store is not None:  # shards in object storage: into this host's cache first, verified
+        for sh in (sh for b in batches for sh in b):
+            store.fetch(buf.root, sh.path, sh.sha256, sh.bytes)
     verify_shards(buf.root, [s for b in batches for s in b])  # never merge a corrupted file into a new one
     parts = []
     rows = 0

@@ -111,10 +111,11 @@ def _link(tmp: str, final: str, relpath: str, is_orphan: Callable[[str], bool] |
 
 
 def publish_file(table: pa.Table, root: str, relpath: str,
-                 is_orphan: Callable[[str], bool] | None = None) -> tuple[int, str]:
+                 is_orphan: Callable[[str], bool] | None = None, tmp_relpath: str | None = None) -> tuple[int, str]:
     """Write `table` atomically to root/relpath; return (bytes, sha256). Never overwrites, except
-    an orphan (see the module's invariants)."""
-    tmp = os.path.join(root, "tmp", owned_name("tmp", ".parquet"))
+    an orphan (see the module's invariants). `tmp_relpath`: the temporary name to write first (one
+    the caller already named in its catalog's intents; default a fresh owned name under tmp/)."""
+    tmp = os.path.join(root, tmp_relpath or os.path.join("tmp", owned_name("tmp", ".parquet")))
     final = os.path.join(root, relpath)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     try:

@@ -57,6 +57,7 @@ class Snapshot:
         self.seq = seq
         self._manifest = manifest
         self._pin = _try_pin(manifest, seq) if pin else None  # pin before listing: gc keeps what we list
+        self._cached: set[str] = set()  # tables whose shards are in the local cache (a store's buffer)
         try:
             collected, latest = manifest.collected_seq(), manifest.latest_seq()
             if not 0 <= seq <= latest:  # a future seq would change as commits land
@@ -89,10 +90,19 @@ class Snapshot:
         self.close()
 
     def _table(self, table: str) -> list[Shard]:
-        """The shards of `table`; a name that is not a table is one `UnknownName` line."""
+        """The shards of `table`; a name that is not a table is one `UnknownName` line. A buffer
+        whose shards live in object storage has them in its host-local cache first (verified by
+        sha256 as they download; curated shards bring the rollouts shards they refer to)."""
         if table not in self._shards:
             raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
                               f"(tables: {', '.join(TABLES)})")
+        store = getattr(self._manifest, "store", None)
+        if store is not None:
+            for name in (table, "rollouts") if table == "curated" else (table,):
+                if name not in self._cached:
+                    for s in self._shards[name]:
+                        store.fetch(self.root, s.path, s.sha256, s.bytes)
+                    self._cached.add(name)
         return self._shards[table]
 
     def shards(self, table: str) -> list[Shard]:
@@ -139,13 +149,13 @@ class Snapshot:
     def check_present(self, tables: list[str] | None = None) -> None:
         """Raise one line for the first shard whose file is missing or of the wrong size (cheap)."""
         for name in tables or list(TABLES):
-            check_present(self.root, self._shards[name])
+            check_present(self.root, self._table(name))
 
     def verify(self, tables: list[str] | None = None) -> "Snapshot":
         """Raise one line for the first shard whose file is not the manifest's (size and sha256);
         call before the data is used for anything committed. Returns the snapshot."""
         for name in tables or list(TABLES):
-            verify_shards(self.root, self._shards[name])
+            verify_shards(self.root, self._table(name))
         return self
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:

@@ -15,9 +15,10 @@ Invariants:
   `wait_s`, `collecting` yields False and gc leaves the data folders for its next run.
 - The lock is an advisory `flock` on a file that is created once and never removed; a killed
   process's hold ends with it.
-- A buffer cataloged in PostgreSQL (`catalog.json`) uses its catalog's lock instead (`writers_lock`,
-  `collecting_lock` of `catalog_pg.PgManifest`: an advisory lock every host sees); without its
-  catalog at hand, `collecting` yields False: the flock cannot see other hosts' writers.
+- A buffer cataloged in PostgreSQL (`catalog.json`) takes no writers' lock: its writers hold an
+  intent in the catalog on every file before its first byte (`catalog_pg.PgManifest.intend`), and
+  its gc removes only files no row names and no live intent holds (`maintenance`), so `writing`
+  holds nothing for it; `collecting` yields False for it (the flock cannot see other hosts' writers).
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ def _open(root: str) -> int:
 
 @contextmanager
 def writing(root: str, catalog=None) -> Iterator[None]:
-    """Hold the writers' lock shared (blocks only while a gc scans the data folders). A catalog that
-    has its own writers' lock (`writers_lock`: PostgreSQL's, which every host sees) holds that."""
-    if getattr(catalog, "writers_lock", None) is not None:
-        with catalog.writers_lock():
-            yield
+    """Hold the writers' lock shared (blocks only while a gc scans the data folders). A catalog with
+    write intents (PostgreSQL's) needs none: its intents keep gc off a writer's files."""
+    if getattr(catalog, "intend", None) is not None:
+        yield
         return
     fd = _open(root)
     try:
@@ -59,12 +59,7 @@ def writing(root: str, catalog=None) -> Iterator[None]:
 @contextmanager
 def collecting(root: str, wait_s: float = 30.0, catalog=None) -> Iterator[bool]:
     """Hold the writers' lock exclusively; yields True, or False if writers kept it for `wait_s`
-    (or the lock file cannot be created: a full disk; then gc leaves the data folders alone). A
-    catalog with its own writers' lock (`collecting_lock`) is asked instead."""
-    if getattr(catalog, "collecting_lock", None) is not None:
-        with catalog.collecting_lock(wait_s) as held:
-            yield held
-        return
+    (or the lock file cannot be created: a full disk; then gc leaves the data folders alone)."""
     if os.path.exists(os.path.join(root, "catalog.json")):
         # A buffer cataloged in PostgreSQL has writers on other hosts, whom this host-local flock does
         # not see: without its catalog's lock the data folders are left alone.

@@ -24,7 +24,7 @@ APPENDER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 host = os.environ["ROLLSTORE_HOST_ID"]
 buf = Buffer.open({buffer!r})
@@ -48,7 +48,7 @@ def appender_script(root: str, buffer: str, n: int, group: int = 2, seed: int = 
 LOOPER = """
 import os, sys
 sys.path.insert(0, {root!r})
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 run = os.environ["ROLLSTORE_HOST_ID"] + "-" + str(os.getpid())
 buf = Buffer.open({buffer!r})
@@ -90,12 +90,70 @@ if inject:  # kill -9 itself at a chosen point of an append, with probability `i
     man.con.raw = Raw(man.con.raw)
 print("ready", flush=True)
 step = 0
+tolerate = os.environ.get("ROLLSTORE_TRIAL_LOG")  # stall trials: a fenced commit is logged, then go on
 while True:
     if inject:
         point[0] = rng.choice(["files-linked-before-transaction", "inside-transaction-before-commit",
                                "after-commit-before-the-caller-knows"]) if rng.random() < inject else None
-    buf.append_rollouts(rollouts_table(n_groups=1, group_size=2, mean_tokens=4, step=step, run_id=run))
+    table = rollouts_table(n_groups=1, group_size=2, mean_tokens=4, step=step, run_id=run)
     step += 1
+    if not tolerate:
+        buf.append_rollouts(table)
+        continue
+    try:
+        buf.append_rollouts(table)
+    except Exception as exc:  # fenced (its intents expired), or its session cut off inside the commit
+        with open(tolerate, "a") as log:
+            log.write(f"{{run}} refused {{str(exc).splitlines()[0]}}\\n")
+        buf.close()
+        buf = Buffer.open({buffer!r})
+"""
+
+# A learner of run "trial-run": leases one rollouts shard in group "learn" (stand-ins for curated
+# shards), "trains" on it for a while, then publishes a checkpoint that consumes it and acks its
+# lease in the same commit. Logs every outcome to ROLLSTORE_TRIAL_LOG.
+LEARNER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from rollstore.storage.buffer import Buffer
+from rollstore.learner.checkpoint import CheckpointError, Publish, consumed_entry, save_checkpoint
+me = os.environ["ROLLSTORE_HOST_ID"] + "-" + str(os.getpid())
+ttl, train_s = float(os.environ["ROLLSTORE_TRIAL_LEASE_TTL"]), float(os.environ["ROLLSTORE_TRIAL_TRAIN_S"])
+log = os.environ["ROLLSTORE_TRIAL_LOG"]
+
+
+class Tiny:  # the weights of a model, as save_checkpoint asks for them
+    def save_pretrained(self, folder, safe_serialization=True):
+        with open(os.path.join(folder, "weights.bin"), "wb") as f:
+            f.write(b"w")
+
+
+def note(line):
+    with open(log, "a") as f:
+        f.write(me + " " + line + "\\n")
+
+
+buf = Buffer.open({buffer!r})
+print("ready", flush=True)
+n = 0
+while True:
+    _, shards = buf.lease("rollouts", 1, me, group="learn", ttl=ttl)
+    if not shards:
+        time.sleep(0.05)
+        continue
+    time.sleep(train_s)  # training on it (a stall trial stops the process here, or anywhere)
+    n += 1
+    version = os.getpid() * 100000 + n
+    try:
+        save_checkpoint(buf, Tiny(), publish=Publish(version=version, run_id="trial-run",
+                        consumed=[consumed_entry("c", s.path) for s in shards], lease=(me, "learn")))
+        note("published " + " ".join(s.path for s in shards))
+    except CheckpointError as exc:
+        note("refused " + str(exc).splitlines()[0])
+    except Exception as exc:  # its catalog session cut off while it was stopped inside the commit
+        note("refused " + str(exc).splitlines()[0])
+        buf.close()
+        buf = Buffer.open({buffer!r})
 """
 
 
@@ -148,7 +206,8 @@ def double_acks(logdir: str) -> list[str]:
 
 def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int = 0,
                 check=None, collect: bool = True, consumers: int = 0, curators: int = 0,
-                logdir: str | None = None, inject: float = 0.0) -> list[tuple[int, str, list[str]]]:
+                logdir: str | None = None, inject: float = 0.0,
+                intent_ttl: float = 1.0) -> list[tuple[int, str, list[str]]]:
     """Simulated hosts append to `buffer` concurrently (with `consumers` leasing and acking and
     `curators` curating, each a process too); `kills` times, one process (at random) is sent
     SIGKILL at a random moment; then (`collect`) gc runs with no grace while the others go on, the
@@ -157,7 +216,11 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     orphans gc removed or -1 if it was kept out) for each trial. `inject` > 0: the appending hosts
     kill themselves instead, with that probability per append, at a point chosen at random (files
     linked but no transaction yet; inside the transaction; right after COMMIT returned, before the
-    caller knows); the trial's name is then "host@point"."""
+    caller knows); the trial's name is then "host@point". The processes' write intents live
+    `intent_ttl` seconds without a heartbeat: each gc waits that long after a kill (the killed
+    writer's intents expire on the database's clock, so gc must take them over and remove its
+    files); a live writer fenced by a late heartbeat logs its refused commit and goes on
+    (`logdir/outcomes`)."""
     rng = random.Random(seed)
     check = check or check_invariants
     scripts = {h: LOOPER for h in hosts}
@@ -176,7 +239,9 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
         return bad
 
     def start(host: str) -> subprocess.Popen:
-        env = {**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "ROLLSTORE_HOST_ID": host, "OMP_NUM_THREADS": "1",
+               "ROLLSTORE_INTENT_TTL_S": str(intent_ttl),
+               "ROLLSTORE_TRIAL_LOG": os.path.join(logdir or os.path.dirname(buffer), "outcomes")}
         if inject and host in hosts:
             env["ROLLSTORE_TRIAL_INJECT"] = str(inject)
         p = subprocess.Popen([sys.executable, "-c", scripts[host].format(root=root, buffer=buffer, logdir=logdir)],
@@ -211,6 +276,8 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
                 victim.send_signal(signal.SIGKILL)
                 victim.wait()
             removed = 0
+            if collect:
+                time.sleep(intent_ttl * 1.2)  # the killed writer's intents expire (the others renew theirs)
             started = time.time()
             if collect:
                 with Buffer.open(buffer) as buf:
@@ -228,6 +295,123 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     return results
 
 
+def trained_twice(buffer: str) -> list[str]:
+    """Shards trained into one run twice: in the catalog's consumed ledger, or in the checkpoints'
+    own rows (their `consumed` JSON), among live checkpoints."""
+    import json
+
+    bad = []
+    with Buffer.open(buffer) as buf:
+        man = buf.manifest
+        latest = man.latest_seq()  # the snapshot checked: learners may go on publishing meanwhile
+        live = ("FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id WHERE c.seq <= ? "
+                "AND (s.removed_seq IS NULL OR s.removed_seq > ?)")
+        for run, shard, n in man.con.execute(
+                f"SELECT c.run_id, c.shard, count(*) {live} GROUP BY c.run_id, c.shard HAVING count(*) > 1",
+                (latest, latest)).fetchall():
+            bad.append(f"{shard} trained {n} times into {run} (ledger)")
+        seen: set[tuple[str, str]] = set()
+        for shard in man.shards("checkpoints", seq=latest):
+            for row in pq.read_table(os.path.join(buf.root, shard.path), columns=["run_id", "consumed"]).to_pylist():
+                for e in json.loads(row["consumed"]):
+                    key = (row["run_id"], e["shard"])
+                    if key in seen:
+                        bad.append(f"{e['shard']} trained twice into {row['run_id']} (checkpoint rows)")
+                    seen.add(key)
+        ledger = man.con.execute(f"SELECT count(*) {live}", (latest, latest)).fetchone()[0]
+        if ledger != len(seen):
+            bad.append(f"the consumed ledger holds {ledger} entries, the checkpoints' rows {len(seen)}")
+    return bad
+
+
+def stall_trials(root: str, buffer: str, hosts: list[str], stalls: int, logdir: str, learners: int = 2,
+                 ttl: float = 1.0, seed: int = 0, check=None) -> list[tuple[int, str, list[str], int]]:
+    """Simulated hosts append (`hosts`) and learners lease, train and publish (`learners`), with
+    intents and leases of `ttl` seconds on the database's clock (and its stall cut-off for a
+    session idle inside a transaction). `stalls` times one of them is stopped (SIGSTOP) at a random
+    moment for longer than the TTL, while another gc runs with no grace; then it is continued
+    (SIGCONT) and, after a pause, gc runs again and every invariant is checked (orphans, snapshots,
+    no shard trained twice into the run, no shard acked twice). Returns (trial, process stopped,
+    violations, orphans gc removed) per trial; the log `logdir/outcomes` says what each stopped
+    process met (a fenced commit, a refused publish)."""
+    rng = random.Random(seed)
+    check = check or check_invariants
+    log = os.path.join(logdir, "outcomes")
+    scripts = {h: LOOPER for h in hosts}
+    scripts.update({f"learner{i}": LEARNER for i in range(learners)})
+    recorded: dict[int, list[str]] = {}
+
+    def snapshots_unchanged() -> list[str]:
+        with Buffer.open(buffer) as buf:
+            latest = buf.manifest.latest_seq()
+            bad = [f"snapshot {seq} changed" for seq, paths in recorded.items()
+                   if [s.path for s in buf.manifest.shards(seq=seq)] != paths]
+            recorded[latest] = [s.path for s in buf.manifest.shards(seq=latest)]
+        return bad
+
+    env_base = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLSTORE_INTENT_TTL_S": str(ttl),
+                "ROLLSTORE_PG_STALL_S": str(ttl), "ROLLSTORE_TRIAL_LOG": log,
+                "ROLLSTORE_TRIAL_LEASE_TTL": str(ttl), "ROLLSTORE_TRIAL_TRAIN_S": str(ttl / 3)}
+
+    def start(host: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", scripts[host].format(root=root, buffer=buffer)],
+                             env={**env_base, "ROLLSTORE_HOST_ID": host},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"simulated host {host} did not start: {p.stderr.read()[-2000:]}")
+        return p
+
+    procs = {h: start(h) for h in scripts}
+    results = []
+    try:
+        for trial in range(stalls):
+            host = rng.choice(sorted(scripts))
+            time.sleep(rng.uniform(0.05, 0.5))
+            victim = procs[host]
+            if victim.poll() is not None:
+                raise RuntimeError(f"simulated host {host} died: {victim.stderr.read()[-2000:]}")
+            victim.send_signal(signal.SIGSTOP)
+            time.sleep(ttl * 1.2)
+            with Buffer.open(buffer) as buf:  # another host's gc while it is stopped, past its TTL
+                removed = gc(buf, grace_s=0.0).orphans_removed
+            time.sleep(ttl * 0.6)
+            victim.send_signal(signal.SIGCONT)
+            time.sleep(ttl * 0.8)  # it resumes: fenced, refused, or it had nothing in flight
+            started = time.time()
+            with Buffer.open(buffer) as buf:
+                removed += gc(buf, grace_s=0.0).orphans_removed
+            bad = check(buffer, orphans=started) + snapshots_unchanged() + trained_twice(buffer) + double_acks(logdir)
+            if victim.poll() is not None:
+                bad.append(f"{host} died after SIGCONT: {victim.stderr.read()[-500:]}")
+                procs[host] = start(host)
+            results.append((trial, host, bad, removed))
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+    return results
+
+
+def stall_outcomes(logdir: str) -> dict[str, int]:
+    """Counts of what the stopped processes met: appenders' refused (fenced) commits, learners'
+    published and refused checkpoints."""
+    counts = {"append refused": 0, "publish refused": 0, "published": 0}
+    try:
+        with open(os.path.join(logdir, "outcomes")) as f:
+            for line in f:
+                _who, what = line.split(" ", 2)[:2]
+                if what == "published":
+                    counts["published"] += 1
+                elif line.split(" ", 1)[0].startswith("learner"):
+                    counts["publish refused"] += 1
+                else:
+                    counts["append refused"] += 1
+    except FileNotFoundError:
+        pass
+    return counts
+
+
 def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
     """The .parquet files of the data folders that no catalog row names, read under the writers' lock
     held exclusively (no writer is then between a file and its commit): orphans. `older_than`: only
@@ -235,6 +419,17 @@ def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
     host may have died after it started; the next gc takes them)."""
     from rollstore.storage.writelock import collecting
 
+    if getattr(buf.manifest, "protected", None) is not None:
+        # a catalog with write intents: files listed first, then the rows and live intents read (one
+        # statement); a file neither names is an orphan (no live writer holds an intent on it)
+        found = []
+        for top in DATA_DIRS:
+            for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
+                found += [os.path.relpath(os.path.join(dirpath, n), buf.root) for n in files if n.endswith(".parquet")]
+        held = buf.manifest.protected(found)
+        return [f"{p}: no row names it and no live intent holds it" for p in found if p not in held
+                and os.path.exists(os.path.join(buf.root, p))
+                and (older_than is None or os.path.getmtime(os.path.join(buf.root, p)) < older_than)]
     with collecting(buf.root, 30.0, buf.manifest) as held:
         if not held:
             return ["(writers held the writers' lock for 30 s: orphans not checked)"]
@@ -264,6 +459,12 @@ def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
         if orphans is not False:
             bad += unnamed_files(buf, None if orphans is True else float(orphans))
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
+        if getattr(man, "store", None) is not None:  # shards in object storage: into this host's cache, verified
+            from rollstore.storage.snapshot import TABLES
+
+            snap = buf.snapshot(latest)
+            for table in TABLES:
+                snap.files(table)
         seqs = [r[0] for r in man.con.execute("SELECT seq FROM commits WHERE seq <= ? ORDER BY seq", (latest,))]
         if seqs != list(range(1, latest + 1)):
             bad.append(f"commit seqs not contiguous: {seqs[:5]}... ({len(seqs)} commits, max {max(seqs, default=0)})")
@@ -319,6 +520,10 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
     ap.add_argument("--curators", type=int, default=0)
     ap.add_argument("--inject", type=float, default=0.0,
                     help="appenders kill themselves at chosen points with this probability per append")
+    ap.add_argument("--stalls", type=int, default=0,
+                    help="instead of kills: stop (SIGSTOP) an appender or a learner past its TTL this many times")
+    ap.add_argument("--learners", type=int, default=2)
+    ap.add_argument("--ttl", type=float, default=1.0, help="intent and lease TTL of the stall trials (seconds)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
@@ -330,9 +535,28 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             buffer = os.path.join(work, "buf")
             Buffer.init(buffer, catalog=server.fresh_dsn()).close()
             t0 = time.monotonic()
+            if args.stalls:
+                results = stall_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)],
+                                       args.stalls, work, learners=args.learners, ttl=args.ttl, seed=args.seed)
+                final = check_invariants(buffer, orphans=False) + trained_twice(buffer)
+                with Buffer.open(buffer) as buf:
+                    commits = buf.manifest.latest_seq()
+                    checkpoints = len(buf.manifest.shards("checkpoints"))
+                failed = [(t, h, bad) for t, h, bad, _ in results if bad]
+                kinds: dict[str, int] = {}
+                for _, h, _, _ in results:
+                    kinds[h.rstrip("0123456789")] = kinds.get(h.rstrip("0123456789"), 0) + 1
+                print(f"stopped: {kinds}; what they met on SIGCONT: {stall_outcomes(work)}; "
+                      f"{checkpoints} checkpoints published")
+                print(f"{len(results)} stall trials over {args.hosts} simulated hosts + {args.learners} learners, "
+                      f"{commits} commits, {time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; "
+                      f"gc removed {sum(r for *_, r in results)} orphans; final check: {final or 'all hold'}")
+                for t, h, bad in failed:
+                    print(f"  trial {t} ({h} stopped): {bad}")
+                sys.exit(1 if failed or final else 0)
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
                                   args.seed, consumers=args.consumers, curators=args.curators, logdir=work,
-                                  inject=args.inject)
+                                  inject=args.inject, intent_ttl=args.ttl)
             final = check_invariants(buffer)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
@@ -346,7 +570,8 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             with Buffer.open(buffer) as buf:
                 curations = len(buf.manifest.shards("curations"))
                 acked = buf.manifest.con.execute("SELECT count(*) FROM leases WHERE acked_at IS NOT NULL").fetchone()[0]
-            print(f"killed: {kinds}; {curations} curations committed, {acked} shards acked")
+            print(f"killed: {kinds}; {curations} curations committed, {acked} shards acked; live appenders' "
+                  f"commits refused as fenced (a heartbeat later than the TTL): {stall_outcomes(work)['append refused']}")
             print(f"{len(results)} kill trials over {args.hosts} simulated hosts, {commits} commits, "
                   f"{time.monotonic() - t0:.0f} s: {len(failed)} with a violated invariant; gc after each kill "
                   f"removed {removed} orphans ({skipped} times kept out by writers); final check: "

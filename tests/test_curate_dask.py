@@ -28,7 +28,7 @@ from rollstore.curate.dask_client import curate_dask  # noqa: E402
 from rollstore.curate.options import Dask, engine_option  # noqa: E402
 from rollstore.curate.params import ParamError, load_recipe  # noqa: E402
 from rollstore.curate.run import CurationError, curate  # noqa: E402
-from rollstore.synthetic import RowOptions, rollouts_table  # noqa: E402
+from rollstore.builtin.synthetic import RowOptions, rollouts_table  # noqa: E402
 from rollstore.storage.buffer import Buffer  # noqa: E402
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]

@@ -1,7 +1,7 @@
 """No non-finite number reaches training through any path into the buffer (issue 35, item 3).
 
 Every way rows reach a rollouts shard is tried with a NaN or an infinity: `rollstore import` (the
-rollouts schema and a framework format), generation (`rollstore.step.StepWriter`: the loop, `rollstore
+rollouts schema and a framework format), generation (`rollstore.loop.step.StepWriter`: the loop, `rollstore
 generate`), compaction, `Buffer.commit` with a file written elsewhere, and a shard registered in the
 manifest by hand. Import, generation, compaction and commit refuse before anything is committed; a
 shard registered by hand is refused by curation (both engines, one line naming the file, the
@@ -108,10 +108,10 @@ class _Pool:
 
 def test_generation_refuses_non_finite_log_probs(buffer_dir):
     """The loop and `rollstore generate` append through `StepWriter.generate`: validated like an import."""
-    from rollstore.generate import GenerationConfig
+    from rollstore.loop.generate import GenerationConfig
     from rollstore.rollout.build import StepStamp
     from rollstore.rollout.prompts import Prompt
-    from rollstore.step import StepWriter
+    from rollstore.loop.step import StepWriter
 
     seq = seq_of(buffer_dir)
     with Buffer.open(buffer_dir) as buf:

@@ -15,7 +15,7 @@ from rollstore.curate.params import builtin_recipes, load_recipe, resolve
 from rollstore.curate.run import curate
 from rollstore.curate.steps import Runner
 from rollstore.queries import load_sql, render
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 TOKEN_COLUMNS = ("response_token_ids", "prompt_token_ids", "gen_logprobs", "old_logprobs")

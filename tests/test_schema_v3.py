@@ -21,7 +21,7 @@ from rollstore.curate.run import curate
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.schema import RESPONSE_LENGTH, ROLLOUTS
 from rollstore.storage.snapshot import stores_response_length
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 
 from test_integrity_round2 import one_error_line, seq_of  # noqa: E402  (shared helpers)
 

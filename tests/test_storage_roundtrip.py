@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from conftest import write_jsonl, write_parquet
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.schema import ROLLOUTS, ROLLOUTS_STORED, TOKEN_LIST_COLUMNS
 

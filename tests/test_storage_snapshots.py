@@ -12,7 +12,7 @@ import pytest
 
 from conftest import write_parquet
 from rollstore.queries.session import Session
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import ManifestError
 from rollstore.storage.schema import READ_SCHEMAS, ROLLOUTS_STORED, TABLES

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +34,7 @@ import pyarrow.compute as pc
 
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer, Part
+from rollstore.storage.references import prefetch_logprob_facts
 
 from .custom import choose_custom
 from .finish import (
@@ -180,6 +182,8 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     summary = summarise(results)
     runner.values.update(token_values(plan, summary))
     opened = [f for f in files if f in summary["selected_files"]]
+    if not dry_run and opened:  # the selected rows' log-probs, decoded beside the token stage (curated_table checks them)
+        threading.Thread(target=prefetch_logprob_facts, args=(opened,), name="rollstore-logprobs", daemon=True).start()
     # No shard holds a selected row: an empty relation, so no entropies are read at all.
     shards = parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"
     _run(runner, plan, ("tokens", "output"), {"rollouts": shards}, results)

@@ -9,7 +9,7 @@ SELECT
     count(correct)                           AS judged,
     avg(correct::INTEGER)                    AS accuracy,
     avg(reward::DOUBLE)                      AS reward_mean,
-    avg(len(response_token_ids))             AS mean_response_tokens
+    avg(response_length)                     AS mean_response_tokens
 FROM rollouts
 GROUP BY run_id, step
 ORDER BY run_id, step;

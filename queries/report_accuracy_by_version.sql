@@ -8,7 +8,7 @@ SELECT
     avg(correct::INTEGER)                    AS accuracy,
     avg(reward::DOUBLE)                      AS reward_mean,
     stddev_samp(reward::DOUBLE)              AS reward_std,
-    avg(len(response_token_ids))             AS mean_response_tokens
+    avg(response_length)                     AS mean_response_tokens
 FROM rollouts
 GROUP BY policy_version
 ORDER BY policy_version;

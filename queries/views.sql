@@ -15,7 +15,7 @@ SELECT
     avg(correct::INTEGER)                         AS accuracy,
     avg(reward::DOUBLE)                           AS reward_mean,
     stddev_samp(reward::DOUBLE)                   AS reward_std,
-    sum(len(response_token_ids))                  AS tokens,
+    sum(response_length)                          AS tokens,  -- stored (computed for shards of schema version 2)
     min(created_at)                               AS created_at
 FROM rollouts
 GROUP BY group_id;

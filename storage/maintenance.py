@@ -414,7 +414,10 @@ def migrate(buf: Buffer) -> MigrateReport:
     referenced = _referenced(buf)
     report = MigrateReport()
     batches = []
+    store = getattr(man, "store", None)
     for s in man.shards("rollouts"):
+        if store is not None:  # shards in object storage: the footer is read from this host's verified cache
+            store.fetch(buf.root, s.path, s.sha256, s.bytes)
         if stores_response_length(os.path.join(buf.root, s.path)):
             continue
         if s.path in referenced:

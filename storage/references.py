@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from concurrent.futures import Future
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -278,17 +280,70 @@ def null_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, column: str 
 
 
 LOGPROB_COLUMNS = ("old_logprobs", "gen_logprobs")
+_FACTS_KEPT = 4096  # row groups whose log-prob facts a process keeps (a few bytes per row each)
+_facts: dict[tuple, Future] = {}
+_facts_lock = threading.Lock()
+
+
+def _row_group_facts(path: str, group: int, pf: pq.ParquetFile | None = None) -> tuple[np.ndarray, dict]:
+    """(whether `old_logprobs` is null at each row, {column: sorted rows holding a NaN or an
+    infinity}) of one row group of a rollouts shard: its two log-prob columns decoded once per
+    process and file version (path, size, modification and change times, inode). A second caller of the same row
+    group waits for the first instead of decoding it again (`prefetch_logprob_facts` runs ahead on
+    a thread)."""
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, group)
+    with _facts_lock:
+        future = _facts.get(key)
+        mine = future is None
+        if mine:
+            future = _facts[key] = Future()
+            while len(_facts) > _FACTS_KEPT:
+                _facts.pop(next(iter(_facts)))
+    if not mine:
+        return future.result()
+    try:
+        read = (pf or pq.ParquetFile(path)).read_row_group(group, columns=list(LOGPROB_COLUMNS))
+        bad = {}
+        for name in LOGPROB_COLUMNS:
+            lists = read.column(name).combine_chunks()
+            if name == "old_logprobs":
+                nulls = lists.is_null().to_numpy(zero_copy_only=False)
+            values = pc.list_flatten(lists)
+            if len(values) and not pc.all(pc.is_finite(values)).as_py():
+                parents = pc.list_parent_indices(lists).to_numpy(zero_copy_only=False)
+                bad[name] = np.unique(parents[pc.invert(pc.is_finite(values)).to_numpy(zero_copy_only=False)])
+        future.set_result((nulls, bad))
+    except BaseException as exc:
+        with _facts_lock:
+            _facts.pop(key, None)
+        future.set_exception(exc)
+        raise
+    return nulls, bad
+
+
+def prefetch_logprob_facts(paths: Iterable[str]) -> None:
+    """Decode the log-prob facts of every row group of these shards ahead of `logprob_lists` (a
+    curation starts it on a thread once it knows which shards hold a selected row). Errors are left
+    for `logprob_lists` to raise."""
+    for path in paths:
+        try:
+            pf = pq.ParquetFile(path)
+            for g in range(pf.metadata.num_row_groups):
+                _row_group_facts(path, g, pf)
+        except Exception:
+            continue
 
 
 def logprob_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, rollout_ids: pa.ChunkedArray | pa.Array
                   ) -> tuple[np.ndarray, tuple[str, str, str] | None]:
-    """What a curation needs of the referenced rows' log-probs, in one read of them: whether
-    `old_logprobs` is null at each (file, row position) (the `fallback` flag, as `null_lists`), and
-    the first referenced row (smallest rollout_id) whose `old_logprobs` or `gen_logprobs` hold a NaN
-    or an infinity, as (rollout_id, file, column), else None. Only the row groups holding a
-    referenced row are read, and only those two columns; rows of them that are not referenced are
-    not looked at. Parquet statistics cannot rule out a NaN (writers leave NaN out of min/max), so
-    the columns are decoded."""
+    """What a curation needs of the referenced rows' log-probs: whether `old_logprobs` is null at
+    each (file, row position) (the `fallback` flag, as `null_lists`), and the first referenced row
+    (smallest rollout_id) whose `old_logprobs` or `gen_logprobs` hold a NaN or an infinity, as
+    (rollout_id, file, column), else None. Only the row groups holding a referenced row are read,
+    and only those two columns (`_row_group_facts`, once per process); rows that are not
+    referenced are not judged. Parquet statistics cannot rule out a NaN (writers leave NaN out of
+    min/max), so the columns are decoded."""
     files = files.combine_chunks() if isinstance(files, pa.ChunkedArray) else files
     ids = rollout_ids.combine_chunks() if isinstance(rollout_ids, pa.ChunkedArray) else rollout_ids
     encoded = files.dictionary_encode()
@@ -305,15 +360,11 @@ def logprob_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, rollout_i
         groups = np.searchsorted(ends, rows[where], side="right")
         for g in np.unique(groups):
             mine = where[groups == g]
-            local = pa.array(rows[mine] - (ends[g] - sizes[g]), pa.int64())
-            read = pf.read_row_group(int(g), columns=list(LOGPROB_COLUMNS), use_threads=False)
-            for name in LOGPROB_COLUMNS:
-                lists = read.column(name).combine_chunks().take(local)
-                if name == "old_logprobs":
-                    nulls[mine] = lists.is_null().to_numpy(zero_copy_only=False)
-                values = pc.list_flatten(lists)
-                if len(values) and not pc.all(pc.is_finite(values)).as_py():
-                    faulty = np.unique(pc.list_parent_indices(lists).to_numpy(zero_copy_only=False)[
-                        pc.invert(pc.is_finite(values)).to_numpy(zero_copy_only=False)])
-                    bad.append(min((str(ids[int(mine[j])].as_py()), path, name) for j in faulty))
+            local = rows[mine] - (ends[g] - sizes[g])
+            group_nulls, group_bad = _row_group_facts(path, int(g), pf)
+            nulls[mine] = group_nulls[local]
+            for name, at in group_bad.items():
+                hit = np.isin(local, at)
+                if hit.any():
+                    bad.append(min((str(ids[int(j)].as_py()), path, name) for j in mine[hit]))
     return nulls, (min(bad) if bad else None)

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from .errors import ManifestError, UnknownName, did_you_mean
 from .manifest import Manifest, ManifestReadOnly, Shard
 from .references import is_thin, read_curated_file
-from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, TABLES
+from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
 from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
                 f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)"
             )
         else:
-            empty = pa.Table.from_batches([], schema=READ_SCHEMAS[name])
+            empty = pa.Table.from_batches([], schema=ROLLOUTS_STORED if name == "rollouts" else READ_SCHEMAS[name])
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
             con.unregister(f"_empty_{name}")

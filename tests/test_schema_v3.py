@@ -200,3 +200,14 @@ def test_the_dask_engine_on_a_mixed_buffer(tmp_path):
                                   dashboard_address=":0") as cluster:
         on_dask = decisions(root, "d3s", engine=Dask(cluster.scheduler_address))
     assert on_dask == embedded
+
+
+def test_decode_cost_bench_smoke(tmp_path):
+    """`bench.decode_cost` runs (its numbers are in bench/RESULTS.md)."""
+    from bench import common
+    from bench.decode_cost import measure
+
+    root = str(tmp_path / "bench")
+    common.build_buffer(root, 60_000, 30_000)
+    out = measure(root, 1)
+    assert out["selected rows"] > 0 and out["scan with response_length (stored)"] >= 0

@@ -7,7 +7,10 @@ reports each append's latency. Commits/s = all appends / (last end - first start
 PostgreSQL: --dsn, else ROLLSTORE_TEST_PG_DSN, else a server started from the machine's binaries
 (tests/pg_server.py) with fsync and synchronous_commit on (as durable as SQLite's synchronous=FULL).
 
-    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--big ROWS]
+    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--big ROWS] [--s3]
+
+(With --s3, all writers of the "pg+s3" rows share one host-local cache folder: the bench measures
+the commit path, upload included.)
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main() -> None:
     ap.add_argument("--dsn", default=os.environ.get("ROLLSTORE_TEST_PG_DSN"))
     ap.add_argument("--big", type=int, default=0, metavar="ROWS",
                     help="also time two appends of ROWS rows each (groups of 8) into each catalog")
+    ap.add_argument("--s3", action="store_true",
+                    help="also PostgreSQL + S3 (moto's server on 127.0.0.1: objects uploaded with put-if-absent)")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -85,17 +90,23 @@ def main() -> None:
         import pg_server
 
         server = pg_server.start(durable=True)
+    s3 = None
+    if args.s3:
+        import s3_server
+
+        s3 = s3_server.start()
+        os.environ.update(s3_server.environment(s3))
     try:
         rows = []
         with tempfile.TemporaryDirectory(prefix="rollstore-bench-mh-") as work:
             for writers in args.writers:
-                for kind in ("sqlite", "postgres"):
+                for kind in ("sqlite", "postgres") + (("pg+s3",) if s3 else ()):
                     buffer = os.path.join(work, f"{kind}-{writers}")
                     if kind == "sqlite":
                         Buffer.init(buffer).close()
                     else:
                         dsn = server.fresh_dsn() if server else args.dsn
-                        Buffer.init(buffer, catalog=dsn).close()
+                        Buffer.init(buffer, catalog=dsn, data=s3.fresh_url() if kind == "pg+s3" else None).close()
                     rows.append({"catalog": kind, **run(buffer, writers, args.appends, work)})
                     r = rows[-1]
                     print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
@@ -116,6 +127,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+        if s3 is not None:
+            s3.stop()
 
 
 if __name__ == "__main__":

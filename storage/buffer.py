@@ -217,7 +217,7 @@ class Buffer:
             written: list[NewShard] = []
             inodes: list[int] = []
             ids: list[int] = []
-            is_orphan = self.manifest.is_unnamed
+            is_orphan = getattr(self.manifest, "may_replace", self.manifest.is_unnamed)  # a catalog's: ours to replace
             intend = getattr(self.manifest, "intend", None)  # a catalog with write intents (PostgreSQL)
             ended = getattr(self.manifest, "commit_ended", None)
             store = getattr(self.manifest, "store", None)  # shards in object storage (storage/store.py)

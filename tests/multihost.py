@@ -137,7 +137,13 @@ buf = Buffer.open({buffer!r})
 print("ready", flush=True)
 n = 0
 while True:
-    _, shards = buf.lease("rollouts", 1, me, group="learn", ttl=ttl)
+    try:
+        _, shards = buf.lease("rollouts", 1, me, group="learn", ttl=ttl)
+    except Exception as exc:  # its catalog session cut off while it was stopped inside the lease
+        note("lease-failed " + str(exc).splitlines()[0])
+        buf.close()
+        buf = Buffer.open({buffer!r})
+        continue
     if not shards:
         time.sleep(0.05)
         continue
@@ -403,6 +409,8 @@ def stall_outcomes(logdir: str) -> dict[str, int]:
                 _who, what = line.split(" ", 2)[:2]
                 if what == "published":
                     counts["published"] += 1
+                elif what == "lease-failed":
+                    counts["lease failed (session cut off)"] = counts.get("lease failed (session cut off)", 0) + 1
                 elif line.split(" ", 1)[0].startswith("learner"):
                     counts["publish refused"] += 1
                 else:

@@ -513,6 +513,41 @@ def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
             (latest,))}
         if registered != seen:
             bad.append(f"rollout_ids holds {len(registered)} ids, the live shards {len(seen)}")
+        if getattr(man, "store", None) is not None:
+            bad += _objects_hold(buf, latest, orphans)
+    return bad
+
+
+_VERIFIED: set[tuple[str, str]] = set()  # (bucket url, path) of live objects already downloaded and verified
+_CHECK_CACHE: list[str] = []
+
+
+def _objects_hold(buf: Buffer, latest: int, orphans: bool | float) -> list[str]:
+    """A store's buffer: every live row's object is in the bucket with the catalog's size and sha256
+    (downloaded once into a cache of the checker's own, verified while it streams); with `orphans`,
+    no object of the data folders that no row names and no live intent holds (modified before that
+    time), listed before the catalog is read."""
+    import tempfile
+
+    from rollstore.storage.errors import ManifestError
+
+    store, bad = buf.manifest.store, []
+    if not _CHECK_CACHE:
+        _CHECK_CACHE.append(tempfile.mkdtemp(prefix="rollstore-check-cache-"))
+    listed = [(rel, modified) for rel, modified, _ in store.list()
+              if rel.split("/", 1)[0] in DATA_DIRS and rel.endswith(".parquet")]
+    for shard in buf.manifest.shards(seq=latest):
+        if (store.url, shard.path) in _VERIFIED:
+            continue
+        try:
+            store.fetch(_CHECK_CACHE[0], shard.path, shard.sha256, shard.bytes)
+            _VERIFIED.add((store.url, shard.path))
+        except ManifestError as exc:
+            bad.append(f"object {shard.path}: {exc}")
+    if orphans is not False:
+        held = buf.manifest.protected([rel for rel, _ in listed])
+        bad += [f"object {rel}: no row names it and no live intent holds it" for rel, modified in listed
+                if rel not in held and (orphans is True or modified < float(orphans))]
     return bad
 
 
@@ -532,16 +567,24 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
                     help="instead of kills: stop (SIGSTOP) an appender or a learner past its TTL this many times")
     ap.add_argument("--learners", type=int, default=2)
     ap.add_argument("--ttl", type=float, default=1.0, help="intent and lease TTL of the stall trials (seconds)")
+    ap.add_argument("--s3", action="store_true",
+                    help="the buffer's shards in S3 (moto's server on 127.0.0.1; the simulated hosts share one cache folder)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     import pg_server
 
     server = pg_server.start()
+    s3 = None
+    if args.s3:
+        import s3_server
+
+        s3 = s3_server.start()
+        os.environ.update(s3_server.environment(s3))
     try:
         with tempfile.TemporaryDirectory(prefix="rollstore-trials-") as work:
             buffer = os.path.join(work, "buf")
-            Buffer.init(buffer, catalog=server.fresh_dsn()).close()
+            Buffer.init(buffer, catalog=server.fresh_dsn(), data=s3.fresh_url() if s3 else None).close()
             t0 = time.monotonic()
             if args.stalls:
                 results = stall_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)],
@@ -589,3 +632,5 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             sys.exit(1 if failed or final else 0)
     finally:
         server.stop()
+        if s3 is not None:
+            s3.stop()

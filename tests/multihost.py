@@ -86,15 +86,24 @@ if inject:  # kill -9 itself at a chosen point of an append, with probability `i
                 die("after-commit-before-the-caller-knows")
             return out
 
+    real_intend = getattr(man, "intend", None)
+
+    def intend(paths):
+        real_intend(paths)
+        die("after-intent-before-the-file")
+
     man.transaction, man.register_rollouts = transaction, register
+    if real_intend is not None:
+        man.intend = intend
     man.con.raw = Raw(man.con.raw)
 print("ready", flush=True)
 step = 0
 tolerate = os.environ.get("ROLLSTORE_TRIAL_LOG")  # stall trials: a fenced commit is logged, then go on
 while True:
     if inject:
-        point[0] = rng.choice(["files-linked-before-transaction", "inside-transaction-before-commit",
-                               "after-commit-before-the-caller-knows"]) if rng.random() < inject else None
+        point[0] = rng.choice(["after-intent-before-the-file", "files-linked-before-transaction",
+                               "inside-transaction-before-commit", "after-commit-before-the-caller-knows"]
+                              ) if rng.random() < inject else None
     table = rollouts_table(n_groups=1, group_size=2, mean_tokens=4, step=step, run_id=run)
     step += 1
     if not tolerate:
@@ -220,9 +229,10 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     invariants are checked (orphans too; no shard acked twice; snapshots recorded at earlier trials
     unchanged), and the killed process is restarted. Returns (trial, process killed, violations,
     orphans gc removed or -1 if it was kept out) for each trial. `inject` > 0: the appending hosts
-    kill themselves instead, with that probability per append, at a point chosen at random (files
-    linked but no transaction yet; inside the transaction; right after COMMIT returned, before the
-    caller knows); the trial's name is then "host@point". The processes' write intents live
+    kill themselves instead, with that probability per append, at a point chosen at random (its
+    intents taken, no byte written yet; files linked but no transaction yet; inside the
+    transaction; right after COMMIT returned, before the caller knows); the trial's name is then
+    "host@point". The processes' write intents live
     `intent_ttl` seconds without a heartbeat: each gc waits that long after a kill (the killed
     writer's intents expire on the database's clock, so gc must take them over and remove its
     files); a live writer fenced by a late heartbeat logs its refused commit and goes on

@@ -295,11 +295,12 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
             if collect:
                 time.sleep(intent_ttl * 1.2)  # the killed writer's intents expire (the others renew theirs)
             started = time.time()
+            held = held_intents(buffer)  # files another dying host still held when this gc began: kept, rightly
             if collect:
                 with Buffer.open(buffer) as buf:
                     report = gc(buf, grace_s=0.0)
                 removed = -1 if report.data_dirs_skipped else report.orphans_removed
-            bad = check(buffer, orphans=started if collect else False) + snapshots_unchanged()
+            bad = check(buffer, orphans=started if collect else False, spare=held) + snapshots_unchanged()
             if consumers:
                 bad += double_acks(logdir)
             results.append((trial, name, bad, removed))
@@ -430,7 +431,16 @@ def stall_outcomes(logdir: str) -> dict[str, int]:
     return counts
 
 
-def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
+def held_intents(buffer: str) -> set[str]:
+    """The paths live intents hold now (a catalog with intents; else none)."""
+    with Buffer.open(buffer) as buf:
+        if getattr(buf.manifest, "protected", None) is None:
+            return set()
+        return {r[0] for r in buf.manifest.con.execute(
+            "SELECT path FROM intents WHERE expires_at > extract(epoch FROM clock_timestamp())")}
+
+
+def unnamed_files(buf: Buffer, older_than: float | None = None, spare: set[str] | frozenset = frozenset()) -> list[str]:
     """The .parquet files of the data folders that no catalog row names, read under the writers' lock
     held exclusively (no writer is then between a file and its commit): orphans. `older_than`: only
     files last modified before then (a gc that started then keeps younger ones, rightly: another
@@ -445,7 +455,8 @@ def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
             for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
                 found += [os.path.relpath(os.path.join(dirpath, n), buf.root) for n in files if n.endswith(".parquet")]
         held = buf.manifest.protected(found)
-        return [f"{p}: no row names it and no live intent holds it" for p in found if p not in held
+        return [f"{p}: no row names it and no live intent holds it" for p in found
+                if p not in held and p not in spare
                 and os.path.exists(os.path.join(buf.root, p))
                 and (older_than is None or os.path.getmtime(os.path.join(buf.root, p)) < older_than)]
     with collecting(buf.root, 30.0, buf.manifest) as held:
@@ -463,19 +474,21 @@ def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
 _READ: dict[tuple, tuple[int, str, list[str]]] = {}  # (path, inode, size, mtime) -> (size, sha256, rollout ids)
 
 
-def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
+def check_invariants(buffer: str, orphans: bool | float = False, spare: set[str] | None = None) -> list[str]:
     """Every violation found (empty: all hold):
     - every live row's file exists, with the size and sha256 the catalog records;
     - no rollout_id in two live rows (read from the shards), and `rollout_ids` names exactly them;
     - commit seqs are exactly 1..latest, and every shard's added/removed seq is one of them;
     - no shard path twice among the rows;
     - (`orphans`, right after a gc: True, or the time that gc started) no .parquet file of the data
-      folders that no row names (modified before that time)."""
+      folders that no row names and no live intent holds (modified before that time; `spare`: the
+      paths live intents held when that gc began, which it rightly kept: a host that died less
+      than a TTL before it)."""
     bad: list[str] = []
     with Buffer.open(buffer) as buf:
         man = buf.manifest
         if orphans is not False:
-            bad += unnamed_files(buf, None if orphans is True else float(orphans))
+            bad += unnamed_files(buf, None if orphans is True else float(orphans), spare or set())
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
         if getattr(man, "store", None) is not None:  # shards in object storage: into this host's cache, verified
             from rollstore.storage.snapshot import TABLES
@@ -524,7 +537,7 @@ def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
         if registered != seen:
             bad.append(f"rollout_ids holds {len(registered)} ids, the live shards {len(seen)}")
         if getattr(man, "store", None) is not None:
-            bad += _objects_hold(buf, latest, orphans)
+            bad += _objects_hold(buf, latest, orphans, spare or set())
     return bad
 
 
@@ -532,7 +545,7 @@ _VERIFIED: set[tuple[str, str]] = set()  # (bucket url, path) of live objects al
 _CHECK_CACHE: list[str] = []
 
 
-def _objects_hold(buf: Buffer, latest: int, orphans: bool | float) -> list[str]:
+def _objects_hold(buf: Buffer, latest: int, orphans: bool | float, spare: set[str]) -> list[str]:
     """A store's buffer: every live row's object is in the bucket with the catalog's size and sha256
     (downloaded once into a cache of the checker's own, verified while it streams); with `orphans`,
     no object of the data folders that no row names and no live intent holds (modified before that
@@ -557,7 +570,7 @@ def _objects_hold(buf: Buffer, latest: int, orphans: bool | float) -> list[str]:
     if orphans is not False:
         held = buf.manifest.protected([rel for rel, _ in listed])
         bad += [f"object {rel}: no row names it and no live intent holds it" for rel, modified in listed
-                if rel not in held and (orphans is True or modified < float(orphans))]
+                if rel not in held and rel not in spare and (orphans is True or modified < float(orphans))]
     return bad
 
 
@@ -599,7 +612,10 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             if args.stalls:
                 results = stall_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)],
                                        args.stalls, work, learners=args.learners, ttl=args.ttl, seed=args.seed)
-                final = check_invariants(buffer, orphans=False) + trained_twice(buffer)
+                time.sleep(args.ttl * 1.2)  # every process is stopped: gc must then take every orphan
+                with Buffer.open(buffer) as buf:
+                    gc(buf, grace_s=0.0)
+                final = check_invariants(buffer, orphans=True) + trained_twice(buffer)
                 with Buffer.open(buffer) as buf:
                     commits = buf.manifest.latest_seq()
                     checkpoints = len(buf.manifest.shards("checkpoints"))
@@ -618,7 +634,10 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
                                   args.seed, consumers=args.consumers, curators=args.curators, logdir=work,
                                   inject=args.inject, intent_ttl=args.ttl)
-            final = check_invariants(buffer)
+            time.sleep(args.ttl * 1.2)  # every process is stopped: their intents expire, gc must take every orphan
+            with Buffer.open(buffer) as buf:
+                gc(buf, grace_s=0.0)
+            final = check_invariants(buffer, orphans=True)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
             failed = [(t, h, bad) for t, h, bad, _ in results if bad]

@@ -243,7 +243,10 @@ class Buffer:
                         if intend is not None:  # intents on its temporary and final names before any byte
                             tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
                             intend([tmp_rel, rel])
-                        nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel)
+                        if tmp_rel is None:  # the embedded manifest: the call as it always was
+                            nbytes, digest = publish_file(table, self.root, rel, is_orphan)
+                        else:
+                            nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel)
                         written.append(
                             NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
                         )

@@ -330,7 +330,7 @@ def compact(
     store = getattr(man, "store", None)
     if store is not None:  # shards in object storage: into this host's cache first, verified
         for s in (s for b in batches for s in b):
-            store.fetch(buf.root, s.path, s.sha256, s.bytes)
+            store.fetch(buf.root, s.path, s.sha256, s.bytes, man.holding)
     verify_shards(buf.root, [s for b in batches for s in b])  # never merge a corrupted file into a new one
     parts = []
     for batch in batches:

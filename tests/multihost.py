@@ -304,6 +304,8 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
             if consumers:
                 bad += double_acks(logdir)
             results.append((trial, name, bad, removed))
+            if os.environ.get("ROLLSTORE_TRIAL_PROGRESS"):
+                print(f"trial {trial}: {name} killed, gc removed {removed}, violations: {bad or 'none'}", flush=True)
             procs[host] = start(host)
     finally:
         for p in procs.values():
@@ -402,6 +404,8 @@ def stall_trials(root: str, buffer: str, hosts: list[str], stalls: int, logdir: 
                 bad.append(f"{host} died after SIGCONT: {victim.stderr.read()[-500:]}")
                 procs[host] = start(host)
             results.append((trial, host, bad, removed))
+            if os.environ.get("ROLLSTORE_TRIAL_PROGRESS"):
+                print(f"trial {trial}: {host} stopped, gc removed {removed}, violations: {bad or 'none'}", flush=True)
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGCONT)
@@ -592,7 +596,10 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
     ap.add_argument("--ttl", type=float, default=1.0, help="intent and lease TTL of the stall trials (seconds)")
     ap.add_argument("--s3", action="store_true",
                     help="the buffer's shards in S3 (moto's server on 127.0.0.1; the simulated hosts share one cache folder)")
+    ap.add_argument("--progress", action="store_true", help="print each trial's outcome as it ends")
     args = ap.parse_args()
+    if args.progress:
+        os.environ["ROLLSTORE_TRIAL_PROGRESS"] = "1"
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     import pg_server

@@ -35,6 +35,10 @@ from .owners import owned_name
 SCHEME = "s3://"
 
 
+class ObjectDamaged(ManifestError):
+    """An object whose bytes are not the ones the catalog records (size or sha256): never cached."""
+
+
 def check_url(url: str) -> tuple[str, str]:
     """(bucket, prefix) of `s3://bucket[/prefix]`, else one line."""
     parsed = urlparse(url) if isinstance(url, str) else None
@@ -139,7 +143,7 @@ class S3Store:
             except (BotoCoreError, ClientError) as exc:
                 raise self._fail(f"cannot read {rel}", exc) from None
             if size != nbytes or h.hexdigest() != sha256:
-                raise ManifestError(f"{self.url}/{rel}: {size} bytes with sha256 {h.hexdigest()[:12]}…, the catalog "
+                raise ObjectDamaged(f"{self.url}/{rel}: {size} bytes with sha256 {h.hexdigest()[:12]}…, the catalog "
                                     f"records {nbytes} bytes with {sha256[:12]}…; not cached (the object was "
                                     "changed or damaged)")
             os.makedirs(os.path.dirname(final), exist_ok=True)

@@ -157,7 +157,7 @@ def groups_per_shard(shard_tokens: int, mean_tokens: int = MEAN_TOKENS, group_si
 
 def step_table(step: int, shard_tokens: int, seed: int = 0, mean_tokens: int = MEAN_TOKENS):
     """The generated rollouts of step `step` (about `shard_tokens` response tokens)."""
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     return rollouts_table(n_groups=groups_per_shard(shard_tokens, mean_tokens), group_size=GROUP_SIZE,
                           mean_tokens=mean_tokens, seed=seed, step=step, policy_version=step // 4,

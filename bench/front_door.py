@@ -74,7 +74,7 @@ def main() -> None:
     try:
         info = common.build_buffer(root, args.tokens)
         import rollstore as rs
-        from rollstore.export import export_snapshot
+        from rollstore.output.export import export_snapshot
         from rollstore.storage.buffer import Buffer
 
         cur = rs.open(root).curate(args.recipe, progress=float(args.progress), where="true")

@@ -2,7 +2,7 @@
 
     python -m bench.import_memory --rows 1000000 [--mean-tokens 8] [--dir /tmp/import-memory]
 
-Writes N one-row groups as JSONL (synthetic rows, `rollstore.synthetic`), then runs the real
+Writes N one-row groups as JSONL (synthetic rows, `rollstore.builtin.synthetic`), then runs the real
 `rollstore import BUFFER FILE` in a child process and prints its wall time and peak resident
 memory (the child's ru_maxrss), with the file's size.
 """
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 
 
 def write_rows(path: str, rows: int, mean_tokens: int, chunk: int = 50_000) -> None:

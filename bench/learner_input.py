@@ -38,7 +38,7 @@ def tiny_rollouts(n_rows: int, mean_tokens: int, seed: int = 0, step: int = 0):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     t = rollouts_table(n_groups=max(1, n_rows // common.GROUP_SIZE), group_size=common.GROUP_SIZE,
                        mean_tokens=mean_tokens, seed=seed, step=step, n_prompts=256)
@@ -72,7 +72,7 @@ def child(shards: list[str], repeat: int, prof: bool, model=None) -> dict:
 
     if model is None:
         from rollstore.learner.policy_loading import load_policy
-        from rollstore.resolve import resolve_model
+        from rollstore.builtin.resolve import resolve_model
 
         model, _tok = load_policy(resolve_model("builtin:tiny", quiet=True))
     initial = {k: v.clone() for k, v in model.state_dict().items()}

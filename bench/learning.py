@@ -65,7 +65,12 @@ CONFIGS: list[tuple[str, str, dict[str, str]]] = [
     ("replay-window-x3", "replay-window", {"replay_window": "2", "replay_max_uses": "3"}),
     ("greso", "greso", {}),  # grpo + pre-rollout prompt selection from the run's history
 ]
-SPLITS = {"train": ("builtin:arith", "heldout"), "harder": ("builtin:arith:harder", "heldout-harder")}
+# split → (training prompts, held-out split, start model)
+SPLITS = {
+    "train": ("builtin:arith", "heldout", "builtin:tiny"),
+    "harder": ("builtin:arith:harder", "heldout-harder", "builtin:tiny"),
+    "carries": ("builtin:carries", "heldout", "builtin:tiny-carries"),  # three digits, levels 0–3 carries
+}
 
 
 def run_one(job: dict) -> dict:
@@ -75,7 +80,7 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     from rollstore.learner.config import TrainConfig
-    from rollstore.generate import GenerationConfig
+    from rollstore.loop.generate import GenerationConfig
     from rollstore.loop import LoopConfig, run_loop
     from rollstore.storage.buffer import Buffer
 
@@ -308,7 +313,7 @@ HEADER = ["recipe", "seeds", "start pass@1", "final pass@1 [95 % CI]", "final pa
 
 
 def plot(runs: list[dict], split: str, path: str) -> None:
-    from rollstore.report_svg import Series, line_chart
+    from rollstore.report.svg import Series, line_chart
 
     by = {}
     for r in runs:
@@ -416,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=500)
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
-    ap.add_argument("--model", default="builtin:tiny")
+    ap.add_argument("--model", default=None, help="start model for every split (default: each split's built-in "
+                                                    "policy: builtin:tiny, builtin:tiny-carries for carries)")
     ap.add_argument("--out", default=os.path.join(HERE, "learning"), help="where the JSON and SVG go")
     ap.add_argument("--root", default=None, help="where the run buffers go (default: a temporary directory)")
     ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_prompts, args.eval_samples, args.group_size, args.max_gen_batches = 16, 2, 4, 2
     from rollstore.curate.params import builtin_recipes
     from rollstore.loop import LoopConfig
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
 
     defaults = LoopConfig(buffer="")
     lr = args.lr if args.lr is not None else defaults.train.lr
@@ -447,15 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown recipes {sorted(unknown)}; choose from {sorted(set(named) | set(builtin_recipes()))}")
 
-    model = resolve_model(args.model)
+    models = {split: resolve_model(args.model or SPLITS[split][2]) for split in args.splits}
     os.makedirs(args.out, exist_ok=True)
     out_root = args.root or ("" if args.from_json else tempfile.mkdtemp(prefix="rollstore-learning-"))
-    head = header("Learning: recipes compared on builtin:arith (bench/learning.py)",
+    tasks = ", ".join(dict.fromkeys(":".join(SPLITS[s][0].split(":")[:2]) for s in args.splits))
+    head = header(f"Learning: recipes compared on {tasks} (bench/learning.py)",
                   libs=("torch", "transformers", "duckdb", "pyarrow"))  # load average taken at the start
     t0 = time.perf_counter()
     pool_size = args.pool_size if args.pool_size is not None else defaults.pool_size
     jobs = [
-        {"name": c["name"], "recipe": c["recipe"], "sets": c["sets"], "seed": seed, "split": split, "model": model,
+        {"name": c["name"], "recipe": c["recipe"], "sets": c["sets"], "seed": seed, "split": split, "model": models[split],
          "iterations": args.iterations, "prompts": args.prompts, "group_size": args.group_size, "lr": c["lr"],
          "micro_batch": defaults.train.micro_batch_size, "grad_accum": defaults.train.grad_accum,
          "warmup": defaults.train.warmup_steps, "epochs": c["epochs"], "eval_every": args.eval_every,
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             + f", micro-batch "
             f"{defaults.train.micro_batch_size} × accumulation {defaults.train.grad_accum}, loss {defaults.train.loss}; held-out: "
             f"{args.eval_prompts} distinct prompts × {args.eval_samples} samples at T={defaults.generation.temperature} every "
-            f"{args.eval_every} iterations. Start model: {model}. {len(runs)} runs in {wall / 60:.1f} min wall with "
+            f"{args.eval_every} iterations. Start model: "
+            f"{', '.join(f'{s}: {args.model or SPLITS[s][2]}' for s in args.splits)}. {len(runs)} runs in {wall / 60:.1f} min wall with "
             f"{args.jobs} parallel jobs" + (" (sum of run times / jobs: rebuilt with --from-json)." if args.from_json else "."),
             "",
         ]

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRITER = """
 import os, sys, time, json
 sys.path.insert(0, {root!r})
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 host = os.environ["ROLLSTORE_HOST_ID"]
 buf = Buffer.open({buffer!r})
@@ -78,7 +78,7 @@ def dry_runs(work: str, appends: int, dsn: str, url: str) -> None:
 
     import rollstore as rs
     from rollstore.storage.buffer import Buffer
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     tables = [rollouts_table(n_groups=8, group_size=4, mean_tokens=16, step=s, run_id="bench") for s in range(appends)]
     embedded, writer, reader = (os.path.join(work, n) for n in ("embedded", "writer", "reader"))
@@ -150,7 +150,7 @@ def main() -> None:
                     print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
                           f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms", flush=True)
             if args.big:
-                from rollstore.synthetic import rollouts_table
+                from rollstore.builtin.synthetic import rollouts_table
 
                 for kind in ("sqlite", "postgres"):
                     buffer = os.path.join(work, f"{kind}-big")

@@ -58,7 +58,7 @@ def child(root: str, repeat: int) -> dict:
     from rollstore.learner.config import Pending, RunPosition, TrainConfig
     from rollstore.learner.policy_loading import load_policy
     from rollstore.learner.trainer import make_optimizer
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
     from rollstore.storage import verify
     from rollstore.storage.buffer import Buffer
 

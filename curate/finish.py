@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 from rollstore.storage.buffer import Buffer, Part, WrittenPart, write_part
 from rollstore.storage.catalog import holding
 from rollstore.storage.owners import owned_name
-from rollstore.storage.references import null_lists
+from rollstore.storage.references import logprob_lists
 from rollstore.storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 from rollstore.storage.shardio import ROW_GROUP_BYTES
 
@@ -190,7 +190,13 @@ def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[
     the tokens its masks keep. `root`: the buffer root; each row's input shard is stored as the
     manifest's path under it."""
     table = pa.concat_tables(pieces)
-    flags = null_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(), "old_logprobs")
+    flags, bad = logprob_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(),
+                               table.column("rollout_id"))
+    if bad is not None:
+        rid, file, column = bad
+        raise CurationError(f"{file}: row rollout_id={rid!r}: column {column!r} holds NaN or infinity; import "
+                            "refuses such rows, so this shard reached the buffer another way: re-import it from its "
+                            "source, or quarantine it")
     fallback = int(flags.sum())
     table = table.append_column("fallback", pa.array(flags, pa.bool_()))
     table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))

@@ -71,13 +71,13 @@ def _mu(partials: list, values: dict) -> dict:
 
 
 def _first_missing(partials: list, values: dict) -> dict:
-    missing = sorted((str(r[0]), bool(r[1])) for r in _rows(partials))
+    missing = sorted((str(r[0]), bool(r[1]), str(r[2])) for r in _rows(partials))
     if missing:
-        rid, absent = missing[0]
+        rid, absent, file = missing[0]
         if not absent:
-            raise CurationError(f"rollout_id={rid!r}: column 'entropies' holds NaN or infinity; import refuses "
-                                "such rows, so this shard reached the buffer another way: re-import it from its "
-                                "source, or quarantine it")
+            raise CurationError(f"{file}: row rollout_id={rid!r}: column 'entropies' holds NaN or infinity; import "
+                                "refuses such rows, so this shard reached the buffer another way: re-import it from "
+                                "its source, or quarantine it")
         raise missing_entropies_error(rid, values["token_mode"])
     return {}
 

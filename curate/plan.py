@@ -47,7 +47,6 @@ AS_GENERATED = "(SELECT * FROM work WHERE reason IS NULL OR (replayed AND reason
 # (`rollstore import --score-model`, recorded in meta.import.lossy).
 BEHAVIOUR = ("(old_logprobs IS NOT NULL OR coalesce(json_extract_string(meta, '$.import.lossy'), '') "
              "NOT LIKE '%gen_logprobs recomputed%')")
-MISSING_LENGTHS = "SELECT count(*) > 0 FROM work WHERE tokens_total IS NULL"
 
 
 @dataclass(frozen=True)
@@ -189,16 +188,12 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
 
 
 def _candidate_steps(steps: _Steps, p: Params) -> None:
-    """The candidates (the batch and the replay window), their lengths, the history they need."""
-    token, amplify = p["token"], p["amplify"]
+    """The candidates (the batch and the replay window, with their stored lengths), the history they need."""
+    amplify = p["amplify"]
     replay = p["replay"] != "none"
     steps.add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
               relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
-              window=replay_window(p["where"]) if replay else "false", behaviour=BEHAVIOUR if replay else "true",
-              length="len(entropies)" if token != "none" else "len(response_token_ids)")
-    if token != "none":
-        steps.add("curate_lengths", "candidates", ROW, ("work", "rollouts"), ("work",), relations=("rollouts",),
-                  guard=MISSING_LENGTHS, rollouts="rollouts")
+              window=replay_window(p["where"]) if replay else "false", behaviour=BEHAVIOUR if replay else "true")
     if amplify == "da3po":  # read with the candidates: the only other read of rollouts before the tokens
         steps.add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
                   rows=HISTORY_ROWS, out="history_parts")

@@ -86,15 +86,27 @@ class Rates:
         return self.easy if kind == "all_correct" else self.hard
 
 
-def rates(session, run_id: str, step: int, p: Params) -> Rates:
-    """This step's rates, adapted from the run's previous selection (or the start rate)."""
-    row = session.one(render("prompt_skip_state"), {"run": run_id, "step": int(step)})
+@dataclass(frozen=True)
+class SkipState:
+    """Where a run's selection stands at one step (queries/prompt_skip_state.sql): the positions this
+    step already chose (a resumed step), the last position an earlier step examined, and the rates."""
+
+    recorded: list[int]
+    last_position: int | None
+    rates: Rates
+
+
+def state(session, run_id: str, step: int, p: Params) -> SkipState:
+    """This step's state, its rates adapted from the run's previous selection (or the start rate)."""
+    recorded, last_position, last_step, easy, hard, groups, all_correct, all_wrong = session.one(
+        render("prompt_skip_state"), {"run": run_id, "step": int(step)})
     start = float(p["skip_explore_start"])
-    if row is None:
-        return Rates(start, start)
-    _, easy, hard, groups, all_correct, all_wrong = row
-    share = (all_correct + all_wrong) / groups if groups else 0.0
-    return Rates(adapt(easy, share, all_correct > 0, p), adapt(hard, share, all_wrong > 0, p))
+    if last_step is None:
+        r = Rates(start, start)
+    else:
+        share = (all_correct + all_wrong) / groups if groups else 0.0
+        r = Rates(adapt(easy, share, all_correct > 0, p), adapt(hard, share, all_wrong > 0, p))
+    return SkipState(list(recorded), last_position, r)
 
 
 def history(session, run_id: str, step: int, prompt_ids: Sequence[str], window: int) -> dict[str, tuple]:
@@ -124,12 +136,13 @@ class Selection:
 
 
 def select(session, p: Params, *, run_id: str, step: int, seed: int, stream: Callable[[int], object],
-           start: int, need: int, limit: int) -> Selection:
+           start: int, need: int, limit: int, rates: Rates | None = None) -> Selection:
     """Examine the prompts `stream(start)`, `stream(start + 1)`, ... (objects with `prompt_id` and
-    `prompt`) until `need` are to be generated or `limit` were examined (see the invariants)."""
+    `prompt`) until `need` are to be generated or `limit` were examined (see the invariants).
+    `rates`: this step's, when the caller already read its `state`."""
     if p["prompt_skip"] != "greso":
         raise ValueError(f"prompt_skip={p['prompt_skip']}: nothing to select")
-    r = rates(session, run_id, step, p)
+    r = rates if rates is not None else state(session, run_id, step, p).rates
     params = json.dumps({**{k: (float(p[k]) if isinstance(p[k], Fraction) else p[k]) for k in SKIP_PARAMS},
                          "sql_sha256": sql_sha256()}, sort_keys=True)
     now = dt.datetime.now(dt.timezone.utc)

@@ -17,7 +17,7 @@ import pyarrow as pa
 from rollstore.queries import bind, load_sql, render
 from rollstore.queries.session import Session
 
-from rollstore.storage.snapshot import sql_string
+from rollstore.storage.snapshot import rollouts_relation
 
 from .params import CurationError, Params, step_where
 from .plan import Plan, Step
@@ -89,11 +89,10 @@ class Runner:
 
 
 def parquet(paths: list[str], located: bool = False, numbered: bool = False) -> str:
-    """A relation over these Parquet files (with their `filename` when `located`, and each row's
-    position in its file, `file_row_number`, when `numbered`: what a curated row refers to)."""
-    listing = ", ".join(sql_string(p) for p in paths)
-    extra = (", filename = true" if located else "") + (", file_row_number = true" if numbered else "")
-    return f"read_parquet([{listing}]{extra}, hive_partitioning = false)"
+    """A relation over these rollouts shards (with their `filename` when `located`, and each row's
+    position in its file, `file_row_number`, when `numbered`: what a curated row refers to), with
+    `response_length` whatever the shards' schema version (`storage.snapshot.rollouts_relation`)."""
+    return rollouts_relation(paths, located, numbered)
 
 
 def latest_step(session: Session, rollouts: str) -> tuple | None:

@@ -51,7 +51,7 @@ def main() -> None:
     from trl import GRPOConfig
 
     from rollstore.rollout.arith import train_prompts
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
     from rollstore.trl import RollstoreGRPOTrainer
     from rollstore.storage.buffer import Buffer
 

@@ -17,7 +17,7 @@ Invariants:
   to stop; prompts are never trained on.
 - The output directory gets config.json, generation_config.json (neutral: no sampling defaults),
   model.safetensors, tokenizer.json and tokenizer_config.json, and nothing half-written: the caller
-  is expected to build into a temporary directory and rename (rollstore.resolve does).
+  is expected to build into a temporary directory and rename (rollstore.builtin.resolve does).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class WarmStart:
     """Supervised warm-start schedule (part of the cache key of a built model).
 
     `steps` is a cap: the application stops the default build earlier, at a target accuracy
-    (`rollstore.resolve`), which on `builtin:arith` takes about a thousand steps (~40 s on one thread).
+    (`rollstore.builtin.resolve`), which on `builtin:arith` takes about a thousand steps (~40 s on one thread).
     """
 
     steps: int = 3000

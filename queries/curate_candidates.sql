@@ -4,9 +4,8 @@
 -- `work` holds one narrow row per candidate, with the shard (`filename`) it lives in and its
 -- position there (`rollouts_row`, DuckDB's `file_row_number`): what a curated row refers to, so
 -- materialisation reads no Parquet, and the token stage opens only the shards with a selected row.
--- `{length}` counts a row's response tokens: from
--- `entropies` when the plan prunes tokens (a dry run then never reads token ids), else from
--- `response_token_ids`.
+-- `tokens_total` is the stored `response_length` (schema version 3; computed by the relation for
+-- older shards): the scan decodes no token list.
 -- Replay (docs/replay.md): with {window} not `false`, the batch also holds the replay window — rows
 -- of the batch's own run sampled 1..$replay_window policy versions before $current_version and not
 -- matched by `where` (`replayed`); a row already selected $replay_max_uses times is `reused`.
@@ -15,7 +14,7 @@
 CREATE OR REPLACE TEMP TABLE work AS
 WITH batch AS (
     SELECT rollout_id, group_id, prompt_id, run_id, policy_version, reward, correct, verify_error,
-           finish_reason, ({length})::INTEGER AS tokens_total, filename, file_row_number AS rollouts_row,
+           finish_reason, response_length AS tokens_total, filename, file_row_number AS rollouts_row,
            NOT coalesce(({where}), false) AS replayed,
            ({behaviour}) AS has_behaviour
     FROM {rollouts} AS rollouts

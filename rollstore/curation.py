@@ -260,7 +260,7 @@ class Curation:
         """This curation (A) against `other` (B): the data of `rollstore audit A --compare B`."""
         import polars as pl
 
-        from rollstore.audit import compare_views
+        from rollstore.report.audit import compare_views
 
         other_id = self.buffer._curation_id(other)
         self._require_committed("comparison")
@@ -277,7 +277,7 @@ class Curation:
         answer (the data of `rollstore audit ID --rollout R`)."""
         import polars as pl
 
-        from rollstore.audit import why_views
+        from rollstore.report.audit import why_views
 
         self._require_committed("audit to question")
         stack, session = self._session()

@@ -3,7 +3,7 @@
 One object a user holds, as DuckDB's connection or TorchRL's replay buffer: `sql`, `generate`,
 `curate`, `train`, and `curation(id)` for a curation handle (rollstore/curation.py). A thin layer
 over the packages below: each method calls what the matching command calls, with the defaults of
-`rollstore/defaults.py` (the command line's).
+`rollstore/cli/defaults.py` (the command line's).
 
 Invariants:
 - Nothing prints to stdout; every method returns a value (Polars / Arrow, or a handle). The first
@@ -24,7 +24,7 @@ import os
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
-from rollstore.defaults import CURATE, GENERATE, SQL, TRAIN
+from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
 from rollstore.storage.buffer import Buffer as _StorageBuffer
 from rollstore.storage.errors import RollstoreError, unknown_curation
 
@@ -141,8 +141,8 @@ class Buffer:
         import polars as pl
         import pyarrow.parquet as pq
 
-        from rollstore.defaults import generation_config
-        from rollstore.generate_cli import PromptSource, run_generate
+        from rollstore.cli.defaults import generation_config
+        from rollstore.loop.generator import PromptSource, run_generate
 
         config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed)
@@ -193,8 +193,8 @@ class Buffer:
         tokens, path. Nothing curated raises one line."""
         import polars as pl
 
-        from rollstore.defaults import train_config
-        from rollstore.train_cli import check_curations, run_train
+        from rollstore.cli.defaults import train_config
+        from rollstore.loop.trainer import check_curations, run_train
 
         ids = [self._curation_id(c) for c in (curation if isinstance(curation, (list, tuple)) else
                                               ([] if curation is None else [curation]))]

@@ -16,7 +16,8 @@ Invariants:
   another process already wrote and fsynced under `tmp/`) is published by the same steps: linked
   into place before the transaction, unlinked if it fails.
 - `append_rollouts` validates the whole table before writing anything; a rejected append changes
-  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first.
+  nothing. Every rollouts shard `commit` writes (a compaction's too) is checked finite first; a
+  rollouts shard is never published as a `WrittenPart` (a file whose rows `commit` did not see).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
 from .manifest import Manifest, NewShard, Shard
 from .owners import owned_name
-from .schema import stored_schema
+from .schema import RESPONSE_LENGTH, stored_schema
 from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
 from .snapshot import Snapshot
 from .validate import check_finite, validate_rollouts
@@ -121,7 +122,13 @@ class WrittenPart:
 def stored_table(part: Part) -> pa.Table:
     """`part`'s rows as its shard stores them: the table's stored schema, the part's metadata."""
     schema = stored_schema(part.table_name, part.table.schema)
-    table = part.table.select(schema.names).cast(schema)
+    table = part.table
+    if part.table_name == "rollouts":  # the length is always computed here, never taken from the input
+        if RESPONSE_LENGTH in table.column_names:
+            table = table.drop_columns([RESPONSE_LENGTH])
+        table = table.append_column(RESPONSE_LENGTH,
+                                    pc.list_value_length(table.column("response_token_ids")).cast(pa.int32()))
+    table = table.select(schema.names).cast(schema)
     if part.metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **part.metadata})
     return table
@@ -226,6 +233,9 @@ class Buffer:
             try:
                 for part in parts:
                     if isinstance(part, WrittenPart):
+                        if part.table_name == "rollouts":  # its rows were never seen here: not checked finite
+                            raise ValueError(f"{part.relpath}: a rollouts shard is committed from its rows (a Part, "
+                                             "validated and checked finite), never as a file written elsewhere")
                         folder = TABLE_DIRS[part.table_name] + "/"
                         if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
                             raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
@@ -306,11 +316,12 @@ class Buffer:
 
     def append_rollouts(
         self, table: pa.Table, source: str = "<memory>", compact: bool = False,
-        metadata: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None, also: dict[str, pa.Table] | None = None,
     ) -> Shard:
         """Validate and append one table of rollouts as one shard (all or nothing). `metadata`:
         extra key-value metadata written into the shard's Parquet footer (e.g. an import's lossy
-        conversions)."""
+        conversions). `also`: rows of other tables (by name) committed in the same transaction
+        (e.g. the prompt selection that chose these rollouts' prompts)."""
         table = validate_rollouts(table, source, self.manifest.existing_ids)
         if compact:
             table = compact_entropies(table)
@@ -339,8 +350,9 @@ class Buffer:
                 rid = next(r for r, g in zip(rids, gids) if g in groups_taken)
                 raise ValidationError(source, rid, "group_id", "group is already in the buffer") from None
 
-        _, shards = self.commit([Part("rollouts", table, metadata=metadata, checked=True)], "append",
-                                {"source": source}, register)
+        parts = [Part("rollouts", table, metadata=metadata, checked=True)]  # first: `register` takes ids[0]
+        parts += [Part(name, rows) for name, rows in (also or {}).items()]
+        _, shards = self.commit(parts, "append", {"source": source}, register)
         return shards[0]
 
     def append(self, table_name: str, table: pa.Table, key: str | None = None) -> Shard:

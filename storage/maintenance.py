@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .buffer import TABLE_DIRS, Buffer, Part
+from .schema import RESPONSE_LENGTH
 from .errors import ManifestError, RollstoreError
 from .owners import host, owner_gone, owner_prefix, parse
 from .references import referenced_shards
@@ -327,17 +328,41 @@ def compact(
     batches = [b for b in batches if len(b) > 1]
     if not batches:
         return report
-    store = getattr(man, "store", None)
+    report.rows = _rewrite(buf, table, batches, f"compact:{table}", seen_seq)
+    report.merged_shards = sum(len(b) for b in batches)
+    report.new_shards = len(batches)
+    return report
+
+
+def _read_shard(root: str, shard) -> pa.Table:
+    """A shard's rows as stored, without the rollouts' stored length (`Buffer.commit` writes it
+    again): shards of schema versions 2 and 3 then concatenate."""
+    table = pq.read_table(os.path.join(root, shard.path))
+    return table.drop_columns([RESPONSE_LENGTH]) if RESPONSE_LENGTH in table.column_names else table
+
+
+def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, seen_seq: int,
+             what: tuple[str, str] = ("compaction", "compact")) -> int:
+    """Replace each batch of shards by one new shard holding their rows in order, in ONE manifest
+    commit that retires the old shards (and moves their ids); returns the rows written. The old
+    shards are verified first; the commit refuses when one changed, was leased, or (rollouts) a
+    curation committed since `seen_seq`. Until the commit, the old files are the live ones."""
+    store = getattr(buf.manifest, "store", None)
     if store is not None:  # shards in object storage: into this host's cache first, verified
-        for s in (s for b in batches for s in b):
-            store.fetch(buf.root, s.path, s.sha256, s.bytes, man.holding)
+        for sh in (sh for b in batches for sh in b):
+            store.fetch(buf.root, sh.path, sh.sha256, sh.bytes, buf.manifest.holding)
     verify_shards(buf.root, [s for b in batches for s in b])  # never merge a corrupted file into a new one
     parts = []
+    rows = 0
     for batch in batches:
-        merged = pa.concat_tables(pq.read_table(os.path.join(buf.root, s.path)) for s in batch)
+        merged = pa.concat_tables(_read_shard(buf.root, s) for s in batch)
         subdir = os.path.relpath(os.path.dirname(batch[0].path), TABLE_DIRS[table])
-        parts.append(Part(table, merged, key=batch[0].key, subdir=None if subdir == "." else subdir))
-        report.rows += merged.num_rows
+        # one shard rewritten alone (a migration) keeps its footer's notes (e.g. an import's lossy conversions)
+        notes = {k.decode(): v.decode() for k, v in (merged.schema.metadata or {}).items()
+                 if k != b"ARROW:schema"} if len(batch) == 1 else None
+        parts.append(Part(table, merged, key=batch[0].key, subdir=None if subdir == "." else subdir,
+                          metadata=notes or None))
+        rows += merged.num_rows
     old = [s for b in batches for s in b]
 
     def retire(con, seq: int, new_ids: list[int]) -> None:
@@ -349,19 +374,57 @@ def compact(
                 [seq, *ids],
             )
             if cur.rowcount != len(ids):
-                raise ManifestError("a shard changed during compaction; nothing was committed")
+                raise ManifestError(f"a shard changed during {what[0]}; nothing was committed")
             if con.execute(f"SELECT 1 FROM leases WHERE shard_id IN ({marks}) LIMIT 1", ids).fetchone():
-                raise ManifestError("a shard was leased during compaction; nothing was committed")
+                raise ManifestError(f"a shard was leased during {what[0]}; nothing was committed")
             if table == "rollouts" and con.execute(
                     "SELECT 1 FROM shards WHERE table_name = 'curated' AND added_seq > ? LIMIT 1",
                     (seen_seq,)).fetchone():
-                raise ManifestError("a curation committed during compaction (its rows may refer to these "
-                                    "shards); nothing was committed: run compact again")
+                raise ManifestError(f"a curation committed during {what[0]} (its rows may refer to these "
+                                    f"shards); nothing was committed: run {what[1]} again")
             if table == "rollouts":
                 con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
                 con.execute(f"UPDATE group_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
 
-    buf.commit(parts, f"compact:{table}", {"merged": [s.shard_id for s in old]}, retire)
-    report.merged_shards = len(old)
-    report.new_shards = len(parts)
+    buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire)
+    return rows
+
+
+@dataclass
+class MigrateReport:
+    rewritten: int = 0  # rollouts shards rewritten with `response_length`
+    rows: int = 0
+    referenced: int = 0  # left as they are: a live curated shard refers to them (read with the length computed)
+    leased: int = 0  # left as they are: leased by a consumer
+
+
+def migrate(buf: Buffer) -> MigrateReport:
+    """Bring the buffer's rollouts shards to schema version 3: every live rollouts shard without
+    `response_length` is rewritten with it (same rows, same order, same key and folder), all in ONE
+    manifest commit that retires the old shards, as compaction does. Shards a live curated shard
+    refers to, or that are leased, are left as they are (readers compute their lengths), and
+    counted. An interrupted migration commits nothing: the old shards stay live and readable; the
+    files it wrote are orphans for `gc`. Running it again after a completed one does nothing."""
+    from .snapshot import stores_response_length
+
+    man = buf.manifest
+    man.require_writable()
+    leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
+    seen_seq = man.latest_seq()
+    referenced = _referenced(buf)
+    report = MigrateReport()
+    batches = []
+    for s in man.shards("rollouts"):
+        if stores_response_length(os.path.join(buf.root, s.path)):
+            continue
+        if s.path in referenced:
+            report.referenced += 1
+        elif s.shard_id in leased:
+            report.leased += 1
+        else:
+            batches.append([s])
+    if batches:
+        report.rows = _rewrite(buf, "rollouts", batches, "migrate:rollouts", seen_seq,
+                               ("migration", "rollstore migrate"))
+        report.rewritten = len(batches)
     return report

@@ -268,3 +268,45 @@ def null_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, column: str 
             mine = where[groups == g]
             out[mine] = nulls[rows[mine] - (ends[g] - sizes[g])]
     return out
+
+
+LOGPROB_COLUMNS = ("old_logprobs", "gen_logprobs")
+
+
+def logprob_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, rollout_ids: pa.ChunkedArray | pa.Array
+                  ) -> tuple[np.ndarray, tuple[str, str, str] | None]:
+    """What a curation needs of the referenced rows' log-probs, in one read of them: whether
+    `old_logprobs` is null at each (file, row position) (the `fallback` flag, as `null_lists`), and
+    the first referenced row (smallest rollout_id) whose `old_logprobs` or `gen_logprobs` hold a NaN
+    or an infinity, as (rollout_id, file, column), else None. Only the row groups holding a
+    referenced row are read, and only those two columns; rows of them that are not referenced are
+    not looked at. Parquet statistics cannot rule out a NaN (writers leave NaN out of min/max), so
+    the columns are decoded."""
+    files = files.combine_chunks() if isinstance(files, pa.ChunkedArray) else files
+    ids = rollout_ids.combine_chunks() if isinstance(rollout_ids, pa.ChunkedArray) else rollout_ids
+    encoded = files.dictionary_encode()
+    codes = encoded.indices.to_numpy(zero_copy_only=False)
+    rows = np.asarray(rows, np.int64)
+    nulls = np.zeros(len(rows), np.bool_)
+    bad: list[tuple[str, str, str]] = []
+    for k, path in enumerate(encoded.dictionary.to_pylist()):
+        where = np.flatnonzero(codes == k)
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        sizes = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], np.int64)
+        ends = np.cumsum(sizes)
+        groups = np.searchsorted(ends, rows[where], side="right")
+        for g in np.unique(groups):
+            mine = where[groups == g]
+            local = pa.array(rows[mine] - (ends[g] - sizes[g]), pa.int64())
+            read = pf.read_row_group(int(g), columns=list(LOGPROB_COLUMNS), use_threads=False)
+            for name in LOGPROB_COLUMNS:
+                lists = read.column(name).combine_chunks().take(local)
+                if name == "old_logprobs":
+                    nulls[mine] = lists.is_null().to_numpy(zero_copy_only=False)
+                values = pc.list_flatten(lists)
+                if len(values) and not pc.all(pc.is_finite(values)).as_py():
+                    faulty = np.unique(pc.list_parent_indices(lists).to_numpy(zero_copy_only=False)[
+                        pc.invert(pc.is_finite(values)).to_numpy(zero_copy_only=False)])
+                    bad.append(min((str(ids[int(mine[j])].as_py()), path, name) for j in faulty))
+    return nulls, (min(bad) if bad else None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: curated shards hold references (CURATED_REFS), not token lists
+SCHEMA_VERSION = 3  # 3: rollouts shards store response_length; 2: curated shards hold references (CURATED_REFS)
 
 _f32_list = pa.list_(pa.float32())
 _i32_list = pa.list_(pa.int32())
@@ -41,6 +41,14 @@ ROLLOUTS = pa.schema(
         pa.field("meta", pa.string(), nullable=True),
     ]
 )
+
+# A rollouts shard as stored since schema version 3: the rows as appended (`ROLLOUTS`) and each
+# response's length, `len(response_token_ids)`, written by `Buffer.commit` (never taken from the
+# input), so that a scan needing only the length decodes no token list. Shards of version 2 lack
+# it: readers compute it there (`storage.snapshot.rollouts_relation`), `rollstore migrate` and
+# compaction write it.
+RESPONSE_LENGTH = "response_length"
+ROLLOUTS_STORED = ROLLOUTS.append(pa.field(RESPONSE_LENGTH, pa.int32(), nullable=False))
 
 # Per-token list columns of `rollouts`, each as long as `response_token_ids`.
 TOKEN_LIST_COLUMNS = ("gen_logprobs", "old_logprobs", "entropies")
@@ -226,7 +234,10 @@ READ_SCHEMAS: dict[str, pa.Schema] = {**TABLES, "curated": CURATED}
 def stored_schema(table_name: str, schema: pa.Schema) -> pa.Schema:
     """The schema a shard of `table_name` is written with, given the table's own `schema`: a curated
     shard holds references (`CURATED_REFS`) unless it is materialised (token lists inside, `CURATED`:
-    what version 1 wrote, and what a caller may still commit)."""
+    what version 1 wrote, and what a caller may still commit); a rollouts shard holds its
+    responses' lengths too (`ROLLOUTS_STORED`)."""
     if table_name == "curated" and "rollouts_row" not in schema.names:
         return CURATED
+    if table_name == "rollouts":
+        return ROLLOUTS_STORED
     return TABLES[table_name]

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 from .errors import ManifestError, UnknownName, did_you_mean
 from .manifest import Manifest, ManifestReadOnly, Shard
 from .references import is_thin, read_curated_file
-from .schema import CURATED, READ_SCHEMAS, TABLES
+from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, TABLES
 from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
@@ -140,6 +141,9 @@ class Snapshot:
         if not files:
             return pl.from_arrow(pa.Table.from_batches([], schema=TABLES[table])).lazy()
         # a list of exact files: no globbing ("[" in a path) and no hive columns ("k=v" in a path)
+        if table == "rollouts":  # the import contract, as `arrow`: shards of version 2 and 3 read alike
+            return pl.scan_parquet(files, glob=False, hive_partitioning=False, schema=pl.Schema(
+                pl.from_arrow(ROLLOUTS.empty_table()).schema), extra_columns="ignore")
         return pl.scan_parquet(files, glob=False, hive_partitioning=False)
 
     def check_present(self, tables: list[str] | None = None) -> None:
@@ -182,6 +186,41 @@ class SnapshotFiles:
         _register_duckdb(con, self.files, tables, self.root)
 
 
+@functools.lru_cache(maxsize=65536)
+def _stores_length(path: str, size: int, mtime_ns: int) -> bool:
+    return RESPONSE_LENGTH in pq.read_schema(path).names
+
+
+def stores_response_length(path: str) -> bool:
+    """Whether the rollouts shard at `path` stores `response_length` (schema version 3): its
+    Parquet footer's schema, read once per process and file (path, size and modification time)."""
+    st = os.stat(path)
+    return _stores_length(path, st.st_size, st.st_mtime_ns)
+
+
+def rollouts_relation(paths: list[str], located: bool = False, numbered: bool = False,
+                      union_by_name: bool = False) -> str:
+    """A relation over these rollouts shards with every stored column and `response_length` (plus
+    each row's `filename` when `located`, its position `file_row_number` when `numbered`). Shards
+    that store the length (version 3) are read as they are: a scan of the length decodes no token
+    list. Shards written before it (version 2) get it computed, `len(response_token_ids)`; a mix
+    of both is one relation (UNION ALL BY NAME)."""
+    extra = (", filename = true" if located else "") + (", file_row_number = true" if numbered else "") + \
+        (", union_by_name = true" if union_by_name else "")
+
+    def read(files: list[str]) -> str:
+        return f"read_parquet([{', '.join(sql_string(p) for p in files)}]{extra}, hive_partitioning = false)"
+
+    old = [p for p in paths if not stores_response_length(p)]
+    if not old:
+        return read(paths)
+    computed = f"SELECT *, len(response_token_ids)::INTEGER AS {RESPONSE_LENGTH} FROM {read(old)}"
+    if len(old) == len(paths):
+        return f"({computed})"
+    new = [p for p in paths if p not in set(old)]
+    return f"(SELECT * FROM {read(new)} UNION ALL BY NAME {computed})"
+
+
 def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None, root: str) -> None:
     """Views by name; columns are matched by name, since a table may gain columns (shards written
     before a column was added read it as null). `curated` shows the resolved columns (`CURATED`):
@@ -190,6 +229,8 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
         files = files_of(name)
         if name == "curated" and files:
             con.execute(f"CREATE OR REPLACE VIEW curated AS {curated_view(files, files_of('rollouts'), root)}")
+        elif name == "rollouts" and files:
+            con.execute(f"CREATE OR REPLACE VIEW rollouts AS SELECT * FROM {rollouts_relation(files, union_by_name=True)}")
         elif files:
             listing = ", ".join(sql_string(f) for f in files)
             con.execute(

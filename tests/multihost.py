@@ -24,7 +24,7 @@ APPENDER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 host = os.environ["ROLLSTORE_HOST_ID"]
 buf = Buffer.open({buffer!r})
@@ -48,7 +48,7 @@ def appender_script(root: str, buffer: str, n: int, group: int = 2, seed: int = 
 LOOPER = """
 import os, sys
 sys.path.insert(0, {root!r})
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 run = os.environ["ROLLSTORE_HOST_ID"] + "-" + str(os.getpid())
 buf = Buffer.open({buffer!r})

@@ -29,7 +29,7 @@ def tiny_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_tiny(tiny_cache):
     """The default builtin:tiny (full warm start), built once per session into the test cache."""
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
 
     return resolve_model("builtin:tiny", quiet=True)
 
@@ -37,7 +37,7 @@ def default_tiny(tiny_cache):
 @pytest.fixture(scope="session")
 def small_tiny(tiny_cache):
     """A tiny policy after a few warm-start steps (its own cache entry): for cache and determinism tests."""
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
 
     return resolve_model("builtin:tiny", steps=SMALL_STEPS, quiet=True)
 

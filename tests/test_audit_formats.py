@@ -12,7 +12,7 @@ import pytest
 
 from rollstore.curate.params import load_recipe
 from rollstore.curate.run import curate
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 

@@ -27,7 +27,7 @@ from rollstore.storage.catalog_pg import CatalogError, PgManifest, translate
 from rollstore.storage.descriptor import DESCRIPTOR, redact
 from rollstore.storage.errors import ValidationError
 from rollstore.storage.manifest import Manifest
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +372,7 @@ BETWEEN = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from rollstore.storage.buffer import Buffer
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 buf = Buffer.open({buffer!r})
 real = buf.manifest.transaction
 
@@ -447,7 +447,7 @@ STALLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from rollstore.storage.buffer import Buffer
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 buf = Buffer.open({buffer!r})
 table = rollouts_table(n_groups=1, group_size=2, mean_tokens=4, run_id="stalled")
 

@@ -15,7 +15,7 @@ import typing
 import pytest
 
 from conftest import ROLLSTORE_BIN
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 
@@ -69,7 +69,7 @@ def test_every_numeric_option_has_a_rule():
     options = numeric_options()
     assert len(options) >= 35, options  # the enumeration finds them
     missing = [(c, o) for c, o, rule, _ in options if rule is None]
-    assert not missing, f"numeric options without a rule (rollstore/options.py): {missing}"
+    assert not missing, f"numeric options without a rule (rollstore/cli/options.py): {missing}"
 
 
 @pytest.mark.parametrize("command,flag,rule,kind", numeric_options(),

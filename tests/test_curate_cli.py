@@ -15,7 +15,7 @@ import pytest
 from rollstore.curate.options import Limits
 from rollstore.curate.params import ParamError, load_recipe
 from rollstore.curate.run import curate
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]

@@ -28,7 +28,7 @@ from rollstore.curate.dask_client import curate_dask  # noqa: E402
 from rollstore.curate.options import Dask, engine_option  # noqa: E402
 from rollstore.curate.params import ParamError, load_recipe  # noqa: E402
 from rollstore.curate.run import CurationError, curate  # noqa: E402
-from rollstore.synthetic import RowOptions, rollouts_table  # noqa: E402
+from rollstore.builtin.synthetic import RowOptions, rollouts_table  # noqa: E402
 from rollstore.storage.buffer import Buffer  # noqa: E402
 
 RECIPES = ["grpo", "dapo", "da3po", "pods", "d1s", "d1s-c", "d2s", "d3s", "d3s-i", "entropy-top"]
@@ -361,7 +361,7 @@ def test_killed_worker_with_no_retries_fails_cleanly(pair):
 def test_written_parts_publish_in_one_commit_or_not_at_all(tmp_path):
     """Storage side: files a worker wrote under tmp/ are linked into place by `Buffer.commit`, in
     its one transaction; a failing commit unlinks them; bad paths and sizes are refused."""
-    from rollstore.storage.buffer import WrittenPart, token_count
+    from rollstore.storage.buffer import TABLE_DIRS, WrittenPart, token_count
     from rollstore.storage.schema import ROLLOUTS
     from rollstore.storage.shardio import write_tmp
 
@@ -372,9 +372,10 @@ def test_written_parts_publish_in_one_commit_or_not_at_all(tmp_path):
             write_tmp(table, root, "tmp/run-gone")  # the folder belongs to its owner: never created here
         os.makedirs(os.path.join(root, "tmp", "run"))
 
-        def written(name: str) -> WrittenPart:
+        def written(name: str, table_name: str = "curated") -> WrittenPart:
             rel, nbytes, sha = write_tmp(table, root, "tmp/run")
-            return WrittenPart("rollouts", rel, f"rollouts/{name}.parquet", table.num_rows, token_count(table), nbytes, sha)
+            return WrittenPart(table_name, rel, f"{TABLE_DIRS[table_name]}/{name}.parquet", table.num_rows,
+                               token_count(table), nbytes, sha)
 
         def refuse(*_):
             raise RuntimeError("refused in the transaction")
@@ -383,15 +384,16 @@ def test_written_parts_publish_in_one_commit_or_not_at_all(tmp_path):
         part = written("a")
         with pytest.raises(RuntimeError):
             buf.commit([part], "test", on_commit=refuse)
-        assert buf.manifest.latest_seq() == seq and not os.path.exists(os.path.join(root, "rollouts", "a.parquet"))
-        for bad, error in [(WrittenPart("rollouts", part.tmp_relpath, "curated/../rollouts/b.parquet", 4, 0, part.bytes, ""), ValueError),
-                           (WrittenPart("curated", part.tmp_relpath, "rollouts/b.parquet", 4, 0, part.bytes, ""), ValueError),
-                           (WrittenPart("rollouts", "rollouts/x.parquet", "rollouts/b.parquet", 4, 0, part.bytes, ""), ValueError),
-                           (WrittenPart("rollouts", written("c").tmp_relpath, "rollouts/c.parquet", 4, 0, 1, ""), OSError)]:
+        assert buf.manifest.latest_seq() == seq and not os.path.exists(os.path.join(root, "curated", "a.parquet"))
+        for bad, error in [(WrittenPart("curated", part.tmp_relpath, "rollouts/../curated/b.parquet", 4, 0, part.bytes, ""), ValueError),
+                           (WrittenPart("selections", part.tmp_relpath, "curated/b.parquet", 4, 0, part.bytes, ""), ValueError),
+                           (WrittenPart("curated", "curated/x.parquet", "curated/b.parquet", 4, 0, part.bytes, ""), ValueError),
+                           (written("r", "rollouts"), ValueError),  # rollouts are committed from rows (checked finite)
+                           (WrittenPart("curated", written("c").tmp_relpath, "curated/c.parquet", 4, 0, 1, ""), OSError)]:
             with pytest.raises(error):
                 buf.commit([bad], "test")
         assert buf.manifest.latest_seq() == seq
         good = written("d")
         buf.commit([good], "test")
-        assert buf.snapshot().files("rollouts") == [os.path.join(root, "rollouts", "d.parquet")]
+        assert buf.snapshot().files("curated") == [os.path.join(root, "curated", "d.parquet")]
         assert not os.path.exists(os.path.join(root, good.tmp_relpath))

@@ -22,7 +22,7 @@ from rollstore.curate.params import CurationError, load_recipe
 from rollstore.curate.run import curate
 from rollstore.learner.batches import collate, read_curated
 from rollstore.queries.session import Session
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage import maintenance
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import ManifestError

@@ -14,7 +14,7 @@ import pandas as pd
 import polars as pl
 import pytest
 
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import rollstore as rs
 from rollstore.storage.buffer import Buffer
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +37,7 @@ def two_recipes(tmp_path):
 
 
 def clipped(text: str) -> str:
-    from rollstore.cli import one_line as cli_line
+    from rollstore.cli.commands import one_line as cli_line
 
     return cli_line(text)
 
@@ -178,7 +178,7 @@ def test_defaults_are_shared_with_the_command_line():
     import typer.main
 
     from rollstore.cli import app
-    from rollstore.defaults import CURATE, GENERATE, SQL, TRAIN
+    from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
     from rollstore.handle import Buffer as Handle
 
     group = typer.main.get_command(app)
@@ -189,7 +189,7 @@ def test_defaults_are_shared_with_the_command_line():
         for field, value in vars(defaults).items():
             assert params[field] == value, (command, field)
             assert keywords[field].default == value, (command, field)
-    from rollstore.defaults import train_config
+    from rollstore.cli.defaults import train_config
 
     assert (train_config().lr, train_config().micro_batch_size) == (2e-5, 64)
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import write_jsonl, write_parquet
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 
 

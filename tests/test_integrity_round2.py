@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import ROLLSTORE_BIN, write_jsonl
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 
@@ -184,7 +184,7 @@ def test_outputs_never_replace_anything_but_a_regular_file(cli, curated, tmp_pat
 KILLED_EXPORT = r"""
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import rollstore.export as export
+import rollstore.output.export as export
 real = export._write_table
 def killed(*a, **k):
     real(*a, **k)

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollstore.storage.buffer import Buffer, Part
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 
 
 from test_integrity_round2 import one_error_line, seq_of  # noqa: E402  (shared helpers)
@@ -583,7 +583,7 @@ def test_the_trl_plugin_verifies_the_rows_it_replays(thin, tmp_path):
     from rollstore.storage.verify import ShardError
 
     pytest.importorskip("trl")
-    from rollstore import trl_replay
+    from rollstore.trl import replay as trl_replay
 
     path = referenced(thin)
     same_size_tamper(path)

@@ -5,6 +5,12 @@
 installed (`rollstore.storage.buffer`); both spellings are checked, so neither can hide an import
 that points up or sideways. Every module of the product is parsed, including imports inside
 functions and inside `if TYPE_CHECKING:` blocks.
+
+Inside the application the same rule holds between its rooms (`rollstore/<room>/`, `ROOMS`): the
+front door (the modules directly in `rollstore/`: `__init__`, `handle`, `curation`, `sqlresult`)
+on top, then the command line (`cli`), then orchestration (`loop`), the report (`report`) and the
+TRL plug-in (`trl`), then what they share (`output`, `builtin`, `importers`). No room imports the
+front door; a room imports only the rooms it lists.
 """
 
 from __future__ import annotations
@@ -21,6 +27,18 @@ ALLOWED = {
     "learner": {"storage"},
     "rollstore": {"storage", "queries", "curate", "rollout", "learner"},
 }
+# The application's rooms and the rooms each may import (the front door may import every room).
+ROOMS = {
+    "cli": {"loop", "report", "trl", "output", "builtin", "importers"},
+    "loop": {"output", "builtin"},
+    "report": {"output", "builtin"},
+    "trl": {"builtin"},
+    "output": set(),
+    "builtin": set(),
+    "importers": set(),
+}
+FRONT = "front door"
+FRONT_DOOR = ["__init__.py", "__main__.py", "curation.py", "handle.py", "sqlresult.py"]
 
 
 def layer_of(module: str) -> str | None:
@@ -66,8 +84,86 @@ def violations(root: str = ROOT) -> list[str]:
     return bad
 
 
+def room_of(module: str) -> str | None:
+    """The application room a dotted import (`rollstore.loop.run`, `from rollstore import cli`) names:
+    a folder of `ROOMS`, `FRONT` for the modules directly in rollstore/, None for a layer or else."""
+    parts = module.split(".")
+    if parts[0] != "rollstore" or (len(parts) > 1 and parts[1] in ALLOWED):
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else FRONT
+
+
+def room_imports(root: str = ROOT):
+    """(file, line, room of the file, imported module) of every import of another app module under
+    rollstore/, relative imports (`from .errors import ...`) resolved to their dotted name."""
+    app = os.path.join(root, "rollstore")
+    for folder, _, files in os.walk(app):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, app).split(os.sep)
+            room = rel[0] if len(rel) > 1 else FRONT
+            package = ["rollstore", *rel[:-1]]
+            with open(path, encoding="utf-8") as fh:
+                tree = ast.parse(fh.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = package[:len(package) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                    found = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+                    yield from ((os.path.relpath(path, root), node.lineno, room, m) for m in found)
+            for line, module in imported(tree):
+                yield os.path.relpath(path, root), line, room, module
+
+
+def room_violations(root: str = ROOT) -> list[str]:
+    bad = []
+    for path, line, room, module in room_imports(root):
+        target = room_of(module)
+        if room != FRONT and target is not None and target != room and target not in ROOMS[room]:
+            bad.append(f"{path}:{line} imports {module}")
+    return bad
+
+
 def test_imports_only_point_down():
     assert violations() == []
+
+
+def test_the_rooms_of_the_application_import_only_down():
+    assert room_violations() == []
+
+
+def test_every_module_of_the_application_has_its_room():
+    """Directly in rollstore/ only the front door; a new folder needs its place in `ROOMS` (and in
+    pyproject's package list), a new module a room."""
+    app = os.path.join(ROOT, "rollstore")
+    folders = {d for d in os.listdir(app) if os.path.isfile(os.path.join(app, d, "__init__.py"))}
+    assert folders == set(ROOMS)
+    assert sorted(f for f in os.listdir(app) if f.endswith(".py")) == FRONT_DOOR
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # python 3.10
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        packages = set(tomllib.load(fh)["tool"]["setuptools"]["packages"])
+    assert {f"rollstore.{room}" for room in ROOMS} <= packages
+
+
+def test_the_room_check_sees_each_spelling(tmp_path):
+    """A room importing the front door or a room above it is caught, absolute or relative."""
+    for room in ROOMS:
+        (tmp_path / "rollstore" / room).mkdir(parents=True)
+    (tmp_path / "rollstore" / "report" / "a.py").write_text("from rollstore.cli.commands import app\n")
+    (tmp_path / "rollstore" / "loop" / "b.py").write_text("def f():\n    from rollstore import handle\n")
+    (tmp_path / "rollstore" / "output" / "c.py").write_text("from ..report import page\nfrom . import outfile\n")
+    (tmp_path / "rollstore" / "cli" / "d.py").write_text("from rollstore.loop.run import LoopConfig\n")  # allowed
+    (tmp_path / "rollstore" / "handle.py").write_text("from rollstore.cli.defaults import SQL\n")  # allowed
+    assert sorted(room_violations(str(tmp_path))) == [
+        "rollstore/loop/b.py:2 imports rollstore.handle",
+        "rollstore/output/c.py:1 imports rollstore.report",
+        "rollstore/report/a.py:1 imports rollstore.cli.commands",
+    ]
 
 
 def test_the_check_sees_both_spellings(tmp_path):

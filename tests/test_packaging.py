@@ -70,7 +70,7 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path, default_tiny
     rollstore = str(env / "bin" / "rollstore")
     assert "curate_candidates" in run(rollstore, "recipes", "--explain", "d3s")
     assert "held-out" in run(rollstore, "demo", "buf", "--iterations", "1")
-    probe = ("import sys, rollstore.trl, rollstore.cli, rollstore.storage.buffer\n"
+    probe = ("import sys, rollstore.trl.plugin, rollstore.cli.commands, rollstore.storage.buffer\n"
              f"src = {tuple(os.path.join(ROOT, d) + os.sep for d in ('rollstore', *LAYERS))!r}\n"
              "mods = [m for m in list(sys.modules.values()) if getattr(m, '__file__', None)]\n"
              "assert rollstore.storage.buffer.__file__.startswith(sys.prefix), rollstore.storage.buffer.__file__\n"

@@ -15,7 +15,7 @@ from rollstore.curate.params import builtin_recipes, load_recipe, resolve
 from rollstore.curate.run import curate
 from rollstore.curate.steps import Runner
 from rollstore.queries import load_sql, render
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 TOKEN_COLUMNS = ("response_token_ids", "prompt_token_ids", "gen_logprobs", "old_logprobs")
@@ -112,8 +112,9 @@ def test_dry_run_never_reads_token_ids_or_logprobs(steps_buffer, monkeypatch):
 
 def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(steps_buffer, monkeypatch):
     """A batch of one step in a four-step buffer: the token step reads that step's shard only, the
-    entropies are read from Parquet by one statement, and materialisation reads no Parquet (the
-    candidates' scan took each row's position)."""
+    entropies are read from Parquet by one statement (the candidates' scan names no token list: the
+    lengths are stored, schema version 3), and materialisation reads no Parquet (the candidates'
+    scan took each row's position)."""
     files: list[list[str]] = []
     original = run_module.parquet
 
@@ -134,7 +135,10 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
     assert all(f == [shards[1]] for f in files[1:]), files
     reads_entropies = [name for name, sql in rec.sql if re.search(r"(?<!e\.)\bentropies\b", _code(sql))
                        and "read_parquet" in sql]  # e.entropies: the in-session table, not Parquet
-    assert reads_entropies == ["curate_candidates", "curate_token_entropies"]  # lengths, then the values once
+    assert reads_entropies == ["curate_token_entropies"]  # the values, once (the lengths are stored)
+    token_lists = ("response_token_ids", "prompt_token_ids", "gen_logprobs", "entropies")
+    candidates = [_code(sql) for name, sql in rec.sql if name == "curate_candidates"]
+    assert candidates and not any(re.search(rf"\b{c}\b", sql) for sql in candidates for c in token_lists), candidates
 
 
 def test_explain_prints_the_plan_in_order(cli):

@@ -15,7 +15,7 @@ from rollstore.curate.params import ParamError, load_recipe, resolve
 from rollstore.curate.prompts import draw, select
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 G = 3  # samples per group
@@ -168,6 +168,13 @@ def test_loop_selects_before_generating_and_resumes(tmp_path, default_tiny):  # 
         got = sql(root, f"SELECT prompt_id FROM rollouts WHERE step = {s} GROUP BY group_id, prompt_id")
         assert sorted(g[0] for g in got) == chosen and len(chosen) == 8
     assert any(r[3] == "skip" for r in rows) or any(r[4] == "filled" for r in rows)
+    # each step's decisions are committed with the rollouts they chose: one commit, no other
+    with Buffer.open(root) as buf:
+        added = {}
+        for sh in buf.manifest.shards():
+            added.setdefault(sh.added_seq, []).append(sh.table_name)
+    assert sum(t.count("prompt_selections") for t in added.values()) == 4
+    assert all(t.count("rollouts") == 1 for t in added.values() if "prompt_selections" in t)
     # `rollstore audit --skips` counts what the table holds; a second run makes --run necessary
     import json
 
@@ -186,7 +193,7 @@ def test_loop_selects_before_generating_and_resumes(tmp_path, default_tiny):  # 
     res = CliRunner().invoke(app, ["audit", root, "--skips"])
     assert res.exit_code == 1 and "2 runs have prompt selections (other, t): name one with --run" in res.output
     # the report's section shows each step's counts (queries/report_prompt_skips.sql)
-    from rollstore.report import build_report
+    from rollstore.report.page import build_report
 
     build_report(Buffer.open(root), str(tmp_path / "r.html"))
     html = (tmp_path / "r.html").read_text()

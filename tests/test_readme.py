@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

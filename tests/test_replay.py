@@ -153,7 +153,7 @@ def test_the_plan_and_the_record_name_the_replay_parameters():
 def test_audit_and_report_show_the_replay_share_and_ages(tmp_path, cli):
     """`rollstore audit --format json` has a `replay` view (origin × age) and `rollstore report` a
     replay section with the share and the ages of the selected rows per curation."""
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     root = str(tmp_path / "buf")
     with Buffer.init(root) as buf:
@@ -188,7 +188,7 @@ def test_a_replay_curation_killed_at_every_write_point_counts_no_use_twice(tmp_p
     import sys
 
     from conftest import ROOT
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
     from test_integrity import CURATE_ZYGOTE
 
     root = str(tmp_path / "buf")

@@ -20,8 +20,8 @@ import pytest
 from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 from rollstore.queries import load_sql
-from rollstore.report import QUERIES, SECTIONS, bind, build_report
-from rollstore.report_svg import Series, fmt, line_chart, nice_ticks
+from rollstore.report.page import QUERIES, SECTIONS, bind, build_report
+from rollstore.report.svg import Series, fmt, line_chart, nice_ticks
 from rollstore.storage.buffer import Buffer
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -38,7 +38,7 @@ def loop_buffer(tmp_path_factory, default_tiny):  # noqa: F811
 
     root = str(tmp_path_factory.mktemp("report") / "buf")
     Buffer.init(root).close()
-    from rollstore.generate import GenerationConfig
+    from rollstore.loop.generate import GenerationConfig
 
     run_loop(LoopConfig(buffer=root, model=default_tiny, iterations=3, recipe="d3s", sets={"amplify": "da3po"},
                         prompts_per_iter=16, generation=GenerationConfig(group_size=4, max_new_tokens=8), eval_every=1,
@@ -64,7 +64,7 @@ def data_blocks(html: str) -> dict[str, list[dict]]:
 def documented(root: str, name: str, curation_id: str | None = None, recipe: str | None = None) -> list[dict]:
     """Run queries/<name>.sql straight with DuckDB over the buffer's latest snapshot (own connection,
     the snapshot's views and the user views of queries/views.sql), as a user would."""
-    from rollstore.result_formats import jsonable
+    from rollstore.output.formats import jsonable
 
     with Buffer.open(root) as buf, buf.snapshot() as snap:
         con = duckdb.connect()
@@ -149,7 +149,7 @@ def two_recipe_report(tmp_path_factory):
     rollouts (policy version = step), each curated by d3s and by replay-d3s."""
     from rollstore.curate.params import load_recipe
     from rollstore.curate.run import curate
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     root = str(tmp_path_factory.mktemp("two-recipes") / "buf")
     with Buffer.init(root) as buf:
@@ -379,7 +379,7 @@ def test_report_of_100k_rollouts_is_small(tmp_path):
     a few hundred KB: token views are sampled and everything else is aggregated in SQL."""
     from rollstore.curate.params import load_recipe
     from rollstore.curate.run import curate
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     root = str(tmp_path / "big")
     with Buffer.init(root) as buf:

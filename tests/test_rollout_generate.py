@@ -16,7 +16,7 @@ from rollstore.learner.score import score
 from rollstore.rollout import arith
 from rollstore.rollout.backends import cut_at_first_eos, get_backend
 from rollstore.rollout.backends.hf import HFBackend
-from rollstore.generate import GenerationConfig, StepStamp, generate_step
+from rollstore.loop.generate import GenerationConfig, StepStamp, generate_step
 from rollout_helpers import default_tiny, small_tiny, tiny_cache, untrained_tiny  # noqa: F401
 from rollstore.storage.schema import ROLLOUTS
 from rollstore.storage.validate import validate_rollouts

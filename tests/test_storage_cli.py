@@ -6,7 +6,7 @@ import json
 import os
 
 from conftest import write_parquet
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 
 
 def test_init_is_idempotent_and_info_reports(cli, tmp_path):

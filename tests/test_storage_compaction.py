@@ -13,7 +13,7 @@ import pytest
 
 from conftest import write_jsonl
 from rollstore.queries.session import Session
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.errors import ManifestError
 from rollstore.storage.schema import SELECTIONS

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 from rollstore.queries.session import Session
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import ValidationError
 
@@ -23,7 +23,7 @@ GROUP = 4
 APPENDER = """
 import os, sys
 sys.path.insert(0, {root!r})
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 buf = Buffer.open({buffer!r})
 print("ready", flush=True)

@@ -30,7 +30,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import rollstore.storage.buffer, rollstore.storage.manifest, rollstore.storage.shardio
 from rollstore import storage
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -168,7 +168,7 @@ def test_sigkill_at_random_moments(cli, buffer_dir, tmp_path):
     assert verify_committed(buffer_dir, {}) == rows_seen[-1]  # gc touched no live shard
     assert whole_shards_only(buffer_dir) == rows_seen[-1]
     # the buffer still takes appends after all those crashes
-    from rollstore.synthetic import RowOptions, rollouts_table
+    from rollstore.builtin.synthetic import RowOptions, rollouts_table
 
     with Buffer.open(buffer_dir) as buf:
         buf.append_rollouts(rollouts_table(n_groups=1, group_size=4, options=RowOptions(id_prefix="after")))

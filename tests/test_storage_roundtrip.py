@@ -12,9 +12,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from conftest import write_jsonl, write_parquet
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
-from rollstore.storage.schema import ROLLOUTS, TOKEN_LIST_COLUMNS
+from rollstore.storage.schema import ROLLOUTS, ROLLOUTS_STORED, TOKEN_LIST_COLUMNS
 
 FLOAT_LEAVES = ("gen_logprobs.list.element", "old_logprobs.list.element", "entropies.list.element", "reward")
 
@@ -106,5 +106,5 @@ def test_shard_encodings(cli, buffer_dir, tmp_path):
                 assert col.physical_type == "FLOAT"
                 seen.add(col.path_in_schema)
     assert seen == set(FLOAT_LEAVES)
-    # the stored Arrow schema is the contract's
-    assert pq.read_schema(os.path.join(buffer_dir, shard.path)).remove_metadata() == ROLLOUTS
+    # the stored Arrow schema is the contract's, with each response's length (schema version 3)
+    assert pq.read_schema(os.path.join(buffer_dir, shard.path)).remove_metadata() == ROLLOUTS_STORED

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import write_parquet
 from rollstore.queries.session import Session
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import ManifestError
-from rollstore.storage.schema import READ_SCHEMAS, TABLES
+from rollstore.storage.schema import READ_SCHEMAS, ROLLOUTS_STORED, TABLES
 
 
 def counts(snap) -> dict:
@@ -97,7 +97,7 @@ def test_awkward_buffer_paths(cli, tmp_path, parent):
         buf.append_rollouts(rollouts_table(n_groups=2, group_size=4))
         assert assert_engines_agree(buf.snapshot())[0] == 8
         with Session(buf.snapshot()) as s:
-            assert [r[0] for r in s.execute("DESCRIBE rollouts").fetchall()] == TABLES["rollouts"].names
+            assert [r[0] for r in s.execute("DESCRIBE rollouts").fetchall()] == ROLLOUTS_STORED.names  # the view adds the stored length
     assert sql_count(cli, root) == 8
 
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import ROLLSTORE_BIN
-from rollstore.synthetic import RowOptions, rollouts_table
+from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.schema import ROLLOUTS
 

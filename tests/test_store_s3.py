@@ -19,7 +19,7 @@ from multihost import check_invariants
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.descriptor import read as read_descriptor
 from rollstore.storage.errors import ManifestError
-from rollstore.synthetic import rollouts_table
+from rollstore.builtin.synthetic import rollouts_table
 
 
 @pytest.fixture(scope="module")

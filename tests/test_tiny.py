@@ -13,7 +13,7 @@ from rollstore.learner.policy_loading import load_policy
 from rollstore.learner.tiny import build_tiny, build_tokenizer
 from rollstore.rollout import arith
 from rollout_helpers import SMALL_STEPS, default_tiny, small_tiny, tiny_cache  # noqa: F401
-from rollstore.resolve import WARM_TARGET, resolve_model, resolve_prompts, tiny_info
+from rollstore.builtin.resolve import WARM_TARGET, resolve_model, resolve_prompts, tiny_info
 from rollstore.storage.errors import RollstoreError
 
 

@@ -87,7 +87,7 @@ def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed
     from rollstore.curate.params import load_recipe
     from rollstore.curate.run import curate
     from rollstore.storage.buffer import Buffer
-    from rollstore.synthetic import rollouts_table
+    from rollstore.builtin.synthetic import rollouts_table
 
     runs = pa.array([[0, 2], [1, 3, 4, 5], []], pa.list_(pa.int32()))
     assert list(run_lengths(runs)) == [2, 3, 0]

@@ -1,4 +1,4 @@
-"""The TRL plug-in (rollstore/trl.py) with a real `trl.GRPOTrainer` on the untrained tiny Llama, CPU.
+"""The TRL plug-in (rollstore/trl/plugin.py) with a real `trl.GRPOTrainer` on the untrained tiny Llama, CPU.
 
 Rewards are test-controlled functions of the completion, so group variance is known: the prompt
 "1+1=" gets a constant reward (a zero-variance group), the others a reward that depends on the

@@ -1,4 +1,4 @@
-"""Replay inside TRL (rollstore/trl.py, docs/trl.md "Replay"): a real `trl.GRPOTrainer` on the
+"""Replay inside TRL (rollstore/trl/plugin.py, docs/trl.md "Replay"): a real `trl.GRPOTrainer` on the
 untrained tiny Llama, CPU, one process. A replay recipe puts stored rows of earlier generation
 batches into TRL's batch with their tokens, their behaviour log-probs and the decoupled correction."""
 

@@ -25,8 +25,8 @@ from rich.text import Text
 
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
-from rollstore.result_formats import csv_ready, csv_text, jsonable, render_table
-from rollstore.token_text import TokenText
+from rollstore.output.formats import csv_ready, csv_text, jsonable, render_table
+from rollstore.report.token_text import TokenText
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError, unknown_curation
 

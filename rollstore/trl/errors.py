@@ -1,4 +1,4 @@
-"""The one error the TRL plug-in raises (`rollstore.trl` and `rollstore.trl_replay`), in a module of
+"""The one error the TRL plug-in raises (`rollstore.trl` and `rollstore.trl.replay`), in a module of
 its own so that both can raise it without importing each other."""
 
 from __future__ import annotations

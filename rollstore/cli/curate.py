@@ -1,4 +1,4 @@
-"""`rollstore curate`: run a recipe, print its summary (the audit is read back by rollstore/audit.py).
+"""`rollstore curate`: run a recipe, print its summary (the audit is read back by rollstore/report/audit.py).
 
 Invariants: `curate` prints the curation id alone on the last line of stdout.
 """

@@ -12,8 +12,8 @@ import time
 
 from rich.console import Console
 
-from rollstore.loop import LoopConfig
-from rollstore.loop_view import run_with_display
+from rollstore.loop.run import LoopConfig
+from rollstore.loop.view import run_with_display
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError
 

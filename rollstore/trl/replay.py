@@ -38,7 +38,7 @@ import torch
 from rollstore.learner import losses
 from rollstore.rollout.backends import FINISH_LENGTH
 
-from .trl_errors import TRLPluginError
+from .errors import TRLPluginError
 
 __all__ = ["REPLAY_KEYS", "decoupled_weight", "replay_into", "sampler_ratio", "stored_rows"]
 

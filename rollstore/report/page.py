@@ -33,8 +33,8 @@ from html import escape
 
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
-from rollstore.result_formats import jsonable
-from rollstore.report_svg import (
+from rollstore.output.formats import jsonable
+from rollstore.report.svg import (
     PALETTE,
     Series,
     fmt,
@@ -43,8 +43,8 @@ from rollstore.report_svg import (
     line_chart,
     stacked_bars,
 )
-from rollstore.outfile import check_output_file, write_output
-from rollstore.token_text import TokenText
+from rollstore.output.outfile import check_output_file, write_output
+from rollstore.report.token_text import TokenText
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.snapshot import sql_string

@@ -10,7 +10,7 @@ Invariants:
 - Reads one pinned, verified snapshot (every shard's size and sha256 checked first): the export is
   exactly that snapshot, whatever commits meanwhile.
 - DIR must not exist or be an empty directory (never a symbolic link or another kind of file), and
-  must not lie in a buffer's managed files (`rollstore.outfile`). Everything is written under a
+  must not lie in a buffer's managed files (`rollstore.output.outfile`). Everything is written under a
   sibling partial folder `.<DIR>.partial-<host>-<pid>-<hex>` and renamed into place at the end: a
   failed export leaves no DIR (or the empty one it found); a killed one's partial folder is removed
   by the next export to the same DIR.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollstore.outfile import check_output_dir, partial_dir
+from rollstore.output.outfile import check_output_dir, partial_dir
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.references import read_curated_file
 from rollstore.storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES

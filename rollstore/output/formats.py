@@ -131,7 +131,7 @@ def _cell(value) -> str:
 def write_result(table: pa.Table, fmt: str, out_file: str | None, console: Console) -> None:
     """Print `table`, or write it to `out_file` through `outfile.write_output` (a regular file
     only, replaced atomically)."""
-    from rollstore.outfile import write_output
+    from rollstore.output.outfile import write_output
 
     if fmt == "parquet":
         write_output(out_file, lambda partial: pq.write_table(table, partial, compression="zstd"))

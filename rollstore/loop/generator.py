@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.progress import Progress
 
-from rollstore.generate import GenerationConfig, StepStamp
+from rollstore.loop.generate import GenerationConfig, StepStamp
 from rollstore.storage.buffer import Buffer
 
 
@@ -70,8 +70,8 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
     from rollstore.learner.checkpoint import latest_checkpoint
     from rollstore.rollout.backends import get_backend
     from rollstore.rollout.reward import RewardPool
-    from rollstore.resolve import resolve_model, resolve_prompts
-    from rollstore.step import StepWriter
+    from rollstore.builtin.resolve import resolve_model, resolve_prompts
+    from rollstore.loop.step import StepWriter
 
     buf = Buffer.open(buffer)
     model_dir = resolve_model(model)

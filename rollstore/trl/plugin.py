@@ -68,7 +68,7 @@ Invariants:
   no-grad forward of the current weights, TRL's clip is against it), and the per-token weight
   min(π_prox / π_behav, `decoupled_cap`) (π_behav = the stored `old_logprobs`; sequence level: the
   capped geometric mean) folded into a per-token advantage. A batch without replayed rows is
-  unchanged by replay. The machinery, and its invariants in full, are in `rollstore.trl_replay`.
+  unchanged by replay. The machinery, and its invariants in full, are in `rollstore.trl.replay`.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ from rollstore.rollout.reward import Verdict
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.references import runs_to_mask
 
-from .trl_errors import TRLPluginError
-from .trl_replay import replay_into, stored_rows
+from .errors import TRLPluginError
+from .replay import replay_into, stored_rows
 
 __all__ = ["CorrectRule", "RollstoreGRPOTrainer", "TRLPluginError"]
 
@@ -143,7 +143,7 @@ class RollstoreGRPOTrainer(GRPOTrainer):
     the rollstore-curated batch. `curate_sets`: recipe parameter overrides (not `where`/`progress`).
     `correct_reward`: the reward function that decides `correct`, by name, or a `CorrectRule` (name
     and threshold); `gold_column`: the dataset column recorded as `gold_answer`; `decoupled_cap`:
-    replay's weight cap (`rollstore.trl_replay`).
+    replay's weight cap (`rollstore.trl.replay`).
     """
 
     def __init__(

@@ -24,7 +24,7 @@ import time
 
 from rich.console import Console
 
-from rollstore.loop import LoopConfig
+from rollstore.loop.run import LoopConfig
 
 
 def learner_command(cfg: LoopConfig, model_dir: str, run_id: str, ranks: int) -> list[str]:
@@ -45,8 +45,8 @@ def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: floa
     import os
 
     from rollstore.learner.checkpoint import latest_checkpoint
-    from rollstore.generate_cli import Follow, PromptSource, run_generate
-    from rollstore.resolve import resolve_model
+    from rollstore.loop.generator import Follow, PromptSource, run_generate
+    from rollstore.builtin.resolve import resolve_model
     from rollstore.storage.buffer import Buffer
 
     run_id = cfg.run_name

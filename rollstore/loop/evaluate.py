@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollstore.learner.passk import summarize
-from rollstore.generate import GenerationConfig
+from rollstore.loop.generate import GenerationConfig
 
 
 def evaluate(model_dir: str, prompts, samples: int, ks: list[int], temperature: float, max_new_tokens: int,
@@ -33,7 +33,7 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
              buffer: str | None, fmt: str, out: Console) -> dict:
     """pass@k and avg@n of `config.group_size` samples per prompt (at `config.temperature`, up to
     `config.max_new_tokens` tokens, seeded by `config.seed`); printed, and recorded in `buffer` if given."""
-    from rollstore.resolve import resolve_model, resolve_prompts
+    from rollstore.builtin.resolve import resolve_model, resolve_prompts
 
     samples, temperature, seed = config.group_size, config.temperature, config.seed
 
@@ -45,7 +45,7 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
     prompts = resolve_prompts(prompts_ref, num_prompts, seed=seed, split="heldout")
     metrics = evaluate(model_dir, prompts, samples, ks, temperature, config.max_new_tokens, seed)
     if buffer:
-        from rollstore.loop import record_eval
+        from rollstore.loop.run import record_eval
         from rollstore.storage.buffer import Buffer
 
         with Buffer.open(buffer) as buf:

@@ -1,6 +1,6 @@
 """Generate, append, curate a step: written once, for the loop (`rollstore.loop`), the generator
 process of the two-process mode (`rollstore generate --follow`) and the loop with an N-rank
-learner (`rollstore.loop_ranks`, which runs that generator).
+learner (`rollstore.loop.ranks`, which runs that generator).
 
 Invariants:
 - `generate` samples one batch of a step with the loaded backend and reward pool and appends it
@@ -39,14 +39,16 @@ class StepWriter:
         self.recipe, self.sets, self.session, self.compact = load_recipe(recipe), dict(sets or {}), session, compact
 
     def generate(self, prompts: list[Prompt], stamp: StepStamp, seed: int, source: str,
-                 phases: dict[str, float] | None = None) -> tuple[pa.Table, Shard]:
+                 phases: dict[str, float] | None = None, also: dict[str, pa.Table] | None = None
+                 ) -> tuple[pa.Table, Shard]:
         """Sample, judge and score `prompts` with `seed` (the backend's current weights); append the
-        rows as one shard; return them and the shard."""
+        rows as one shard (with `also`'s tables, by table name, in the same commit); return them and
+        the rollouts shard."""
         table = generate_step(self.backend.model_dir, prompts, replace(stamp, run_id=self.run_id),
                               replace(self.config, seed=seed), backend=self.backend, reward_pool=self.pool,
                               timings=phases)
         clock = Stopwatch(phases)
-        shard = self.buf.append_rollouts(table, source=source, compact=self.compact)
+        shard = self.buf.append_rollouts(table, source=source, compact=self.compact, also=also)
         clock.lap("append")
         return table, shard
 

@@ -16,8 +16,9 @@ Invariants:
   pooled accuracy (DA3PO's q̂) has history from earlier visits.
 - With pre-rollout prompt selection (`prompt_skip=greso`, curate.prompts) batch 0 of a step is the
   next prompts of the pool's stream that the selection generates, from where the previous step's
-  selection stopped; every prompt examined is recorded in `prompt_selections` before generation,
-  and a resumed step reuses its recorded decisions. Without it, batch 0 of step i is positions
+  selection stopped; every prompt examined is recorded in `prompt_selections`, in the same commit
+  as the rollouts of the prompts it chose (a step killed before that commit leaves neither, and its
+  re-run draws the same seeded decisions); a resumed step reuses its recorded decisions. Without it, batch 0 of step i is positions
   [i·P, (i+1)·P) of the stream, as before.
 - Each curated batch is trained `train.epochs` passes (μ); the recipe's `epochs` and `lr` apply
   unless the caller set them (`LoopConfig.epochs`, `LoopConfig.lr`).
@@ -41,7 +42,7 @@ from rollstore.curate.params import ParamError, load_recipe, resolve
 from rollstore.curate.run import CurationResult
 from rollstore.learner.config import TrainConfig
 from rollstore.queries.session import Session
-from rollstore.generate import GenerationConfig, StepStamp
+from rollstore.loop.generate import GenerationConfig, StepStamp
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.timing import Stopwatch
 
@@ -131,7 +132,7 @@ def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
     iteration; extra batches of a filtering recipe draw n prompts of the pool seeded by
     (seed, iteration, batch).
     """
-    from rollstore.resolve import resolve_prompts
+    from rollstore.builtin.resolve import resolve_prompts
 
     if not cfg.pool_size:
         return resolve_prompts(cfg.prompts, n, seed=cfg.seed * 1_000_003 + iteration * 101 + batch, split="train")
@@ -152,7 +153,7 @@ def pool_prompt(cfg: LoopConfig, position: int):
 
 @functools.lru_cache(maxsize=8)
 def _prompt_pool(ref: str, size: int, seed: int) -> tuple:
-    from rollstore.resolve import resolve_prompts
+    from rollstore.builtin.resolve import resolve_prompts
 
     return tuple(resolve_prompts(ref, size, seed=seed, split="train"))
 
@@ -165,7 +166,7 @@ def _epoch_order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def heldout_prompts(cfg: LoopConfig):
-    from rollstore.resolve import resolve_prompts
+    from rollstore.builtin.resolve import resolve_prompts
 
     return resolve_prompts(cfg.prompts, cfg.eval_prompts, seed=cfg.seed, split=cfg.eval_split)
 
@@ -253,8 +254,8 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     from rollstore.learner.trainer import make_optimizer
     from rollstore.rollout.backends import get_backend
     from rollstore.rollout.reward import RewardPool
-    from rollstore.resolve import resolve_model
-    from rollstore.step import StepWriter
+    from rollstore.builtin.resolve import resolve_model
+    from rollstore.loop.step import StepWriter
 
     run = _Run(cfg, on_iteration, on_eval)
     buf = Buffer.open(cfg.buffer)
@@ -325,31 +326,28 @@ class _Run:
             self.on_eval(iteration, self.version, acc)
         return acc
 
-    def select_prompts(self, it: int, n: int, phases: dict) -> list:
-        """Batch 0 of step `it` under pre-rollout prompt selection: the step's recorded decisions if
-        it has some (a resumed step), else a new selection, recorded before anything is generated."""
-        from rollstore.curate.prompts import select
+    def select_prompts(self, it: int, n: int, phases: dict) -> tuple[list, pa.Table | None]:
+        """Batch 0 of step `it` under pre-rollout prompt selection, and the decisions to commit with its
+        rollouts: the step's recorded decisions if it has some (a resumed step: nothing new to
+        commit), else a new selection. Decisions and rollouts share one commit, so a step killed
+        before it leaves neither, and its re-run draws the same decisions (they are seeded)."""
+        from rollstore.curate.prompts import select, state
 
         clock = Stopwatch(phases)
-        buf, cfg = self.writer.buf, self.cfg
+        cfg = self.cfg
         # The session reads a snapshot that holds every earlier step: the run's start, or the snapshot
         # the previous step's curation was bound to (taken after that step's rows and selection).
-        session = self.session
-        done = session.table("SELECT position FROM prompt_selections WHERE run_id = $r AND step = $s AND "
-                             "decision = 'generate' ORDER BY position", {"r": self.run_id, "s": it})
-        if done.num_rows:
-            chosen = [pool_prompt(cfg, p) for p in done.column("position").to_pylist()]
+        now = state(self.session, self.run_id, it, self.params)
+        if now.recorded:
             clock.lap("selection")
-            return chosen
-        last = session.one("SELECT max(position) FROM prompt_selections WHERE run_id = $r AND step < $s",
-                           {"r": self.run_id, "s": it})[0]
-        start = it * cfg.prompts_per_iter if last is None else last + 1
-        sel = select(session, self.params, run_id=self.run_id, step=it, seed=cfg.seed,
-                     stream=lambda pos: pool_prompt(cfg, pos), start=start, need=n, limit=cfg.pool_size)
-        buf.append("prompt_selections", sel.table())
+            return [pool_prompt(cfg, pos) for pos in now.recorded], None
+        start = it * cfg.prompts_per_iter if now.last_position is None else now.last_position + 1
+        sel = select(self.session, self.params, run_id=self.run_id, step=it, seed=cfg.seed,
+                     stream=lambda pos: pool_prompt(cfg, pos), start=start, need=n, limit=cfg.pool_size,
+                     rates=now.rates)
         self.skips.append((it, sel.skipped, len(sel.rows)))
         clock.lap("selection")
-        return sel.chosen
+        return sel.chosen, sel.table()
 
     def generate(self, it: int, phases: dict) -> tuple[list[pa.Table], str]:
         """Step `it`'s batches (more than one only with a filtering recipe), appended; and a note."""
@@ -357,11 +355,15 @@ class _Run:
         n = cfg.prompts_per_iter * (cfg.overgen if self.filtering else 1)
         while True:
             batch = len(generated)
-            prompts = (self.select_prompts(it, n, phases) if self.skipping and batch == 0
-                       else _batch_prompts(cfg, it, batch, n))
+            decisions = None
+            if self.skipping and batch == 0:
+                prompts, decisions = self.select_prompts(it, n, phases)
+            else:
+                prompts = _batch_prompts(cfg, it, batch, n)
             table, _ = self.writer.generate(
                 prompts, StepStamp(self.run_id, it, self.version, prompt_offset=batch * n),
-                cfg.seed * 7919 + it * 31 + batch, f"{self.run_id}/step-{it}/batch-{batch}", phases)
+                cfg.seed * 7919 + it * 31 + batch, f"{self.run_id}/step-{it}/batch-{batch}", phases,
+                also={"prompt_selections": decisions} if decisions is not None else None)
             generated.append(table)
             if not self.filtering:
                 return generated, ""

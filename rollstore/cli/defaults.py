@@ -3,7 +3,7 @@
 
 Invariants:
 - Every default of `rollstore generate`, `curate`, `train` and `sql` that the front door also takes
-  is defined here once; `rollstore/cli.py` declares its options with these values and
+  is defined here once; `rollstore/cli/commands.py` declares its options with these values and
   `rollstore/handle.py` uses them as keyword defaults, so the two doors never drift apart
   (`tests/test_front_door.py` checks the CLI's declared defaults against these).
 - The learner's own dataclasses (`learner.config.TrainConfig`, `generate.GenerationConfig`) keep
@@ -81,7 +81,7 @@ def generation_config(backend: str = GENERATE.backend, group_size: int = GENERAT
                       max_new_tokens: int = GENERATE.max_new_tokens, temperature: float = GENERATE.temperature,
                       top_p: float = GENERATE.top_p, seed: int = GENERATE.seed):
     """A `GenerationConfig` with these defaults."""
-    from rollstore.generate import GenerationConfig
+    from rollstore.loop.generate import GenerationConfig
 
     return GenerationConfig(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_p=top_p, seed=seed)

@@ -17,8 +17,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from rollstore.defaults import CURATE, GENERATE, SQL, TRAIN
-from rollstore.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
+from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
+from rollstore.cli.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
                                seconds, seed as seed_, seq)
 from rollstore.storage.errors import RollstoreError
 
@@ -178,7 +178,7 @@ def export(
 ):
     """Write a snapshot's tables as a plain Parquet dataset with a dataset card (README.md) that
     DuckDB, Polars, pandas and Hugging Face datasets open without rollstore."""
-    from rollstore.export import export_snapshot
+    from rollstore.output.export import export_snapshot
 
     with open_buffer(buffer) as buf:
         info = export_snapshot(buf, to, snapshot)
@@ -200,14 +200,14 @@ def sql(
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
     and time are bounded by --memory-limit and --timeout)."""
     from rollstore.queries.bounded import run_bounded
-    from rollstore.result_formats import write_result
+    from rollstore.output.formats import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
         fail(f"--format must be table, csv, json or parquet, not {format!r}")
     if format == "parquet" and not out_file:
         fail("--format parquet needs --out FILE")
     if out_file:
-        from rollstore.outfile import check_output_file
+        from rollstore.output.outfile import check_output_file
 
         check_output_file(out_file)
     with open_buffer(buffer) as buf, buf.snapshot(seq, pin=True) as snap:
@@ -219,7 +219,7 @@ def sql(
 @guarded
 def info(buffer: str, format: str = typer.Option("table", "--format", "-f", help="table|json")):
     """Shards, rows, tokens, bytes per token and policy versions of a buffer."""
-    from rollstore.inspect import buffer_info, render_info
+    from rollstore.cli.info import buffer_info, render_info
 
     with open_buffer(buffer) as buf:
         data = buffer_info(buf)
@@ -295,6 +295,26 @@ def compact(
     out.print(f"merged {r.merged_shards} shards into {r.new_shards} ({r.rows} rows)")
 
 
+@app.command()
+@guarded
+def migrate(buffer: str):
+    """Bring the buffer's rollouts shards to the current schema version (3: each row's stored
+    response_length) in one manifest commit; shards that live curated shards refer to stay as they
+    are (read with the length computed)."""
+    from rollstore.storage.maintenance import migrate as run
+
+    with open_buffer(buffer) as buf:
+        r = run(buf)
+    left = []
+    if r.referenced:
+        left.append(f"{r.referenced} referenced by live curated shards")
+    if r.leased:
+        left.append(f"{r.leased} leased")
+    out.print(f"rewrote {r.rewritten} rollouts shards ({r.rows} rows) with response_length"
+              + (f"; left as they are: {', '.join(left)} (read with the length computed)" if left else ""),
+              highlight=False, markup=False)
+
+
 @app.command("curate")
 @guarded
 def curate_(
@@ -314,7 +334,7 @@ def curate_(
     from rollstore.curate.options import Limits, engine_option
     from rollstore.curate.params import load_recipe
     from rollstore.curate.run import curate
-    from rollstore.curation_cli import curation_values, print_summary
+    from rollstore.cli.curate import curation_values, print_summary
 
     chosen = engine_option(engine, scheduler, partitions)
     with open_buffer(buffer) as buf:
@@ -336,7 +356,7 @@ def audit(
 ):
     """Reason counts and keep rates of a curation, one rollout's kept tokens, two curations compared,
     or a run's pre-rollout prompt selection (--skips)."""
-    from rollstore.audit import run_audit
+    from rollstore.report.audit import run_audit
 
     with open_buffer(buffer) as buf:
         run_audit(buf, curation_id, rollout, out, format, compare, skips=skips, run_id=run)
@@ -351,8 +371,8 @@ def report(
     snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to report (default: latest)."),
 ):
     """One self-contained HTML report (charts, token views, the SQL behind each) of a buffer."""
-    from rollstore.outfile import check_output_file
-    from rollstore.report import build_report
+    from rollstore.output.outfile import check_output_file
+    from rollstore.report.page import build_report
 
     check_output_file(out_file)
     with open_buffer(buffer) as buf:
@@ -386,8 +406,8 @@ def generate(
 ):
     """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
     from rollstore.curate.params import parse_sets
-    from rollstore.defaults import generation_config
-    from rollstore.generate_cli import Follow, PromptSource, run_generate
+    from rollstore.cli.defaults import generation_config
+    from rollstore.loop.generator import Follow, PromptSource, run_generate
 
     config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, seed=seed)
@@ -418,8 +438,8 @@ def train(
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
-    from rollstore.defaults import train_config
-    from rollstore.train_cli import check_curations, launch_torchrun, run_train
+    from rollstore.cli.defaults import train_config
+    from rollstore.loop.trainer import check_curations, launch_torchrun, run_train
 
     if curation and "LOCAL_RANK" not in os.environ:
         check_curations(buffer, curation)
@@ -434,8 +454,10 @@ def train(
 @guarded
 def loop(
     buffer: str,
-    model: Optional[str] = typer.Option(None, "--model", help="Default builtin:tiny."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith."),
+    model: Optional[str] = typer.Option(None, "--model", help="Default: the built-in policy of a built-in task "
+                                        "(builtin:tiny-carries for builtin:carries), else builtin:tiny."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith (builtin:carries: the "
+                                          "harder task)."),
     iterations: Optional[int] = count(None, "--iterations", "-k"),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
@@ -467,8 +489,8 @@ def loop(
     from dataclasses import replace
 
     from rollstore.curate.params import parse_sets
-    from rollstore.loop import LoopConfig
-    from rollstore.loop_view import run_with_display
+    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.view import run_with_display
     from rollstore.storage.buffer import Buffer
 
     def given(**kw):
@@ -476,6 +498,10 @@ def loop(
 
     Buffer.init(buffer).close()
     defaults = LoopConfig(buffer=buffer)
+    if model is None and prompts is not None:
+        from rollstore.builtin.resolve import task_model
+
+        model = task_model(prompts)
     cfg = LoopConfig(
         buffer=buffer, sets=parse_sets(set_), eval_samples=eval_samples, seed=seed,
         eval_ks=(1, eval_samples) if eval_samples else (1,),
@@ -487,7 +513,7 @@ def loop(
                 pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
                 eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads))
     if learner_ranks > 1:
-        from rollstore.loop_ranks import run_loop_with_ranks
+        from rollstore.loop.ranks import run_loop_with_ranks
 
         version = run_loop_with_ranks(cfg, learner_ranks, err)
         out.print(f"{cfg.iterations} iterations; the {learner_ranks}-rank learner published v{version}", highlight=False)
@@ -510,8 +536,8 @@ def eval_(
     format: str = typer.Option("table", "--format", "-f", help="table|json"),
 ):
     """pass@k (unbiased estimator) and avg@n of a model on a prompt set."""
-    from rollstore.eval_cli import run_eval
-    from rollstore.generate import GenerationConfig
+    from rollstore.loop.evaluate import run_eval
+    from rollstore.loop.generate import GenerationConfig
 
     ks = []
     for word in k.split(","):
@@ -536,7 +562,7 @@ def demo(
     seed: int = seed_(0, "--seed", help="Seed of the prompts and samples (the warm start is shared)."),
 ):
     """The loop on builtin:tiny + builtin:arith with the d3s recipe, in a few minutes on a CPU."""
-    from rollstore.demo import run_demo
+    from rollstore.cli.demo import run_demo
 
     run_demo(buffer, iterations, recipe, out, model=model, seed=seed)
 
@@ -564,7 +590,7 @@ def recipes(
                 mark = "  [recommended" + (f": {meant}" if meant else "") + "]"
             out.print(f"{name:{width}s}  {r.description}{mark}", highlight=False, markup=False)
         return
-    from rollstore.explain import print_plan
+    from rollstore.cli.explain import print_plan
 
     print_plan(explain, set_, out)
 

@@ -11,7 +11,7 @@ Invariants:
 
 A loop should build its backend and `RewardPool` once and pass them in: without `backend`, each
 call loads the model again, and without `reward_pool` each call starts (and stops) a pool of
-verifier processes, about two seconds. `rollstore.step.StepWriter` does that for the loop and the
+verifier processes, about two seconds. `rollstore.loop.step.StepWriter` does that for the loop and the
 generator process.
 """
 

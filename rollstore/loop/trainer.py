@@ -66,7 +66,7 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     from rollstore.learner.consume import resume, train_pending
     from rollstore.learner.policy_loading import load_policy
     from rollstore.learner.trainer import make_optimizer
-    from rollstore.resolve import resolve_model
+    from rollstore.builtin.resolve import resolve_model
 
     dist = ranks.init(parallel)
     if dist.active and dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

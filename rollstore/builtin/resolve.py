@@ -2,9 +2,12 @@
 
 `resolve_model("builtin:tiny")` builds the tiny policy once — warm-started on the weak teacher's
 demonstrations from `rollout.arith` by `learner.tiny.build_tiny`, until it reaches a target — and
-caches it; any existing directory is used as is.
+caches it; `builtin:tiny-carries` is the same policy warm-started on `rollout.carries` (the harder
+task `builtin:carries`); any existing directory is used as is.
 
 Invariants:
+- The cache key of `builtin:tiny` is what it was before the second task existed (no task name in
+  it), so its cached builds stay valid; another task's key names the task.
 - A cached tiny model lives in `$ROLLSTORE_CACHE/tiny-<key>` (default `~/.cache/rollstore`), where
   <key> hashes everything that determines its weights (architecture, tokenizer, warm-start schedule,
   steps, seed, number of examples, task version). Same key, same directory, built once.
@@ -12,8 +15,9 @@ Invariants:
   into place; a concurrent builder that loses the race discards its copy and uses the winner's.
 - The warm start trains to a target, not for a fixed number of steps: every `WARM_CHECK_EVERY`
   steps it samples the dev prompts (held-out expressions outside the evaluation's first
-  `HELDOUT_EVAL`) and stops once every level's sampled accuracy is at least `WARM_TARGET`, within
-  `WarmStart.steps`. Float kernels differ between CPUs, so the step it stops at may differ; the
+  `HELDOUT_EVAL`) and stops once every level's sampled accuracy is at least its target, within
+  `WarmStart.steps`: `WARM_TARGET` on builtin:arith, `WARM_FRACTION` of the weak teacher's own
+  accuracy on each level of builtin:carries. Float kernels differ between CPUs, so the step it stops at may differ; the
   accuracy it stops at does not, beyond the granularity of one check.
 - Every built entry records its warm-start metrics, its checks, and held-out greedy and sampled
   accuracy per level in `rollstore_tiny.json`; unless `quiet`, one line on stderr says a build has
@@ -36,11 +40,16 @@ from rollstore.storage.errors import RollstoreError
 
 TINY_REF = "builtin:tiny"
 ARITH_REF = "builtin:arith"
+CARRIES_REF = "builtin:carries"
+# built-in policies and prompt sources, by the task (a module of rollout/) they belong to
+TINY_MODELS = {TINY_REF: "arith", "builtin:tiny-carries": "carries"}
+TASK_PROMPTS = {ARITH_REF: "arith", CARRIES_REF: "carries"}
 TINY_INFO = "rollstore_tiny.json"
 TINY_BUILD_VERSION = 3  # bump when build_tiny or the arithmetic task changes what a key produces
 DEFAULT_WARMUP_EXAMPLES = 20000
 HELDOUT_EVAL = 500
-WARM_TARGET = 0.20  # every level's sampled accuracy on the dev prompts at which the warm start stops
+WARM_TARGET = 0.20  # builtin:arith: every level's sampled dev accuracy at which the warm start stops
+WARM_FRACTION = 2 / 3  # builtin:carries: the same, as a fraction of the teacher's accuracy on the level
 WARM_CHECK_EVERY = 100
 WARM_DEV_PROMPTS = 240  # held-out prompts after the evaluation's first HELDOUT_EVAL
 WARM_DEV_SAMPLES = 4
@@ -50,12 +59,42 @@ def cache_root() -> str:
     return os.environ.get("ROLLSTORE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rollstore")
 
 
-def tiny_spec(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES) -> dict:
+def task_module(task: str):
+    """The rollout module of a built-in task (`arith`, `carries`)."""
+    from rollstore.rollout import arith, carries
+
+    return {"arith": arith, "carries": carries}[task]
+
+
+def warm_targets(task: str) -> dict[int, float]:
+    """Each level's sampled dev accuracy at which the warm start on `task` stops."""
+    mod = task_module(task)
+    if task == "arith":
+        return {level: WARM_TARGET for level in mod.LEVELS}
+    return {level: round(WARM_FRACTION * mod.teacher_accuracy(level), 4) for level in mod.LEVELS}
+
+
+def task_model(prompts_ref: str) -> str | None:
+    """The built-in policy meant for a built-in task's prompts (`builtin:carries` → builtin:tiny-carries), else None."""
+    base = next((b for b in TASK_PROMPTS if prompts_ref == b or prompts_ref.startswith(b + ":")), None)
+    if base is None:
+        return None
+    return next(ref for ref, task in TINY_MODELS.items() if task == TASK_PROMPTS[base])
+
+
+def tiny_spec(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES,
+              task: str = "arith") -> dict:
     """Everything that determines the weights of a built tiny policy (its cache key)."""
     from rollstore.learner.tiny import CHARS, SPECIALS, TinyConfig, WarmStart
-    from rollstore.rollout import arith
 
+    mod = task_module(task)
     schedule = WarmStart()
+    target = {"accuracy": WARM_TARGET, "every": WARM_CHECK_EVERY, "dev": WARM_DEV_PROMPTS,
+              "samples": WARM_DEV_SAMPLES}
+    task_key = {"levels": mod.LEVELS, "slip": mod.TEACHER_SLIP, "heldout": mod.HELDOUT_PERCENT}
+    if task != "arith":  # builtin:tiny's key stays what it was (module invariants)
+        task_key["name"] = task
+        target["accuracy"] = {str(k): v for k, v in warm_targets(task).items()}
     return {
         "version": TINY_BUILD_VERSION,
         "arch": asdict(TinyConfig()),
@@ -64,9 +103,8 @@ def tiny_spec(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_W
         "seed": seed,
         "examples": examples,
         "vocab": list(SPECIALS) + list(CHARS),
-        "task": {"levels": arith.LEVELS, "slip": arith.TEACHER_SLIP, "heldout": arith.HELDOUT_PERCENT},
-        "target": {"accuracy": WARM_TARGET, "every": WARM_CHECK_EVERY, "dev": WARM_DEV_PROMPTS,
-                   "samples": WARM_DEV_SAMPLES},
+        "task": task_key,
+        "target": target,
     }
 
 
@@ -102,25 +140,25 @@ def level_accuracy(backend, prompts, samples: int = 0, seed: int = 0) -> dict:
     return out
 
 
-def heldout_accuracy(model_dir: str, n: int = HELDOUT_EVAL, split: str = "train", samples: int = 8) -> dict:
+def heldout_accuracy(model_dir: str, n: int = HELDOUT_EVAL, split: str = "train", samples: int = 8,
+                     task: str = "arith") -> dict:
     """Greedy and sampled (T=1, `samples` per prompt) accuracy on the first n distinct held-out prompts.
 
     `accuracy` weighs every prompt equally; `level_mean` weighs every difficulty level equally;
     `per_level` / `sampled_per_level` have each level's.
     """
-    from rollstore.rollout import arith
     from rollstore.rollout.backends.hf import HFBackend
 
-    return level_accuracy(HFBackend(model_dir), arith.heldout_prompts(n, split=split), samples)
+    return level_accuracy(HFBackend(model_dir), task_module(task).heldout_prompts(n, split=split), samples)
 
 
-def _target_check(checks: list[dict]):
+def _target_check(checks: list[dict], task: str = "arith"):
     """The warm start's stop rule (module invariants): a callback for `build_tiny`."""
     from rollstore.learner.tiny import build_tokenizer
-    from rollstore.rollout import arith
     from rollstore.rollout.backends.hf import HFBackend
 
-    dev = arith.heldout_prompts(HELDOUT_EVAL + WARM_DEV_PROMPTS)[HELDOUT_EVAL:]
+    dev = task_module(task).heldout_prompts(HELDOUT_EVAL + WARM_DEV_PROMPTS)[HELDOUT_EVAL:]
+    targets = warm_targets(task)
     tokenizer = build_tokenizer()
 
     def check(step: int, model) -> bool:
@@ -131,33 +169,34 @@ def _target_check(checks: list[dict]):
         model.train()
         per_level = _per_level(dev, gens)
         checks.append({"step": step, "sampled_per_level": per_level})
-        return min(per_level.values()) >= WARM_TARGET
+        return all(per_level[str(level)] >= t for level, t in targets.items())
 
     return check
 
 
 def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES,
-                      quiet: bool = False) -> str:
-    """The cached tiny policy for these warm-start settings, built on first use."""
+                      quiet: bool = False, task: str = "arith") -> str:
+    """The cached tiny policy for these warm-start settings and task, built on first use."""
     from rollstore.learner.tiny import build_tiny
-    from rollstore.rollout import arith
 
-    spec = tiny_spec(steps, seed, examples)
+    mod = task_module(task)
+    ref = next(r for r, t in TINY_MODELS.items() if t == task)
+    spec = tiny_spec(steps, seed, examples, task)
     final = tiny_dir(spec)
     if _complete(final):
         return final
     root = cache_root()
     os.makedirs(root, exist_ok=True)
     if not quiet:  # minutes of silence would look like a hang
-        print(f"builtin:tiny: building the built-in policy once (a warm start on builtin:arith, a few minutes "
+        print(f"{ref}: building the built-in policy once (a warm start on {mod.SOURCE}, a few minutes "
               f"on a CPU); later runs reuse {final}", file=sys.stderr, flush=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-building-", dir=root)
     try:
         t0 = time.perf_counter()
         checks: list[dict] = []
-        metrics = build_tiny(tmp, arith.warmup_examples(examples, seed), steps=spec["steps"], seed=seed,
-                             callback=_target_check(checks) if steps is None else None)
-        acc = heldout_accuracy(tmp)
+        metrics = build_tiny(tmp, mod.warmup_examples(examples, seed), steps=spec["steps"], seed=seed,
+                             callback=_target_check(checks, task) if steps is None else None)
+        acc = heldout_accuracy(tmp, task=task)
         info = {"spec": spec, "warm_start": metrics, "checks": checks, "heldout": acc,
                 "build_seconds": time.perf_counter() - t0}
         with open(os.path.join(tmp, TINY_INFO), "w") as fh:
@@ -175,7 +214,7 @@ def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = D
     if not quiet:
         levels = ", ".join(f"L{k} {v:.0%}/{acc['sampled_per_level'][k]:.0%}" for k, v in acc["per_level"].items())
         print(
-            f"builtin:tiny: warm start {metrics['steps']} steps in {metrics['train_seconds']:.1f}s; held-out "
+            f"{ref}: warm start {metrics['steps']} steps in {metrics['train_seconds']:.1f}s; held-out "
             f"greedy accuracy {acc['accuracy']:.1%}, sampled {acc['sampled']:.1%} of {acc['n']} distinct "
             f"prompts (greedy/sampled per level: {levels}) -> {final}",
             file=sys.stderr,
@@ -192,30 +231,33 @@ def tiny_info(model_dir: str) -> dict | None:
 
 
 def resolve_model(ref: str, *, steps: int | None = None, seed: int = 0, quiet: bool = False) -> str:
-    """A local model directory for `builtin:tiny` (built and cached) or an existing directory."""
-    if ref == TINY_REF:
-        return build_tiny_cached(steps=steps, seed=seed, quiet=quiet)
+    """A local model directory for a built-in policy (built and cached) or an existing directory."""
+    if ref in TINY_MODELS:
+        return build_tiny_cached(steps=steps, seed=seed, quiet=quiet, task=TINY_MODELS[ref])
     if os.path.isdir(ref):
         if not os.path.exists(os.path.join(ref, "config.json")):
             raise RollstoreError(f"{ref}: not a transformers model directory (no config.json)")
         return os.path.abspath(ref)
-    raise RollstoreError(f"{ref}: no such model directory (give a local model directory or {TINY_REF})")
+    raise RollstoreError(f"{ref}: no such model directory (give a local model directory or one of "
+                         f"{', '.join(TINY_MODELS)})")
 
 
 def resolve_prompts(
     ref: str, n: int | None = None, seed: int = 0, split: str = "train", template: str | None = None
 ):
-    """Prompts from `builtin:arith` or a JSONL/Parquet file.
+    """Prompts from a built-in task (`builtin:arith`, `builtin:carries`) or a JSONL/Parquet file.
 
-    builtin:arith: `split` is a task split (`train`, `harder`) for training prompts (n of them,
-    deterministic by seed) or `heldout` / `heldout-harder` for the fixed held-out prompts.
+    A built-in task: `split` is a task split (`train`, and `harder` for builtin:arith) for training
+    prompts (n of them, deterministic by seed) or `heldout` / `heldout-harder` for the fixed held-out
+    prompts; `builtin:arith:harder` names the split in the reference.
     A file: all its prompts, or n of them chosen by a seeded shuffle (cycling if n exceeds them).
     """
-    from rollstore.rollout import arith
     from rollstore.rollout.datasets import load_prompts
 
-    if ref == ARITH_REF or ref.startswith(ARITH_REF + ":"):
-        if ref != ARITH_REF:  # builtin:arith:harder; asked for its held-out prompts: heldout-harder
+    base = next((b for b in TASK_PROMPTS if ref == b or ref.startswith(b + ":")), None)
+    if base is not None:
+        task = task_module(TASK_PROMPTS[base])
+        if ref != base:  # builtin:arith:harder; asked for its held-out prompts: heldout-harder
             named = ref.split(":", 2)[2]
             if split.startswith("heldout") and not named.startswith("heldout"):
                 split = "heldout" if named == "train" else f"heldout-{named}"
@@ -224,8 +266,8 @@ def resolve_prompts(
         n = 64 if n is None else n
         if split.startswith("heldout"):
             sub = split.split("-", 1)[1] if "-" in split else "train"
-            return arith.heldout_prompts(n, split=sub)
-        return arith.train_prompts(n, seed, split=split)
+            return task.heldout_prompts(n, split=sub)
+        return task.train_prompts(n, seed, split=split)
     prompts = load_prompts(ref, template=template)
     if n is None:
         return prompts

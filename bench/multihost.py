@@ -7,7 +7,11 @@ reports each append's latency. Commits/s = all appends / (last end - first start
 PostgreSQL: --dsn, else ROLLSTORE_TEST_PG_DSN, else a server started from the machine's binaries
 (tests/pg_server.py) with fsync and synchronous_commit on (as durable as SQLite's synchronous=FULL).
 
-    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--big ROWS]
+    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--big ROWS] [--s3]
+    .venv/bin/python -m bench.multihost --s3 --dry-run APPENDS   # d3s dry runs, embedded vs PG + S3
+
+(With --s3, all writers of the "pg+s3" rows share one host-local cache folder: the bench measures
+the commit path, upload included.)
 """
 
 from __future__ import annotations
@@ -68,6 +72,34 @@ def run(buffer: str, writers: int, n: int, work: str) -> dict:
             "p50_ms": 1000 * lat[len(lat) // 2], "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
 
 
+def dry_runs(work: str, appends: int, dsn: str, url: str) -> None:
+    """d3s dry runs: embedded vs PostgreSQL + S3 read through another host's warm cache."""
+    import statistics
+
+    import rollstore as rs
+    from rollstore.storage.buffer import Buffer
+    from rollstore.builtin.synthetic import rollouts_table
+
+    tables = [rollouts_table(n_groups=8, group_size=4, mean_tokens=16, step=s, run_id="bench") for s in range(appends)]
+    embedded, writer, reader = (os.path.join(work, n) for n in ("embedded", "writer", "reader"))
+    for root, kw in ((embedded, {}), (writer, {"catalog": dsn, "data": url})):
+        with Buffer.init(root, **kw) as buf:
+            for t in tables:
+                buf.append_rollouts(t)
+    Buffer.init(reader, catalog=dsn, data=url).close()
+    for name, root in (("embedded", embedded), ("pg+s3, another host", reader)):
+        first = time.perf_counter()
+        cid = rs.open(root).curate("d3s", dry_run=True).id  # the reader's first run fills its cache
+        first = time.perf_counter() - first
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            assert rs.open(root).curate("d3s", dry_run=True).id == cid
+            times.append(time.perf_counter() - t)
+        print(f"{name:22s} d3s dry run: first {first:.2f} s, warm median {statistics.median(times):.2f} s "
+              f"({', '.join(f'{x:.2f}' for x in times)}); curation {cid}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--appends", type=int, default=40, help="appends per writer")
@@ -75,6 +107,11 @@ def main() -> None:
     ap.add_argument("--dsn", default=os.environ.get("ROLLSTORE_TEST_PG_DSN"))
     ap.add_argument("--big", type=int, default=0, metavar="ROWS",
                     help="also time two appends of ROWS rows each (groups of 8) into each catalog")
+    ap.add_argument("--s3", action="store_true",
+                    help="also PostgreSQL + S3 (moto's server on 127.0.0.1: objects uploaded with put-if-absent)")
+    ap.add_argument("--dry-run", type=int, default=0, metavar="APPENDS",
+                    help="instead: d3s dry runs over APPENDS appends (8 groups of 4 each) in an embedded buffer and "
+                         "a PostgreSQL + S3 one read by another host with a warm cache (median of 3 each); needs --s3")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -85,17 +122,29 @@ def main() -> None:
         import pg_server
 
         server = pg_server.start(durable=True)
+    s3 = None
+    if args.s3:
+        import s3_server
+
+        s3 = s3_server.start()
+        os.environ.update(s3_server.environment(s3))
     try:
         rows = []
+        if args.dry_run:
+            if s3 is None:
+                raise SystemExit("--dry-run needs --s3")
+            with tempfile.TemporaryDirectory(prefix="rollstore-bench-mh-") as work:
+                dry_runs(work, args.dry_run, server.fresh_dsn() if server else args.dsn, s3.fresh_url())
+            return
         with tempfile.TemporaryDirectory(prefix="rollstore-bench-mh-") as work:
             for writers in args.writers:
-                for kind in ("sqlite", "postgres"):
+                for kind in ("sqlite", "postgres") + (("pg+s3",) if s3 else ()):
                     buffer = os.path.join(work, f"{kind}-{writers}")
                     if kind == "sqlite":
                         Buffer.init(buffer).close()
                     else:
                         dsn = server.fresh_dsn() if server else args.dsn
-                        Buffer.init(buffer, catalog=dsn).close()
+                        Buffer.init(buffer, catalog=dsn, data=s3.fresh_url() if kind == "pg+s3" else None).close()
                     rows.append({"catalog": kind, **run(buffer, writers, args.appends, work)})
                     r = rows[-1]
                     print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
@@ -116,6 +165,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+        if s3 is not None:
+            s3.stop()
 
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ class Buffer:
             written: list[NewShard] = []
             inodes: list[int] = []
             ids: list[int] = []
-            is_orphan = self.manifest.is_unnamed
+            is_orphan = getattr(self.manifest, "may_replace", self.manifest.is_unnamed)  # a catalog's: ours to replace
             intend = getattr(self.manifest, "intend", None)  # a catalog with write intents (PostgreSQL)
             ended = getattr(self.manifest, "commit_ended", None)
             store = getattr(self.manifest, "store", None)  # shards in object storage (storage/store.py)
@@ -253,7 +253,10 @@ class Buffer:
                         if intend is not None:  # intents on its temporary and final names before any byte
                             tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
                             intend([tmp_rel, rel])
-                        nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel)
+                        if tmp_rel is None:  # the embedded manifest: the call as it always was
+                            nbytes, digest = publish_file(table, self.root, rel, is_orphan)
+                        else:
+                            nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel)
                         written.append(
                             NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
                         )

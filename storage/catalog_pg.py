@@ -783,6 +783,14 @@ class PgManifest(Manifest):
             if con is not None:
                 con.close()
 
+    def may_replace(self, path: str) -> bool:
+        """A file found at `path` may be replaced by this writer: no row names it and this writer
+        still holds a live intent on it (a fenced writer never replaces what a newer holder wrote)."""
+        return bool(self.con.execute(
+            "SELECT NOT EXISTS (SELECT 1 FROM shards WHERE path = ?) AND EXISTS (SELECT 1 FROM intents WHERE "
+            "path = ? AND writer = ? AND expires_at > extract(epoch FROM clock_timestamp()))",
+            (path, path, self.writer)).fetchone()[0])
+
     # gc's side
     def protected(self, paths: list[str]) -> set[str]:
         """Those of `paths` that a shard row names or a live intent holds (one statement: one snapshot,

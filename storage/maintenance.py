@@ -350,7 +350,7 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, seen_seq: 
     store = getattr(buf.manifest, "store", None)
     if store is not None:  # shards in object storage: into this host's cache first, verified
         for sh in (sh for b in batches for sh in b):
-            store.fetch(buf.root, sh.path, sh.sha256, sh.bytes)
+            store.fetch(buf.root, sh.path, sh.sha256, sh.bytes, buf.manifest.holding)
     verify_shards(buf.root, [s for b in batches for s in b])  # never merge a corrupted file into a new one
     parts = []
     rows = 0

@@ -101,7 +101,7 @@ class Snapshot:
             for name in (table, "rollouts") if table == "curated" else (table,):
                 if name not in self._cached:
                     for s in self._shards[name]:
-                        store.fetch(self.root, s.path, s.sha256, s.bytes)
+                        store.fetch(self.root, s.path, s.sha256, s.bytes, getattr(self._manifest, "holding", None))
                     self._cached.add(name)
         return self._shards[table]
 

@@ -35,6 +35,10 @@ from .owners import owned_name
 SCHEME = "s3://"
 
 
+class ObjectDamaged(ManifestError):
+    """An object whose bytes are not the ones the catalog records (size or sha256): never cached."""
+
+
 def check_url(url: str) -> tuple[str, str]:
     """(bucket, prefix) of `s3://bucket[/prefix]`, else one line."""
     parsed = urlparse(url) if isinstance(url, str) else None
@@ -102,17 +106,27 @@ class S3Store:
         except (BotoCoreError, ClientError) as exc:
             raise self._fail("cannot list the objects", exc) from None
 
-    def fetch(self, root: str, rel: str, sha256: str, nbytes: int) -> str:
-        """The local copy of `rel` in the cache at `root`, downloaded and verified when missing."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
+    def fetch(self, root: str, rel: str, sha256: str, nbytes: int, holding=None) -> str:
+        """The local copy of `rel` in the cache at `root`, downloaded and verified when missing.
+        `holding(relpath)`: the catalog's intent on the download's temporary file while it is
+        written (so a gc of this cache never takes it for an orphan)."""
         final = os.path.join(root, rel)
         try:
             if os.path.getsize(final) == nbytes:
                 return final
         except FileNotFoundError:
             pass
-        tmp = os.path.join(root, "tmp", owned_name("cache", ".parquet"))
+        tmp_rel = os.path.join("tmp", owned_name("cache", ".parquet"))
+        if holding is None:
+            return self._download(root, rel, sha256, nbytes, tmp_rel)
+        with holding(tmp_rel):
+            return self._download(root, rel, sha256, nbytes, tmp_rel)
+
+    def _download(self, root: str, rel: str, sha256: str, nbytes: int, tmp_rel: str) -> str:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        final = os.path.join(root, rel)
+        tmp = os.path.join(root, tmp_rel)
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         h = hashlib.sha256()
         size = 0
@@ -129,7 +143,7 @@ class S3Store:
             except (BotoCoreError, ClientError) as exc:
                 raise self._fail(f"cannot read {rel}", exc) from None
             if size != nbytes or h.hexdigest() != sha256:
-                raise ManifestError(f"{self.url}/{rel}: {size} bytes with sha256 {h.hexdigest()[:12]}…, the catalog "
+                raise ObjectDamaged(f"{self.url}/{rel}: {size} bytes with sha256 {h.hexdigest()[:12]}…, the catalog "
                                     f"records {nbytes} bytes with {sha256[:12]}…; not cached (the object was "
                                     "changed or damaged)")
             os.makedirs(os.path.dirname(final), exist_ok=True)

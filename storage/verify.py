@@ -116,7 +116,15 @@ def verify_shards(root: str, shards: list[Shard]) -> None:
 def scan(root: str, manifest: Manifest) -> list[Problem]:
     """Every live shard of the buffer checked in full; returns the problems (empty: all good)."""
     problems = []
+    store = getattr(manifest, "store", None)  # shards in object storage: checked through this host's cache
     for shard in manifest.shards():
+        if store is not None:
+            from .store import ObjectDamaged
+
+            try:
+                store.fetch(root, shard.path, shard.sha256, shard.bytes, getattr(manifest, "holding", None))
+            except ObjectDamaged:
+                pass  # not cached: reported below as missing (an unreachable store raises instead)
         problem = check_shard(root, shard, full=True)
         if problem is not None:
             problems.append(problem)

@@ -86,15 +86,24 @@ if inject:  # kill -9 itself at a chosen point of an append, with probability `i
                 die("after-commit-before-the-caller-knows")
             return out
 
+    real_intend = getattr(man, "intend", None)
+
+    def intend(paths):
+        real_intend(paths)
+        die("after-intent-before-the-file")
+
     man.transaction, man.register_rollouts = transaction, register
+    if real_intend is not None:
+        man.intend = intend
     man.con.raw = Raw(man.con.raw)
 print("ready", flush=True)
 step = 0
 tolerate = os.environ.get("ROLLSTORE_TRIAL_LOG")  # stall trials: a fenced commit is logged, then go on
 while True:
     if inject:
-        point[0] = rng.choice(["files-linked-before-transaction", "inside-transaction-before-commit",
-                               "after-commit-before-the-caller-knows"]) if rng.random() < inject else None
+        point[0] = rng.choice(["after-intent-before-the-file", "files-linked-before-transaction",
+                               "inside-transaction-before-commit", "after-commit-before-the-caller-knows"]
+                              ) if rng.random() < inject else None
     table = rollouts_table(n_groups=1, group_size=2, mean_tokens=4, step=step, run_id=run)
     step += 1
     if not tolerate:
@@ -137,7 +146,13 @@ buf = Buffer.open({buffer!r})
 print("ready", flush=True)
 n = 0
 while True:
-    _, shards = buf.lease("rollouts", 1, me, group="learn", ttl=ttl)
+    try:
+        _, shards = buf.lease("rollouts", 1, me, group="learn", ttl=ttl)
+    except Exception as exc:  # its catalog session cut off while it was stopped inside the lease
+        note("lease-failed " + str(exc).splitlines()[0])
+        buf.close()
+        buf = Buffer.open({buffer!r})
+        continue
     if not shards:
         time.sleep(0.05)
         continue
@@ -214,9 +229,10 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
     invariants are checked (orphans too; no shard acked twice; snapshots recorded at earlier trials
     unchanged), and the killed process is restarted. Returns (trial, process killed, violations,
     orphans gc removed or -1 if it was kept out) for each trial. `inject` > 0: the appending hosts
-    kill themselves instead, with that probability per append, at a point chosen at random (files
-    linked but no transaction yet; inside the transaction; right after COMMIT returned, before the
-    caller knows); the trial's name is then "host@point". The processes' write intents live
+    kill themselves instead, with that probability per append, at a point chosen at random (its
+    intents taken, no byte written yet; files linked but no transaction yet; inside the
+    transaction; right after COMMIT returned, before the caller knows); the trial's name is then
+    "host@point". The processes' write intents live
     `intent_ttl` seconds without a heartbeat: each gc waits that long after a kill (the killed
     writer's intents expire on the database's clock, so gc must take them over and remove its
     files); a live writer fenced by a late heartbeat logs its refused commit and goes on
@@ -279,14 +295,17 @@ def kill_trials(root: str, buffer: str, hosts: list[str], kills: int, seed: int 
             if collect:
                 time.sleep(intent_ttl * 1.2)  # the killed writer's intents expire (the others renew theirs)
             started = time.time()
+            held = held_intents(buffer)  # files another dying host still held when this gc began: kept, rightly
             if collect:
                 with Buffer.open(buffer) as buf:
                     report = gc(buf, grace_s=0.0)
                 removed = -1 if report.data_dirs_skipped else report.orphans_removed
-            bad = check(buffer, orphans=started if collect else False) + snapshots_unchanged()
+            bad = check(buffer, orphans=started if collect else False, spare=held) + snapshots_unchanged()
             if consumers:
                 bad += double_acks(logdir)
             results.append((trial, name, bad, removed))
+            if os.environ.get("ROLLSTORE_TRIAL_PROGRESS"):
+                print(f"trial {trial}: {name} killed, gc removed {removed}, violations: {bad or 'none'}", flush=True)
             procs[host] = start(host)
     finally:
         for p in procs.values():
@@ -385,6 +404,8 @@ def stall_trials(root: str, buffer: str, hosts: list[str], stalls: int, logdir: 
                 bad.append(f"{host} died after SIGCONT: {victim.stderr.read()[-500:]}")
                 procs[host] = start(host)
             results.append((trial, host, bad, removed))
+            if os.environ.get("ROLLSTORE_TRIAL_PROGRESS"):
+                print(f"trial {trial}: {host} stopped, gc removed {removed}, violations: {bad or 'none'}", flush=True)
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGCONT)
@@ -403,6 +424,8 @@ def stall_outcomes(logdir: str) -> dict[str, int]:
                 _who, what = line.split(" ", 2)[:2]
                 if what == "published":
                     counts["published"] += 1
+                elif what == "lease-failed":
+                    counts["lease failed (session cut off)"] = counts.get("lease failed (session cut off)", 0) + 1
                 elif line.split(" ", 1)[0].startswith("learner"):
                     counts["publish refused"] += 1
                 else:
@@ -412,7 +435,16 @@ def stall_outcomes(logdir: str) -> dict[str, int]:
     return counts
 
 
-def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
+def held_intents(buffer: str) -> set[str]:
+    """The paths live intents hold now (a catalog with intents; else none)."""
+    with Buffer.open(buffer) as buf:
+        if getattr(buf.manifest, "protected", None) is None:
+            return set()
+        return {r[0] for r in buf.manifest.con.execute(
+            "SELECT path FROM intents WHERE expires_at > extract(epoch FROM clock_timestamp())")}
+
+
+def unnamed_files(buf: Buffer, older_than: float | None = None, spare: set[str] | frozenset = frozenset()) -> list[str]:
     """The .parquet files of the data folders that no catalog row names, read under the writers' lock
     held exclusively (no writer is then between a file and its commit): orphans. `older_than`: only
     files last modified before then (a gc that started then keeps younger ones, rightly: another
@@ -427,7 +459,8 @@ def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
             for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
                 found += [os.path.relpath(os.path.join(dirpath, n), buf.root) for n in files if n.endswith(".parquet")]
         held = buf.manifest.protected(found)
-        return [f"{p}: no row names it and no live intent holds it" for p in found if p not in held
+        return [f"{p}: no row names it and no live intent holds it" for p in found
+                if p not in held and p not in spare
                 and os.path.exists(os.path.join(buf.root, p))
                 and (older_than is None or os.path.getmtime(os.path.join(buf.root, p)) < older_than)]
     with collecting(buf.root, 30.0, buf.manifest) as held:
@@ -445,19 +478,21 @@ def unnamed_files(buf: Buffer, older_than: float | None = None) -> list[str]:
 _READ: dict[tuple, tuple[int, str, list[str]]] = {}  # (path, inode, size, mtime) -> (size, sha256, rollout ids)
 
 
-def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
+def check_invariants(buffer: str, orphans: bool | float = False, spare: set[str] | None = None) -> list[str]:
     """Every violation found (empty: all hold):
     - every live row's file exists, with the size and sha256 the catalog records;
     - no rollout_id in two live rows (read from the shards), and `rollout_ids` names exactly them;
     - commit seqs are exactly 1..latest, and every shard's added/removed seq is one of them;
     - no shard path twice among the rows;
     - (`orphans`, right after a gc: True, or the time that gc started) no .parquet file of the data
-      folders that no row names (modified before that time)."""
+      folders that no row names and no live intent holds (modified before that time; `spare`: the
+      paths live intents held when that gc began, which it rightly kept: a host that died less
+      than a TTL before it)."""
     bad: list[str] = []
     with Buffer.open(buffer) as buf:
         man = buf.manifest
         if orphans is not False:
-            bad += unnamed_files(buf, None if orphans is True else float(orphans))
+            bad += unnamed_files(buf, None if orphans is True else float(orphans), spare or set())
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
         if getattr(man, "store", None) is not None:  # shards in object storage: into this host's cache, verified
             from rollstore.storage.snapshot import TABLES
@@ -505,6 +540,41 @@ def check_invariants(buffer: str, orphans: bool | float = False) -> list[str]:
             (latest,))}
         if registered != seen:
             bad.append(f"rollout_ids holds {len(registered)} ids, the live shards {len(seen)}")
+        if getattr(man, "store", None) is not None:
+            bad += _objects_hold(buf, latest, orphans, spare or set())
+    return bad
+
+
+_VERIFIED: set[tuple[str, str]] = set()  # (bucket url, path) of live objects already downloaded and verified
+_CHECK_CACHE: list[str] = []
+
+
+def _objects_hold(buf: Buffer, latest: int, orphans: bool | float, spare: set[str]) -> list[str]:
+    """A store's buffer: every live row's object is in the bucket with the catalog's size and sha256
+    (downloaded once into a cache of the checker's own, verified while it streams); with `orphans`,
+    no object of the data folders that no row names and no live intent holds (modified before that
+    time), listed before the catalog is read."""
+    import tempfile
+
+    from rollstore.storage.errors import ManifestError
+
+    store, bad = buf.manifest.store, []
+    if not _CHECK_CACHE:
+        _CHECK_CACHE.append(tempfile.mkdtemp(prefix="rollstore-check-cache-"))
+    listed = [(rel, modified) for rel, modified, _ in store.list()
+              if rel.split("/", 1)[0] in DATA_DIRS and rel.endswith(".parquet")]
+    for shard in buf.manifest.shards(seq=latest):
+        if (store.url, shard.path) in _VERIFIED:
+            continue
+        try:
+            store.fetch(_CHECK_CACHE[0], shard.path, shard.sha256, shard.bytes)
+            _VERIFIED.add((store.url, shard.path))
+        except ManifestError as exc:
+            bad.append(f"object {shard.path}: {exc}")
+    if orphans is not False:
+        held = buf.manifest.protected([rel for rel, _ in listed])
+        bad += [f"object {rel}: no row names it and no live intent holds it" for rel, modified in listed
+                if rel not in held and rel not in spare and (orphans is True or modified < float(orphans))]
     return bad
 
 
@@ -524,21 +594,35 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
                     help="instead of kills: stop (SIGSTOP) an appender or a learner past its TTL this many times")
     ap.add_argument("--learners", type=int, default=2)
     ap.add_argument("--ttl", type=float, default=1.0, help="intent and lease TTL of the stall trials (seconds)")
+    ap.add_argument("--s3", action="store_true",
+                    help="the buffer's shards in S3 (moto's server on 127.0.0.1; the simulated hosts share one cache folder)")
+    ap.add_argument("--progress", action="store_true", help="print each trial's outcome as it ends")
     args = ap.parse_args()
+    if args.progress:
+        os.environ["ROLLSTORE_TRIAL_PROGRESS"] = "1"
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     import pg_server
 
     server = pg_server.start()
+    s3 = None
+    if args.s3:
+        import s3_server
+
+        s3 = s3_server.start()
+        os.environ.update(s3_server.environment(s3))
     try:
         with tempfile.TemporaryDirectory(prefix="rollstore-trials-") as work:
             buffer = os.path.join(work, "buf")
-            Buffer.init(buffer, catalog=server.fresh_dsn()).close()
+            Buffer.init(buffer, catalog=server.fresh_dsn(), data=s3.fresh_url() if s3 else None).close()
             t0 = time.monotonic()
             if args.stalls:
                 results = stall_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)],
                                        args.stalls, work, learners=args.learners, ttl=args.ttl, seed=args.seed)
-                final = check_invariants(buffer, orphans=False) + trained_twice(buffer)
+                time.sleep(args.ttl * 1.2)  # every process is stopped: gc must then take every orphan
+                with Buffer.open(buffer) as buf:
+                    gc(buf, grace_s=0.0)
+                final = check_invariants(buffer, orphans=True) + trained_twice(buffer)
                 with Buffer.open(buffer) as buf:
                     commits = buf.manifest.latest_seq()
                     checkpoints = len(buf.manifest.shards("checkpoints"))
@@ -557,7 +641,10 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             results = kill_trials(os.path.dirname(here), buffer, [f"h{i}" for i in range(args.hosts)], args.kills,
                                   args.seed, consumers=args.consumers, curators=args.curators, logdir=work,
                                   inject=args.inject, intent_ttl=args.ttl)
-            final = check_invariants(buffer)
+            time.sleep(args.ttl * 1.2)  # every process is stopped: their intents expire, gc must take every orphan
+            with Buffer.open(buffer) as buf:
+                gc(buf, grace_s=0.0)
+            final = check_invariants(buffer, orphans=True)
             with Buffer.open(buffer) as buf:
                 commits = buf.manifest.latest_seq()
             failed = [(t, h, bad) for t, h, bad, _ in results if bad]
@@ -581,3 +668,5 @@ if __name__ == "__main__":  # more trials than the suite runs: python tests/mult
             sys.exit(1 if failed or final else 0)
     finally:
         server.stop()
+        if s3 is not None:
+            s3.stop()

@@ -711,8 +711,9 @@ def test_a_version_1_catalog_is_upgraded_on_open_with_its_consumed_ledger(pg, pg
 
 
 def test_stalled_hosts_and_learners_leave_every_invariant_holding(pgbuf, tmp_path):
-    """tests/multihost.py's stall trials, one (more: python tests/multihost.py --stalls N): appenders and learners stopped past their TTL at
-    random moments while gc runs; then continued; every invariant checked after each."""
+    """tests/multihost.py's stall trials, one (more: python tests/multihost.py --stalls N): appenders
+    and learners stopped past their TTL at random moments while gc runs; then continued; every
+    invariant checked after each."""
     from multihost import stall_trials
 
     results = stall_trials(ROOT, pgbuf, ["h0", "h1", "h2"], stalls=1, logdir=str(tmp_path), learners=2,

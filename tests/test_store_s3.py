@@ -221,3 +221,35 @@ def test_gc_deletes_orphan_objects_and_retired_shards_objects(pg, env, tmp_path)
     with Buffer.init(str(tmp_path / "c"), catalog=dsn, data=url) as buf:
         assert buf.snapshot().arrow("rollouts").to_table().num_rows == rows
     assert check_invariants(b) == []
+
+
+def test_verify_on_another_host_checks_the_objects_through_its_cache(pg, env, cli, tmp_path):
+    """`rollstore verify` on a host whose cache is empty downloads and checks every shard (clean);
+    an object changed in the bucket is reported (never cached), and an unreachable store is one
+    line, never a shard reported missing (so --quarantine never retires a healthy shard)."""
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with Buffer.init(a, catalog=dsn, data=url) as buf:
+        shards = [buf.append_rollouts(_rollouts(step)) for step in range(2)]
+    assert cli("init", b, "--catalog", dsn, "--data", url).code == 0
+    res = cli("verify", b)
+    assert res.code == 0, res.stdout + res.stderr
+    bucket, prefix = url[5:].split("/", 1)
+    env.client().put_object(Bucket=bucket, Key=f"{prefix}/{shards[1].path}", Body=b"PAR1 changed")
+    c = str(tmp_path / "c")
+    assert cli("init", c, "--catalog", dsn, "--data", url).code == 0
+    res = cli("verify", c)
+    assert res.code != 0 and shards[1].path in res.stdout + res.stderr
+    import os as _os
+
+    d = str(tmp_path / "d")
+    assert cli("init", d, "--catalog", dsn, "--data", url).code == 0
+    old = _os.environ["AWS_ENDPOINT_URL"]
+    _os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:1"
+    try:
+        res = cli("verify", d, "--quarantine")
+    finally:
+        _os.environ["AWS_ENDPOINT_URL"] = old
+    assert res.code == 1 and "cannot read" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    with Buffer.open(a) as buf:
+        assert len(buf.manifest.shards("rollouts")) == 2  # nothing retired

@@ -155,3 +155,15 @@ def test_memory_limits_out_of_range_are_usage_errors(cli, tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     line = one_error_line(cli(*command, "--memory-limit", value))
     assert "--memory-limit" in line and "unexpected" not in line
+
+
+def test_transformers_progress_bars_are_off_whatever_was_imported_first():
+    """The command line's stderr carries one line: transformers' progress bars are off even when transformers was
+    imported before rollstore's CLI (a notebook, an earlier test), when the environment variables come too late."""
+    code = ("import transformers; import rollstore.cli.commands; "
+            "from transformers.utils import logging; print(logging.is_progress_bar_enabled())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS",
+                                                                                 "TRANSFORMERS_VERBOSITY")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"

@@ -26,6 +26,9 @@ from rollstore.storage.errors import RollstoreError
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+if "transformers" in sys.modules:  # imported before us (a notebook, a test): the variables above came too late
+    sys.modules["transformers"].utils.logging.disable_progress_bar()
+    sys.modules["transformers"].utils.logging.set_verbosity_error()
 
 app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
                   pretty_exceptions_enable=False)

@@ -35,7 +35,7 @@ import functools
 import hashlib
 import random
 
-from .prompts import Prompt, prompt_hash
+from .prompts import Prompt, prompt_hash, task_levels
 
 SOURCE = "builtin:arith"
 HELDOUT_SEED = "heldout-v2"  # fixed: the held-out list never depends on a caller's seed
@@ -104,14 +104,7 @@ def _domain(level: int, heldout: bool) -> tuple[str, ...]:
 
 
 def _levels_of(split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
-    if levels is not None:
-        bad = [lv for lv in levels if lv not in LEVELS]
-        if bad or not levels:
-            raise ValueError(f"builtin:arith has levels {sorted(LEVELS)}, got {list(levels)}")
-        return tuple(levels)
-    if split not in SPLITS:
-        raise ValueError(f"builtin:arith has splits {sorted(SPLITS)}, got {split!r}")
-    return SPLITS[split]
+    return task_levels(SOURCE, LEVELS, SPLITS, split, levels)
 
 
 def _generate(n: int, stream: str, levels: tuple[int, ...], unique: bool = True) -> list[Prompt]:

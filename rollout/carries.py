@@ -35,7 +35,7 @@ import hashlib
 import random
 from typing import Iterator
 
-from .prompts import Prompt, prompt_hash
+from .prompts import Prompt, prompt_hash, task_levels
 
 SOURCE = "builtin:carries"
 HELDOUT_PERCENT = 20
@@ -103,14 +103,7 @@ def _draw(rng: random.Random, level: int, heldout: bool) -> tuple[int, int, str]
 
 
 def _levels_of(split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
-    if levels is not None:
-        bad = [lv for lv in levels if lv not in LEVELS]
-        if bad or not levels:
-            raise ValueError(f"{SOURCE} has levels {sorted(LEVELS)}, got {list(levels)}")
-        return tuple(levels)
-    if split not in SPLITS:
-        raise ValueError(f"{SOURCE} has splits {sorted(SPLITS)}, got {split!r}")
-    return SPLITS[split]
+    return task_levels(SOURCE, LEVELS, SPLITS, split, levels)
 
 
 def _round_robin(stream: str, levels: tuple[int, ...], heldout: bool, unique: bool) -> Iterator[tuple[int, int, str]]:

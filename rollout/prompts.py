@@ -28,3 +28,14 @@ class Prompt:
     source: str
     difficulty: int | None = None
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def task_levels(source: str, all_levels: dict, splits: dict, split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The levels a built-in task draws from: `levels` when given (each one of the task's), else the split's."""
+    if levels is not None:
+        if not levels or any(lv not in all_levels for lv in levels):
+            raise ValueError(f"{source} has levels {sorted(all_levels)}, got {list(levels)}")
+        return tuple(levels)
+    if split not in splits:
+        raise ValueError(f"{source} has splits {sorted(splits)}, got {split!r}")
+    return splits[split]

@@ -27,25 +27,36 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WRITER = """
-import os, sys, time, json
+import contextlib, os, sys, time, json
 sys.path.insert(0, {root!r})
 from rollstore.builtin.synthetic import rollouts_table
 from rollstore.storage.buffer import Buffer
 host = os.environ["ROLLSTORE_HOST_ID"]
 buf = Buffer.open({buffer!r})
+held = []  # seconds each manifest transaction held the buffer's write lock (after BEGIN returned, to COMMIT done)
+_transaction = buf.manifest.transaction
+@contextlib.contextmanager
+def timed():
+    with _transaction() as con:
+        t0 = time.perf_counter()
+        yield con
+    held.append(time.perf_counter() - t0)
+buf.manifest.transaction = timed
 tables = [rollouts_table(n_groups=1, group_size=2, mean_tokens=16, step=s, run_id=host) for s in range({n})]
 open({ready!r} + host, "w").close()
 while not os.path.exists({go!r}):
     time.sleep(0.005)
 start = time.time()
+cpu0 = sum(os.times()[:2])
 lat = []
 for t in tables:
     a = time.perf_counter()
     buf.append_rollouts(t, source=host)
     lat.append(time.perf_counter() - a)
 end = time.time()
+cpu = sum(os.times()[:2]) - cpu0
 buf.close()
-print(json.dumps({{"start": start, "end": end, "lat": lat}}), flush=True)
+print(json.dumps({{"start": start, "end": end, "lat": lat, "cpu": cpu, "held": held}}), flush=True)
 """
 
 
@@ -62,14 +73,32 @@ def run(buffer: str, writers: int, n: int, work: str) -> dict:
         if any(p.poll() is not None for p in procs):
             raise SystemExit("a writer failed before the barrier")
         time.sleep(0.01)
+    busy0 = _machine_busy()
     open(go, "w").close()
     results = [json.loads(p.communicate()[0]) for p in procs]
+    busy1 = _machine_busy()
     if any(p.returncode for p in procs):
         raise SystemExit("a writer failed")
     lat = sorted(x for r in results for x in r["lat"])
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {"writers": writers, "commits": len(lat), "commits_per_s": len(lat) / wall,
-            "p50_ms": 1000 * lat[len(lat) // 2], "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+            "p50_ms": 1000 * lat[len(lat) // 2], "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "held_ms": 1000 * sorted(h for r in results for h in r["held"])[len(lat) // 2],
+            "writer_cpu_ms": 1000 * sum(r["cpu"] for r in results) / len(lat),
+            "machine_busy": (busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1])}
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every CPU of this machine so far (/proc/stat; (0, 1) elsewhere):
+    the share of the machine the run kept busy (its writers, the database server, and anything else
+    running), to tell a CPU-bound run from a lock-bound one."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [float(x) for x in fh.readline().split()[1:]]
+    except OSError:
+        return 0.0, 1.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields) - idle, sum(fields)
 
 
 def dry_runs(work: str, appends: int, dsn: str, url: str) -> None:
@@ -148,7 +177,9 @@ def main() -> None:
                     rows.append({"catalog": kind, **run(buffer, writers, args.appends, work)})
                     r = rows[-1]
                     print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
-                          f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms", flush=True)
+                          f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms "
+                          f"lock-held p50={r['held_ms']:.1f}ms writer-cpu={r['writer_cpu_ms']:.1f}ms/commit machine-busy={100 * r['machine_busy']:.0f}%",
+                          flush=True)
             if args.big:
                 from rollstore.builtin.synthetic import rollouts_table
 

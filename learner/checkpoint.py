@@ -37,15 +37,16 @@ import os
 import random
 import shutil
 import sqlite3
+import uuid
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from rollstore.storage.shardio import fsync_dir
+from rollstore.storage.shardio import fsync_dir, sha256_file
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.catalog import holding
 from rollstore.storage.errors import RollstoreError
@@ -72,10 +73,12 @@ class Checkpoint:
     root: str = ""  # the buffer's root
     step: int = 0  # global optimiser step (filled by load_checkpoint)
     ledger: list[dict] = field(default_factory=list)  # whole lineage's consumed (by load_checkpoint)
+    _local: Callable[[], str] | None = field(default=None, repr=False, compare=False)  # a store's: fetch it
 
     @property
     def dir(self) -> str:
-        return os.path.join(self.root, self.path)
+        """The folder on this host (a store's buffer: fetched into its cache, verified, on first use)."""
+        return self._local() if self._local is not None else os.path.join(self.root, self.path)
 
 
 def consumed_entry(curation_id: str, shard: str) -> dict:
@@ -100,7 +103,10 @@ def _rows_of_file(path: str, size: int, mtime_ns: int, inode: int) -> tuple[dict
     return tuple(pq.read_table(path, columns=CHECKPOINTS.names).to_pylist())
 
 
-def _to_checkpoint(row: dict, root: str) -> Checkpoint:
+def _to_checkpoint(row: dict, root: str, buf: Buffer | None = None) -> Checkpoint:
+    local = None
+    if buf is not None and getattr(buf.manifest, "store", None) is not None:
+        local = functools.partial(_fetch_dir, buf, row["path"])
     return Checkpoint(
         version=int(row["version"]),
         path=row["path"],
@@ -110,13 +116,14 @@ def _to_checkpoint(row: dict, root: str) -> Checkpoint:
         metrics=json.loads(row["metrics"]),
         created_at=row["created_at"],
         root=root,
+        _local=local,
     )
 
 
 def list_checkpoints(buf: Buffer, run_id: str | None = None) -> list[Checkpoint]:
     """Published checkpoints (latest snapshot), by version."""
     snap = buf.snapshot()
-    cks = [_to_checkpoint(r, buf.root) for r in _rows_from_files(snap.files("checkpoints"))]
+    cks = [_to_checkpoint(r, buf.root, buf) for r in _rows_from_files(snap.files("checkpoints"))]
     if run_id is not None:
         cks = [c for c in cks if c.run_id == run_id]
     return sorted(cks, key=lambda c: c.version)
@@ -238,9 +245,7 @@ def save_checkpoint(
     tokenizer=None,
 ) -> Checkpoint:
     """Write and publish checkpoint `publish.version` (see the module invariants); return it."""
-    if getattr(buf.manifest, "store", None) is not None:
-        raise CheckpointError(f"{buf.root}: its shards live in object storage, and checkpoints there are not built yet "
-                              "(their folder would stay on this host, unseen by the others); nothing published")
+    store = getattr(buf.manifest, "store", None)  # object storage (storage/store.py): no rename there
     p = replace(publish, version=int(publish.version), metrics=publish.metrics or {},
                 consumed=[consumed_entry(e["curation_id"], e["shard"]) for e in publish.consumed])
     version, run_id = p.version, p.run_id
@@ -249,13 +254,15 @@ def save_checkpoint(
     shards = [e["shard"] for e in p.consumed]
     if len(set(shards)) != len(shards):
         raise CheckpointError(f"checkpoint v{version}: a shard is listed twice in consumed")
-    rel = f"checkpoints/v{version}"
+    # In object storage each attempt writes its own keys (put-if-absent, never renamed); the row names them.
+    rel = f"checkpoints/v{version}" if store is None else f"checkpoints/v{version}-{uuid.uuid4().hex[:12]}"
     final = os.path.join(buf.root, rel)
     tmp = os.path.join(buf.root, "tmp", owned_name("ckpt"))  # gc keeps it while we live
     ledger = {"version": version, "parent_version": p.parent_version, "run_id": run_id, "consumed": p.consumed}
     now = dt.datetime.now(dt.timezone.utc)
     parts = _parts(p, rel, now)
     moved_aside: list[str] = []
+    objects: list[tuple[str, str, int]] = []  # (key, sha256, bytes) uploaded to the store
 
     def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
@@ -269,6 +276,9 @@ def save_checkpoint(
                 raise CheckpointError(f"{buf.root}: {why}")
         if p.lease is not None:
             _ack_in_transaction(buf, con, shards, *p.lease, now.timestamp())
+        if store is not None:  # the objects were uploaded before; this row names them (the commit point)
+            buf.manifest.record_objects(con, _seq, objects)
+            return
         if os.path.lexists(final):  # an orphan of a crashed save: no row names it (checked above)
             aside = os.path.join(buf.root, "tmp", owned_name("orphan"))
             os.rename(final, aside)
@@ -280,13 +290,44 @@ def save_checkpoint(
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             _write_dir(tmp, model, tokenizer, optimizer, scheduler, p.step, ledger)
+            if store is not None:
+                objects += _upload_dir(buf, store, tmp, rel)
             buf.commit(parts, f"checkpoint:v{version}", {"version": version, "run_id": run_id}, publish_in)
+            if store is not None:  # this host's cached copy: the bytes it hashed and uploaded
+                os.rename(tmp, final)
         finally:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
             for d in moved_aside:
                 shutil.rmtree(d, ignore_errors=True)
     return Checkpoint(version, rel, run_id, p.parent_version, p.consumed, p.metrics, now, buf.root, int(p.step))
+
+
+def _upload_dir(buf: Buffer, store, tmp: str, rel: str) -> list[tuple[str, str, int]]:
+    """Put every file of the folder `tmp` into the store under `rel/` (put-if-absent), each after an
+    intent on its key (the commit that names them fences them; gc of any host leaves them alone
+    meanwhile); return (key, sha256, bytes) of each, hashed here from the bytes uploaded."""
+    files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _dirs, names in os.walk(tmp) for n in names)
+    keys = [f"{rel}/{f}" for f in files]
+    buf.manifest.intend(keys)
+    out = []
+    for f, key in zip(files, keys):
+        local = os.path.join(tmp, f)
+        store.put_if_absent(key, local)
+        out.append((key, sha256_file(local), os.path.getsize(local)))
+    return out
+
+
+def _fetch_dir(buf: Buffer, rel: str) -> str:
+    """The local folder of checkpoint folder `rel` of a store's buffer, every file in this host's
+    cache and verified against the catalog's sha256 as it downloaded."""
+    man = buf.manifest
+    objects = man.objects_under(rel + "/")
+    if not objects:
+        raise CheckpointError(f"{buf.root}: checkpoint {rel} has no files in the catalog")
+    for key, digest, nbytes in objects:
+        man.store.fetch(buf.root, key, digest, nbytes, getattr(man, "holding", None))
+    return os.path.join(buf.root, rel)
 
 
 def _parts(p: Publish, rel: str, now: dt.datetime) -> list[Part]:
@@ -385,13 +426,14 @@ def load_checkpoint(
         ck = next((c for c in list_checkpoints(buf) if c.version == version), None)
         if ck is None:
             raise CheckpointError(f"{buf.root}: no checkpoint version {version}")
-    with open(os.path.join(ck.dir, LEDGER), encoding="utf-8") as fh:
+    directory = ck.dir  # (a store's buffer: fetched and verified now)
+    with open(os.path.join(directory, LEDGER), encoding="utf-8") as fh:
         ledger = json.load(fh)
     if ledger["version"] != ck.version or ledger["consumed"] != ck.consumed:
-        raise CheckpointError(f"{ck.dir}: ledger.json does not match the manifest row of v{ck.version}")
+        raise CheckpointError(f"{directory}: ledger.json does not match the manifest row of v{ck.version}")
     if model is not None:
-        _load_weights(model, ck.dir)
-    state = torch.load(os.path.join(ck.dir, TRAINER_STATE), map_location="cpu", weights_only=True)
+        _load_weights(model, directory)
+    state = torch.load(os.path.join(directory, TRAINER_STATE), map_location="cpu", weights_only=True)
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
@@ -400,5 +442,5 @@ def load_checkpoint(
         _set_rng_state(state["rng"])
     return Checkpoint(
         ck.version, ck.path, ck.run_id, ck.parent_version, ck.consumed, ck.metrics, ck.created_at,
-        ck.root, int(state["step"]), consumed_ledger(buf, ck.version),
+        ck.root, int(state["step"]), consumed_ledger(buf, ck.version), ck._local,
     )

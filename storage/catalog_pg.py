@@ -46,7 +46,7 @@ from . import descriptor
 from .errors import ManifestError
 from .manifest import _SHARD_COLS, REQUIRED_TABLES, Manifest, NewShard, Shard
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -106,6 +106,18 @@ CREATE TABLE IF NOT EXISTS consumed (
     seq BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)
+"""
+
+# Schema version 3 (added when a version-1 or 2 catalog is opened): the objects of a store that are not
+# shards (a checkpoint's files), each with the sha256 and size its writer computed, named in the
+# commit that publishes them.
+_DDL_3 = """
+CREATE TABLE IF NOT EXISTS objects (
+    path TEXT PRIMARY KEY,
+    sha256 TEXT NOT NULL,
+    bytes BIGINT NOT NULL,
+    seq BIGINT NOT NULL
+)
 """
 
 # The primary key of each table an `INSERT OR REPLACE` may target, and the serial column whose value
@@ -266,8 +278,13 @@ def connect(dsn: str) -> PgConnection:
         # is cut off after ROLLSTORE_PG_STALL_S, which rolls its transaction back and ends its
         # session (it is fenced: nothing of it commits); keepalives end a dead host's session.
         stall = float(os.environ.get("ROLLSTORE_PG_STALL_S", "60"))
+        # Statements outside `_locked` (a writer's intents, their renewals and releases) commit
+        # without waiting for the WAL flush: losing one in a server crash can only fence its writer
+        # (its commit finds the intent gone) or let an intent end early, never lose a committed row.
+        # Every `_locked` transaction, and gc's own intents, wait for the flush (`synchronous_commit = on`).
         con.raw.execute(f"SET idle_in_transaction_session_timeout = {int(stall * 1000)}; "
-                        "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3")
+                        "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3; "
+                        "SET synchronous_commit = off")
     except (psycopg.Error, ValueError) as exc:
         con.close()
         raise CatalogError(f"catalog {where}: cannot set up the session ({exc})") from None
@@ -360,7 +377,7 @@ def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descripto
             else:
                 # none yet (or an init that wrote its descriptor and then lost its COMMIT: resumed)
                 desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn, data)
-                for statement in filter(str.strip, (_DDL + ";" + _DDL_2).split(";")):
+                for statement in filter(str.strip, (_DDL + ";" + _DDL_2 + ";" + _DDL_3).split(";")):
                     con.execute(statement)
                 con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
                 con.execute("INSERT INTO meta VALUES ('buffer_uuid', ?)", (desc.buffer_uuid,))
@@ -376,12 +393,14 @@ def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descripto
 
 
 @contextmanager
-def _locked(con: PgConnection, key: int) -> Iterator[PgConnection]:
-    """One transaction holding the advisory lock `key` (released at its end)."""
+def _locked(con: PgConnection, key: int | None) -> Iterator[PgConnection]:
+    """One transaction holding the advisory lock `key` (released at its end; None: no lock), whose
+    COMMIT waits for the WAL flush whatever the session's default."""
     import psycopg
 
+    lock = "" if key is None else f"; SELECT pg_advisory_xact_lock({int(key)})"
     try:
-        con.raw.execute(f"BEGIN; SELECT pg_advisory_xact_lock({int(key)})")  # one round trip
+        con.raw.execute(f"BEGIN; SET LOCAL synchronous_commit = on{lock}")  # one round trip
     except psycopg.Error as exc:
         raise con._fail(exc) from None
     try:
@@ -424,6 +443,7 @@ class PgManifest(Manifest):
         self.read_only = None
         self.lock_key = lock_key(desc.buffer_uuid)
         self._token: str | None = None  # of the commit row of the transaction in progress
+        self._fenced = False  # the transaction in progress has fenced its commit (deleted its intents)
         # write intents (see "intents" below): this process's writer id, the intents of the commit in
         # progress, the folders it holds, and the heartbeat that renews them
         self.writer = f"{host_id()}:{os.getpid()}:{uuidlib.uuid4().hex[:12]}"
@@ -452,8 +472,8 @@ class PgManifest(Manifest):
                 raise CatalogError(f"catalog {self.path}: its buffer's shards live in {stored and stored[0] or 'its folder'}, "
                                    f"{descriptor.path_of(root)} says {desc.data or 'this folder'}")
             version = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if version is not None and version[0] == "1":
-                version = self._upgrade_from_1()
+            if version is not None and version[0] in ("1", "2"):
+                version = self._upgrade()
             if version is None or version[0] != SCHEMA_VERSION:
                 raise CatalogError(f"catalog {self.path}: schema version {version and version[0]!r}, this "
                                    f"rollstore reads version {SCHEMA_VERSION}")
@@ -464,15 +484,18 @@ class PgManifest(Manifest):
     def __repr__(self) -> str:
         return f"<PgManifest {self.root!r} at {self.path}>"
 
-    def _upgrade_from_1(self) -> tuple[str]:
-        """Add version 2's tables (intents, consumed) to a version-1 catalog, under the buffer's lock;
-        version-1 processes then refuse to open it (they write no intents)."""
+    def _upgrade(self) -> tuple[str]:
+        """Add the tables of versions 2 (intents, consumed) and 3 (objects) to an older catalog,
+        under the buffer's lock; older processes then refuse to open it (its version is not theirs)."""
         with _locked(self.con, self.lock_key) as con:
             row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row[0] == "1":
                 for statement in filter(str.strip, _DDL_2.split(";")):
                     con.execute(statement)
                 self._backfill_consumed(con)
+            if row[0] in ("1", "2"):
+                for statement in filter(str.strip, _DDL_3.split(";")):
+                    con.execute(statement)
                 con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
         return (SCHEMA_VERSION,)
 
@@ -483,6 +506,7 @@ class PgManifest(Manifest):
         took effect, and raises CatalogError saying it did not; any other is one CatalogError
         saying the outcome is unknown (a lease, ack or pin: repeatable)."""
         self._token = None
+        self._fenced = False
         pid = self.con.raw.info.backend_pid
         try:
             with _locked(self.con, self.lock_key) as con:
@@ -522,33 +546,44 @@ class PgManifest(Manifest):
 
     def new_commit(self, con, kind: str, detail: dict | None = None) -> int:
         """The next seq (max + 1 under the buffer's lock), on the database's clock, with a fresh
-        commit token (what resolves a lost COMMIT acknowledgement)."""
+        commit token (what resolves a lost COMMIT acknowledgement). The same statement fences the
+        commit (`fence`): one round trip, the lock held as short as it can be."""
         self._token = uuidlib.uuid4().hex
+        paths = sorted(set(self._pending))
         row = con.execute(
+            "WITH fenced AS (DELETE FROM intents WHERE writer = ? AND path = ANY(?::text[]) "
+            "AND expires_at > extract(epoch FROM clock_timestamp()) RETURNING 1) "
             "INSERT INTO commits (seq, created_at, kind, detail, host, token) SELECT coalesce(max(seq), 0) + 1, "
-            "extract(epoch FROM clock_timestamp()), ?, ?, ?, ? FROM commits RETURNING seq",
-            (kind, json.dumps(detail or {}, sort_keys=True), host_id(), self._token),
+            "extract(epoch FROM clock_timestamp()), ?, ?, ?, ? FROM commits RETURNING seq, (SELECT count(*) FROM fenced)",
+            (self.writer, paths, kind, json.dumps(detail or {}, sort_keys=True), host_id(), self._token),
         ).fetchone()
+        self._fenced = True
+        if int(row[1]) != len(paths):
+            raise self._fenced_error()
         return int(row[0])
 
     def add_shards(self, con, seq: int, shards: list[NewShard]) -> list[int]:
-        """As the embedded manifest's: a path another writer committed first raises FileExistsError.
-        (`ON CONFLICT DO NOTHING`: a failed INSERT would abort the whole PostgreSQL transaction.)"""
+        """As the embedded manifest's, one statement for all: a path another writer committed first
+        raises FileExistsError. (`ON CONFLICT DO NOTHING`: a failed INSERT would abort the whole
+        PostgreSQL transaction.)"""
         import errno
 
-        self.fence(con)
-        ids = []
+        if not self._fenced:  # (every commit makes its commit row first; a caller that did not is fenced here)
+            self.fence(con)
+        if not shards:
+            return []
+        cols = list(zip(*[(s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key) for s in shards]))
+        got = dict(con.execute(
+            "INSERT INTO shards (table_name, path, rows, tokens, bytes, sha256, key, added_seq) "
+            "SELECT t, p, r, k, b, h, y, ? FROM unnest(?::text[], ?::text[], ?::bigint[], ?::bigint[], ?::bigint[], "
+            "?::text[], ?::text[]) WITH ORDINALITY AS u(t, p, r, k, b, h, y, i) ORDER BY i "
+            "ON CONFLICT (path) DO NOTHING RETURNING path, shard_id",
+            (seq, *[list(c) for c in cols])).fetchall())
         for s in shards:
-            row = con.execute(
-                "INSERT INTO shards (table_name, path, rows, tokens, bytes, sha256, key, added_seq)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (path) DO NOTHING RETURNING shard_id",
-                (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq),
-            ).fetchone()
-            if row is None:
+            if s.path not in got:
                 raise FileExistsError(errno.EEXIST, "already committed by another writer",
                                       os.path.join(self.root, s.path))
-            ids.append(int(row[0]))
-        return ids
+        return [int(got[s.path]) for s in shards]
 
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:
         """As the embedded manifest's, one statement per 50,000 ids (`= ANY(array)`)."""
@@ -564,21 +599,26 @@ class PgManifest(Manifest):
 
     def register_rollouts(self, con, shard_id: int, pairs, groups) -> None:
         """As the embedded manifest's (claim the ids; on a conflict undo the partial claim and raise
-        `CatalogIntegrityError`), with arrays: one statement per 50,000 ids instead of one per id."""
-        con.execute("SAVEPOINT register")
-        try:
-            for chunk in _chunks(pairs, 50_000):
-                con.execute("INSERT INTO rollout_ids (rollout_id, group_id, shard_id) "
-                            "SELECT r, g, ? FROM unnest(?::text[], ?::text[]) AS t(r, g)",
-                            (shard_id, [r for r, _ in chunk], [g for _, g in chunk]))
-            for chunk in _chunks(groups, 50_000):
-                con.execute("INSERT INTO group_ids (group_id, shard_id) SELECT g, ? FROM unnest(?::text[]) AS t(g)",
-                            (shard_id, chunk))
-        except CatalogIntegrityError:
-            con.execute("ROLLBACK TO register")
-            con.execute("RELEASE register")
-            raise
-        con.execute("RELEASE register")
+        `CatalogIntegrityError`), with arrays: one statement per 50,000 ids instead of one per id.
+        `ON CONFLICT DO NOTHING` keeps the transaction usable; a short count is the conflict, and the
+        rows this call inserted are deleted again (what the embedded manifest's savepoint undoes)."""
+        pairs, groups = list(pairs), list(groups)
+        short = False
+        for start in range(0, max(len(pairs), len(groups), 1), 50_000):
+            chunk, gchunk = pairs[start:start + 50_000], groups[start:start + 50_000]
+            row = con.execute(
+                "WITH r AS (INSERT INTO rollout_ids (rollout_id, group_id, shard_id) "
+                "SELECT r, g, ? FROM unnest(?::text[], ?::text[]) AS t(r, g) ON CONFLICT DO NOTHING RETURNING 1), "
+                "g AS (INSERT INTO group_ids (group_id, shard_id) SELECT g, ? FROM unnest(?::text[]) AS t(g) "
+                "ON CONFLICT DO NOTHING RETURNING 1) SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM g)",
+                (shard_id, [r for r, _ in chunk], [g for _, g in chunk], shard_id, gchunk)).fetchone()
+            if int(row[0]) != len(chunk) or int(row[1]) != len(gchunk):
+                short = True
+                break
+        if short:
+            con.execute("DELETE FROM rollout_ids WHERE shard_id = ?", (shard_id,))
+            con.execute("DELETE FROM group_ids WHERE shard_id = ?", (shard_id,))
+            raise CatalogIntegrityError(f"catalog {self.path}: a rollout or group id is already in the buffer")
 
     # ---- leases and pins on the database's clock (the embedded manifest's, with `now` from the
     # database instead of this host: hosts' clocks need not agree). Keep in step with Manifest's.
@@ -693,7 +733,19 @@ class PgManifest(Manifest):
             self._pending += paths
         self._start_heartbeat()
 
-    def _claim(self, paths: list[str], writer: str) -> None:
+    def _claim(self, paths: list[str], writer: str, durable: bool = False) -> None:
+        """Take intents on `paths` for `writer`. `durable`: wait for the WAL flush (gc's intents: a gc
+        intent lost in a server crash could let a writer take a path gc is deleting); a writer's
+        need not (a lost one fences the writer at its commit)."""
+        if not durable:
+            return self._claim_in(paths, writer)
+        try:
+            with _locked(self.con, None):  # a transaction of its own, flushed at COMMIT
+                return self._claim_in(paths, writer)
+        except CommitUnknown as unknown:  # taken or not: the caller must not act as its owner
+            raise unknown.args[0] from None
+
+    def _claim_in(self, paths: list[str], writer: str) -> None:
         import errno
 
         got = {r[0] for r in self.con.execute(
@@ -732,17 +784,21 @@ class PgManifest(Manifest):
     def fence(self, con) -> None:
         """Inside the commit's transaction: delete this writer's intents of the commit in progress;
         refused (one line, the transaction rolls back) unless every one was still this writer's and
-        unexpired on the database's clock."""
+        unexpired on the database's clock. (`new_commit` does the same in its own statement.)"""
         paths = sorted(set(self._pending))
+        self._fenced = True
         if not paths:
             return
         gone = con.execute(
             "DELETE FROM intents WHERE writer = ? AND path = ANY(?::text[]) "
             "AND expires_at > extract(epoch FROM clock_timestamp())", (self.writer, paths)).rowcount
         if gone != len(paths):
-            raise Fenced(f"catalog {self.path}: this writer's intents expired or were taken over (it stalled past "
-                         f"ROLLSTORE_INTENT_TTL_S={self.intent_ttl:g} s on the database's clock): fenced, nothing "
-                         "of this commit is visible")
+            raise self._fenced_error()
+
+    def _fenced_error(self) -> "Fenced":
+        return Fenced(f"catalog {self.path}: this writer's intents expired or were taken over (it stalled past "
+                      f"ROLLSTORE_INTENT_TTL_S={self.intent_ttl:g} s on the database's clock): fenced, nothing "
+                      "of this commit is visible")
 
     def commit_ended(self, rolled_back: bool) -> None:
         """The commit in progress ended; `rolled_back`: before COMMIT was sent, its files removed,
@@ -787,20 +843,22 @@ class PgManifest(Manifest):
         """A file found at `path` may be replaced by this writer: no row names it and this writer
         still holds a live intent on it (a fenced writer never replaces what a newer holder wrote)."""
         return bool(self.con.execute(
-            "SELECT NOT EXISTS (SELECT 1 FROM shards WHERE path = ?) AND EXISTS (SELECT 1 FROM intents WHERE "
-            "path = ? AND writer = ? AND expires_at > extract(epoch FROM clock_timestamp()))",
-            (path, path, self.writer)).fetchone()[0])
+            "SELECT NOT EXISTS (SELECT 1 FROM shards WHERE path = ?) AND NOT EXISTS (SELECT 1 FROM objects WHERE "
+            "path = ?) AND EXISTS (SELECT 1 FROM intents WHERE path = ? AND writer = ? "
+            "AND expires_at > extract(epoch FROM clock_timestamp()))",
+            (path, path, path, self.writer)).fetchone()[0])
 
     # gc's side
     def protected(self, paths: list[str]) -> set[str]:
-        """Those of `paths` that a shard row names or a live intent holds (one statement: one snapshot,
+        """Those of `paths` that a shard or object row names or a live intent holds (one statement: one snapshot,
         so a commit that turned an intent into a row is seen as one or the other)."""
         out: set[str] = set()
         for chunk in _chunks(paths, 50_000):
             out.update(r[0] for r in self.con.execute(
                 "SELECT path FROM shards WHERE path = ANY(?::text[]) UNION "
+                "SELECT path FROM objects WHERE path = ANY(?::text[]) UNION "
                 "SELECT path FROM intents WHERE path = ANY(?::text[]) AND expires_at > extract(epoch FROM clock_timestamp())",
-                (chunk, chunk)))
+                (chunk, chunk, chunk)))
         return out
 
     @contextmanager
@@ -809,7 +867,7 @@ class PgManifest(Manifest):
         (no live intent of a writer holds it, and no shard row names it), then releases it."""
         me = self.writer + ":gc"
         try:
-            self._claim([path], me)
+            self._claim([path], me, durable=True)
         except FileExistsError:
             yield False
             return
@@ -829,6 +887,24 @@ class PgManifest(Manifest):
         if self._beat is not None:
             self._beat.join(5)
         self.con.close()
+
+    # ---- a store's objects that are not shards (a checkpoint's files) -----------------------
+    def record_objects(self, con, seq: int, objects: list[tuple[str, str, int]]) -> None:
+        """Inside the publishing transaction: name `objects` ((path, sha256, bytes), uploaded before)."""
+        if objects:
+            paths, digests, sizes = (list(c) for c in zip(*objects))
+            con.execute("INSERT INTO objects (path, sha256, bytes, seq) SELECT p, h, b, ? "
+                        "FROM unnest(?::text[], ?::text[], ?::bigint[]) AS t(p, h, b)", (int(seq), paths, digests, sizes))
+
+    def objects_under(self, prefix: str) -> list[tuple[str, str, int]]:
+        """(path, sha256, bytes) of every named object whose path starts with `prefix`."""
+        return [(r[0], r[1], int(r[2])) for r in self.con.execute(
+            "SELECT path, sha256, bytes FROM objects WHERE starts_with(path, ?) ORDER BY path", (prefix,))]
+
+    def is_unnamed(self, path: str) -> bool:
+        """True when no shard row (live or retired) and no object row names `path`."""
+        return self.con.execute("SELECT 1 FROM shards WHERE path = ? UNION ALL SELECT 1 FROM objects WHERE path = ? "
+                                "LIMIT 1", (path, path)).fetchone() is None
 
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:

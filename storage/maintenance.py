@@ -193,11 +193,12 @@ def _collect_cataloged(buf: Buffer, grace_s: float, now: float, report: GcReport
 
 
 def _collect_objects(buf: Buffer, store, grace_s: float, now: float, report: GcReport) -> None:
-    """The store's objects under the data folders that no row names and no live intent holds
+    """The store's objects under the data folders (and the files of checkpoint folders) that no row
+    names and no live intent holds
     (listed before the catalog is read), older than the grace period: deleted, each while gc
     holds an intent on its key (a writer takes one before its put-if-absent)."""
     objects = [(rel, modified, size) for rel, modified, size in store.list()
-               if rel.split("/", 1)[0] in DATA_DIRS and rel.endswith(".parquet")]
+               if (rel.split("/", 1)[0] in DATA_DIRS and rel.endswith(".parquet")) or rel.startswith("checkpoints/")]
     held = buf.manifest.protected([rel for rel, _, _ in objects])
     for rel, modified, size in objects:
         if rel in held or now - modified < grace_s:

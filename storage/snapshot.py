@@ -29,6 +29,7 @@ from .errors import ManifestError, UnknownName, did_you_mean
 from .manifest import Manifest, ManifestReadOnly, Shard
 from .references import is_thin, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
+from .store import cache_shards
 from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
@@ -96,12 +97,10 @@ class Snapshot:
         if table not in self._shards:
             raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
                               f"(tables: {', '.join(TABLES)})")
-        store = getattr(self._manifest, "store", None)
-        if store is not None:
+        if getattr(self._manifest, "store", None) is not None:
             for name in (table, "rollouts") if table == "curated" else (table,):
                 if name not in self._cached:
-                    for s in self._shards[name]:
-                        store.fetch(self.root, s.path, s.sha256, s.bytes, getattr(self._manifest, "holding", None))
+                    cache_shards(self.root, self._manifest, self._shards[name])
                     self._cached.add(name)
         return self._shards[table]
 

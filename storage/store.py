@@ -182,5 +182,14 @@ class S3Store:
                 pass
 
 
+def cache_shards(root: str, manifest, shards) -> None:
+    """A store's buffer (`manifest.store`): the files of `shards` in this host's cache at `root`,
+    downloaded and verified when missing. Nothing for a buffer whose shards are in its folder."""
+    store = getattr(manifest, "store", None)
+    if store is not None:
+        for s in shards:
+            store.fetch(root, s.path, s.sha256, s.bytes, getattr(manifest, "holding", None))
+
+
 def open_store(url: str | None) -> S3Store | None:
     return None if url is None else S3Store(url)

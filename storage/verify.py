@@ -29,6 +29,7 @@ from .errors import RollstoreError
 from .manifest import Manifest, Shard
 from .references import check_references, read_references, referenced_shards
 from .shardio import READ_THREADS, fsync_dir, sha256_file
+from .store import cache_shards
 
 QUARANTINE_DIR = "quarantine"
 
@@ -168,7 +169,9 @@ def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -
     must be live in `manifest`; its file a regular file at its own path inside the buffer, with the
     recorded size and sha256). Hashes are cached per process (`check_shard`), so a learner that
     trains many curations over the same rollouts shards hashes each of them once. Raises one
-    `ShardError` line naming the first bad file."""
+    `ShardError` line naming the first bad file. (A store's buffer: each file is fetched into this
+    host's cache first, verified as it downloads.)"""
+    cache_shards(root, manifest, shards)
     verify_shards(root, shards)
     live = {s.path: s for s in manifest.shards("rollouts")}
     wanted: dict[str, Shard] = {}
@@ -179,6 +182,7 @@ def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -
                 raise ShardError(f"{path}: refers to rollouts shard {rel}, which is not live (quarantined or "
                                  "removed); this curation cannot be trained: curate again")
             wanted[rel] = live[rel]
+    cache_shards(root, manifest, wanted.values())
     verify_shards(root, sorted(wanted.values(), key=lambda s: s.shard_id))
 
 

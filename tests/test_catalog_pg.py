@@ -690,9 +690,11 @@ def test_an_expired_lease_nobody_took_still_refuses_the_publish(pgbuf):
         assert sorted(r[0] for r in buf.manifest.con.execute("SELECT shard FROM consumed")) == sorted(s.path for s in two)
 
 
-def test_a_version_1_catalog_is_upgraded_on_open_with_its_consumed_ledger(pg, pgbuf):
-    """A catalog made by the first slice (schema 1: no intents, no consumed table) gains both when
-    a rollstore of schema 2 opens it, its consumed ledger filled from the published checkpoints."""
+@pytest.mark.parametrize("old", ["1", "2"])
+def test_an_older_catalog_is_upgraded_on_open(pg, pgbuf, old):
+    """A catalog made by an earlier slice (schema 1: no intents, consumed or objects table; schema 2:
+    no objects table) gains them when this rollstore opens it, its consumed ledger filled from the
+    published checkpoints (version 1)."""
     import psycopg
 
     from rollstore.learner.checkpoint import Publish, consumed_entry, save_checkpoint
@@ -702,9 +704,11 @@ def test_a_version_1_catalog_is_upgraded_on_open_with_its_consumed_ledger(pg, pg
         save_checkpoint(buf, _Weights(), publish=Publish(version=1, run_id="run", consumed=[consumed_entry("c", shard.path)]))
         dsn = buf.manifest.descriptor.catalog
     with psycopg.connect(dsn, autocommit=True) as con:
-        con.execute("DROP TABLE intents; DROP TABLE consumed; UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+        drop = "DROP TABLE intents; DROP TABLE consumed; " if old == "1" else ""
+        con.execute(f"{drop}DROP TABLE objects; UPDATE meta SET value = '{old}' WHERE key = 'schema_version'")
     with Buffer.open(pgbuf) as buf:
-        assert buf.manifest.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "2"
+        assert buf.manifest.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "3"
+        assert buf.manifest.objects_under("checkpoints/") == []
         assert buf.manifest.con.execute("SELECT run_id, shard, version FROM consumed").fetchall() == [("run", shard.path, 1)]
         buf.append_rollouts(_rollouts(1))
     assert check_invariants(pgbuf, orphans=True) == []

@@ -187,15 +187,80 @@ def test_d3s_on_an_s3_buffer_from_a_cold_cache_is_the_embedded_buffers_curation(
     assert check_invariants(writer) == []
 
 
-def test_a_checkpoint_is_refused_on_an_s3_buffer_for_now(pg, env, tmp_path):
-    """Not built yet: publishing a checkpoint's folder to the store. Refused (one line, nothing
-    published) rather than left on one host where no other host sees it."""
-    from rollstore.learner.checkpoint import CheckpointError, Publish, save_checkpoint
+def test_a_checkpoint_publishes_to_the_store_and_another_host_loads_it_verified(pg, env, tmp_path):
+    """A checkpoint of an S3 buffer: its files go to the store with put-if-absent under keys of their
+    own (never renamed), each with the writer's sha256 named in the publishing commit; another host
+    loads it through its cache bit-exactly; a changed object is refused (one line, nothing cached);
+    gc keeps the named objects and deletes a crashed save's (no row, no live intent)."""
+    import hashlib
 
-    with Buffer.init(str(tmp_path / "b"), catalog=pg.fresh_dsn(), data=env.fresh_url()) as buf:
-        with pytest.raises(CheckpointError, match="not built yet") as err:
-            save_checkpoint(buf, object(), publish=Publish(version=1, run_id="r", consumed=[]))
-        assert len(str(err.value).splitlines()) == 1 and buf.manifest.latest_seq() == 0
+    import torch
+
+    import rollstore.storage.maintenance as maintenance
+    from learner_util import tiny_llama
+    from rollstore.learner.checkpoint import CheckpointError, Publish, list_checkpoints, load_checkpoint, save_checkpoint
+    from rollstore.storage.store import ObjectDamaged
+
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b, c = (str(tmp_path / h) for h in "abc")
+    model = tiny_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Buffer.init(a, catalog=dsn, data=url) as buf:
+        ck = save_checkpoint(buf, model, opt, publish=Publish(version=1, run_id="run", consumed=[], step=7))
+        named = buf.manifest.objects_under(ck.path + "/")
+    assert ck.path.startswith("checkpoints/v1-") and not os.path.exists(os.path.join(a, "tmp", "ckpt"))
+    objects = _objects(env, url)
+    assert {"model.safetensors", "trainer_state.pt", "ledger.json"} <= {k.rsplit("/", 1)[1] for k, _, _ in named}
+    for key, digest, nbytes in named:  # each object is the file the writer hashed
+        assert hashlib.sha256(objects[key]).hexdigest() == digest and len(objects[key]) == nbytes
+    with Buffer.init(b, catalog=dsn, data=url) as buf:  # another host, a cold cache
+        (listed,) = list_checkpoints(buf)
+        fresh = tiny_llama(1)
+        got = load_checkpoint(buf, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), version=1)
+        assert got.step == 7 and os.path.isdir(os.path.join(b, listed.path))
+        assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), fresh.state_dict().values()))
+    bucket, prefix = url[5:].split("/", 1)
+    ledger_key = next(k for k, _, _ in named if k.endswith("ledger.json"))
+    env.client().delete_object(Bucket=bucket, Key=f"{prefix}/{ledger_key}")
+    env.client().put_object(Bucket=bucket, Key=f"{prefix}/{ledger_key}", Body=b'{"version": 1, "consumed": []}')
+    with Buffer.init(c, catalog=dsn, data=url) as buf:  # a third host: the changed object is never cached
+        with pytest.raises(ObjectDamaged) as err:
+            load_checkpoint(buf, tiny_llama(2), version=1)
+        assert len(str(err.value).splitlines()) == 1 and ledger_key in str(err.value)
+        assert not os.path.exists(os.path.join(c, ledger_key))
+        # a save that crashed after its uploads (no row names them, its intents expired): gc deletes them
+        env.client().put_object(Bucket=bucket, Key=f"{prefix}/checkpoints/v2-crashed/model.safetensors", Body=b"x")
+        maintenance.gc(buf, grace_s=0)
+        left = _objects(env, url)
+        assert "checkpoints/v2-crashed/model.safetensors" not in left
+        assert {k for k, _, _ in named} <= set(left)
+        with pytest.raises(CheckpointError, match="already exists"):
+            save_checkpoint(buf, model, publish=Publish(version=1, run_id="other", consumed=[]))
+        assert [k.path for k in list_checkpoints(buf)] == [ck.path]
+
+
+def test_train_and_generate_on_other_hosts_of_an_s3_buffer(pg, env, cli, tmp_path):
+    """The commands on three hosts of one PostgreSQL + S3 buffer: a curation made on host a is trained
+    on host b from its cold cache (curated and referenced rollouts shards fetched, verified), and
+    host c generates from that checkpoint by name (`--model checkpoint:latest`), stamped with its
+    version."""
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b, c = (str(tmp_path / h) for h in "abc")
+    for host in (a, b, c):
+        assert cli("init", host, "--catalog", dsn, "--data", url).code == 0
+    assert cli("generate", a, "--num-prompts", "4", "--group-size", "4").code == 0
+    res = cli("curate", a, "-r", "grpo")
+    assert res.code == 0, res.stderr
+    res = cli("train", b, "--micro-batch-size", "8")
+    assert res.code == 0, res.stderr
+    assert "v1: trained 1 shard(s)" in res.stdout
+    res = cli("generate", c, "--model", "checkpoint:latest", "--num-prompts", "2", "--group-size", "2")
+    assert res.code == 0, res.stderr
+    with Buffer.open(c) as buf:
+        rows = buf.snapshot().arrow("rollouts").to_table(columns=["policy_version"]).column(0).to_pylist()
+    assert sorted(set(rows)) == [0, 1]
+    res = cli("generate", c, "--model", "checkpoint:9", "--num-prompts", "2")
+    assert res.code != 0 and "no such checkpoint" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_gc_deletes_orphan_objects_and_retired_shards_objects(pg, env, tmp_path):

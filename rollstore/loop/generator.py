@@ -18,6 +18,7 @@ from rich.progress import Progress
 
 from rollstore.loop.generate import GenerationConfig, StepStamp
 from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import RollstoreError
 
 
 def _next_step(buf: Buffer, run_id: str) -> int:
@@ -26,6 +27,26 @@ def _next_step(buf: Buffer, run_id: str) -> int:
     with buf.snapshot() as snap, Session(snap) as s:
         row = s.one("SELECT max(step) FROM rollouts WHERE run_id = $r", {"r": run_id})
     return 0 if row[0] is None else int(row[0]) + 1
+
+
+CHECKPOINT = "checkpoint:"
+
+
+def _checkpoint_dir(buf: Buffer, model: str) -> str:
+    """`checkpoint:latest` or `checkpoint:N`: that checkpoint of this buffer (on a store's buffer,
+    fetched into this host's cache, verified), so a generator on any host names it the same way."""
+    from rollstore.learner.checkpoint import latest_checkpoint, list_checkpoints
+
+    which = model[len(CHECKPOINT):]
+    if which == "latest":
+        ck = latest_checkpoint(buf)
+    elif which.isdigit():
+        ck = next((c for c in list_checkpoints(buf) if c.version == int(which)), None)
+    else:
+        raise RollstoreError(f"--model {model}: give checkpoint:latest or checkpoint:N (a published version)")
+    if ck is None:
+        raise RollstoreError(f"--model {model}: {buf.root} has no such checkpoint")
+    return ck.dir
 
 
 def checkpoint_version(model_dir: str) -> int:
@@ -74,7 +95,7 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
     from rollstore.loop.step import StepWriter
 
     buf = Buffer.open(buffer)
-    model_dir = resolve_model(model)
+    model_dir = _checkpoint_dir(buf, model) if model.startswith(CHECKPOINT) else resolve_model(model)
     version = checkpoint_version(model_dir) if policy_version is None else policy_version
     if follow:
         ck = latest_checkpoint(buf)

@@ -23,7 +23,8 @@ from rich.console import Console
 
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError, unknown_curation
-from rollstore.storage.verify import verify_references, verify_shards
+from rollstore.storage.store import cache_shards
+from rollstore.storage.verify import verify_references, verify_shards, verify_training_inputs
 
 if TYPE_CHECKING:
     from rollstore.learner.config import TrainConfig
@@ -96,7 +97,9 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     try:
         if not follow:
             if dist.is_main:
-                verify_shards(buf.root, [s for s in buf.manifest.shards("curated") if not curations or s.key in curations])
+                wanted = [s for s in buf.manifest.shards("curated") if not curations or s.key in curations]
+                cache_shards(buf.root, buf.manifest, wanted)  # a store's buffer: into this host's cache, verified
+                verify_shards(buf.root, wanted)
             dist.barrier()
             cks = train(at=RunPosition(run_id, version, step), pending=Pending(curations or None, per="curation"))
             report(cks)
@@ -111,8 +114,8 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
                 _lease_id, shards = buf.lease("curated", 64, consumer, group=group, ttl=3600.0)
                 if curations:
                     shards = [s for s in shards if s.key in set(curations)]
-                if shards:
-                    verify_shards(buf.root, shards)
+                if shards:  # (and the rollouts shards they refer to; a store's buffer: cached first)
+                    verify_training_inputs(buf.root, buf.manifest, shards)
                     verify_references(buf.root, buf.manifest, shards)
             shards = dist.broadcast(shards)
             stop = dist.broadcast(not shards and bool(max_idle) and time.monotonic() - idle_since > max_idle)

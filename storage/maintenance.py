@@ -279,6 +279,50 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
 
 
 @dataclass
+class TrimReport:
+    files_removed: int = 0
+    bytes_freed: int = 0
+    bytes_left: int = 0
+
+
+def trim_cache(buf: Buffer, max_bytes: int, grace_s: float = DEFAULT_GRACE_S) -> TrimReport:
+    """A store's buffer: remove this host's cached copies (of shards and checkpoint files, which the
+    store keeps), least recently used first (the later of access and modification time), until the
+    cache holds at most `max_bytes`; a copy used within `grace_s` is kept whatever the size (a reader
+    of this host may be about to open it). A removed copy is fetched again, verified, when next read.
+    Files no row names are gc's, never this function's."""
+    store = getattr(buf.manifest, "store", None)
+    if store is None:
+        raise RollstoreError(f"{buf.root}: its shards live in its folder, not in object storage: there is no "
+                             "cache to trim")
+    if not (max_bytes >= 0 and math.isfinite(max_bytes) and grace_s >= 0 and math.isfinite(grace_s)):
+        raise RollstoreError(f"trim: {max_bytes!r} bytes and a grace of {grace_s!r} s must be finite numbers ≥ 0")
+    now = time.time()
+    cached: list[tuple[float, int, str]] = []
+    for top in (*DATA_DIRS, "checkpoints"):
+        for dirpath, _dirs, files in os.walk(os.path.join(buf.root, top)):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(full)
+                except FileNotFoundError:
+                    continue
+                cached.append((max(st.st_atime, st.st_mtime), st.st_size, os.path.relpath(full, buf.root)))
+    named = buf.manifest.protected([rel for _, _, rel in cached])  # rows (or live intents): copies of the store's
+    report = TrimReport(bytes_left=sum(size for _, size, rel in cached if rel in named))
+    for used, size, rel in sorted(cached):
+        if report.bytes_left <= max_bytes:
+            break
+        if rel not in named or now - used < grace_s:
+            continue
+        if _remove(os.path.join(buf.root, rel)):
+            report.files_removed += 1
+            report.bytes_freed += size
+        report.bytes_left -= size
+    return report
+
+
+@dataclass
 class CompactReport:
     merged_shards: int = 0
     new_shards: int = 0

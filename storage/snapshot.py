@@ -58,7 +58,6 @@ class Snapshot:
         self.seq = seq
         self._manifest = manifest
         self._pin = _try_pin(manifest, seq) if pin else None  # pin before listing: gc keeps what we list
-        self._cached: set[str] = set()  # tables whose shards are in the local cache (a store's buffer)
         try:
             collected, latest = manifest.collected_seq(), manifest.latest_seq()
             if not 0 <= seq <= latest:  # a future seq would change as commits land
@@ -97,11 +96,9 @@ class Snapshot:
         if table not in self._shards:
             raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
                               f"(tables: {', '.join(TABLES)})")
-        if getattr(self._manifest, "store", None) is not None:
+        if getattr(self._manifest, "store", None) is not None:  # (each time: `trim_cache` may have removed a copy)
             for name in (table, "rollouts") if table == "curated" else (table,):
-                if name not in self._cached:
-                    cache_shards(self.root, self._manifest, self._shards[name])
-                    self._cached.add(name)
+                cache_shards(self.root, self._manifest, self._shards[name])
         return self._shards[table]
 
     def shards(self, table: str) -> list[Shard]:

@@ -221,6 +221,26 @@ def test_writers_are_serialised_in_the_catalog_and_seqs_follow_commit_order(pgbu
         b.close()
 
 
+def test_only_intents_commit_without_waiting_for_the_wal_flush(pgbuf):
+    """A writer's intents (outside the buffer's lock) commit without a WAL flush: losing one in a
+    server crash only fences its writer. Every locked transaction (commits, leases, acks, pins) and
+    gc's own intents wait for it."""
+    from rollstore.storage.catalog_pg import _locked
+
+    with Buffer.open(pgbuf) as buf:
+        man = buf.manifest
+        assert man.con.execute("SHOW synchronous_commit").fetchone()[0] == "off"
+        with man.transaction() as con:
+            assert con.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+        with _locked(man.con, None) as con:  # gc's intents
+            assert con.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+        assert man.con.execute("SHOW synchronous_commit").fetchone()[0] == "off"
+        with man.owning("rollouts/none.parquet") as mine:
+            assert mine
+        buf.append_rollouts(_rollouts(0))
+        assert man.con.execute("SELECT count(*) FROM intents").fetchone()[0] == 0
+
+
 def test_two_writers_of_one_path_one_wins_and_its_file_stays(pgbuf):
     table = _rollouts(0)  # e.g. two hosts finishing one deterministic curation: same path, same bytes
     rids, gids = table.column("rollout_id").to_pylist(), table.column("group_id").to_pylist()

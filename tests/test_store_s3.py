@@ -318,3 +318,40 @@ def test_verify_on_another_host_checks_the_objects_through_its_cache(pg, env, cl
     assert res.code == 1 and "cannot read" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     with Buffer.open(a) as buf:
         assert len(buf.manifest.shards("rollouts")) == 2  # nothing retired
+
+
+def test_the_cache_is_trimmed_least_recently_used_first_and_refetched_verified(pg, env, cli, tmp_path):
+    """`trim_cache` (`rollstore gc --cache-max`): cached copies of the store's files go, least recently
+    used first, never one used within the grace period nor a file no row names (gc's); a read after
+    it fetches them again, verified, and reads the same rows. An embedded buffer has no cache: one line."""
+    import time
+
+    import rollstore.storage.maintenance as maintenance
+    from rollstore.storage.errors import RollstoreError
+
+    dsn, url = pg.fresh_dsn(), env.fresh_url()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with Buffer.init(a, catalog=dsn, data=url) as buf:
+        shards = [buf.append_rollouts(_rollouts(step)) for step in range(4)]
+    with Buffer.init(b, catalog=dsn, data=url) as buf:
+        before = buf.snapshot().arrow("rollouts").to_table().sort_by("rollout_id")
+        copies = [os.path.join(b, s.path) for s in shards]
+        for age, path in zip((400, 300, 200, 100), copies):  # the first was used longest ago
+            os.utime(path, (time.time() - age, time.time() - age))
+        stray = os.path.join(b, "rollouts", "not-named.parquet")
+        open(stray, "wb").close()
+        os.utime(stray, (time.time() - 1000, time.time() - 1000))
+        keep = sum(s.bytes for s in shards[2:])
+        r = maintenance.trim_cache(buf, keep, grace_s=150)
+        assert (r.files_removed, r.bytes_left) == (2, keep)
+        assert [os.path.exists(p) for p in copies] == [False, False, True, True] and os.path.exists(stray)
+        r = maintenance.trim_cache(buf, 0, grace_s=150)  # the one used 100 s ago is within the grace period
+        assert [os.path.exists(p) for p in copies] == [False, False, False, True]
+        assert r.bytes_left == shards[3].bytes
+        after = buf.snapshot().arrow("rollouts").to_table().sort_by("rollout_id")
+        assert after.equals(before) and all(os.path.exists(p) for p in copies)
+    res = cli("gc", b, "--cache-max", "1GB")
+    assert res.code == 0 and "cache: removed 0 cached copies" in res.stdout
+    with Buffer.init(str(tmp_path / "embedded")) as buf:
+        with pytest.raises(RollstoreError, match="no cache to trim"):
+            maintenance.trim_cache(buf, 0)

@@ -234,12 +234,19 @@ def info(buffer: str, format: str = typer.Option("table", "--format", "-f", help
 
 @app.command("gc")
 @guarded
-def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an orphan must be old before removal.")):
+def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an orphan must be old before removal."),
+        cache_max: Optional[str] = memory(None, "--cache-max", help="A buffer in object storage: also trim this "
+                                          "host's cache to this size (e.g. 50GB), least recently used first.")):
     """Remove orphaned files (crashed writes) and files of compacted shards no snapshot needs."""
-    from rollstore.storage.maintenance import gc
+    from rollstore.queries.session import parse_memory_limit
+    from rollstore.storage.maintenance import gc, trim_cache
 
     with open_buffer(buffer) as buf:
         r = gc(buf, grace)
+        if cache_max is not None:
+            t = trim_cache(buf, parse_memory_limit(cache_max), grace)
+            out.print(f"cache: removed {t.files_removed} cached copies ({t.bytes_freed} bytes); {t.bytes_left} bytes "
+                      "cached")
     out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards and "
               f"{r.spill_dirs_removed} spill folders ({r.bytes_freed} bytes)")
     if r.retired_skipped:

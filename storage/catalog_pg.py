@@ -830,6 +830,9 @@ class PgManifest(Manifest):
             self._beat.join(5)
         self.con.close()
 
+    def _has_moved(self, con) -> bool:
+        return con.execute("SELECT to_regclass('moved') IS NOT NULL").fetchone()[0]
+
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:
             return []

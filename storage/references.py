@@ -136,16 +136,21 @@ def buffer_moves(root: str, fresh: bool = False) -> Moves:
 
 
 def locate(rel: str, root: str, live: set[str] | None, moves: Moves | None) -> tuple[str, int] | None:
-    """(the rollouts shard that holds the rows of `rel` now, the offset of its row 0 there): `rel`
-    itself when live (in `live`; present on disk when `live` is None), else the end of its `moved`
-    chain that is (`moves`: the buffer's, read from its manifest when None); None when neither."""
+    """(the rollouts shard to read the rows of `rel` from, the offset of its row 0 there), or None.
+
+    With `live` (a snapshot's live rollouts paths): `rel` itself when live, else the first shard of
+    its `moved` chain that is. Without: the last shard of the chain whose file is present (a
+    compacted shard's file may still be on disk until gc; its rows are read where they are now).
+    `moves`: the buffer's `moved` rows; when None, read from its manifest (again, fresh, when the
+    process's copy finds nothing)."""
     def here(path: str) -> bool:
         return path in live if live is not None else os.path.exists(os.path.join(root, path))
 
-    if here(rel):
+    if live is not None and rel in live:
         return rel, 0
     for fresh in (None,) if moves is not None else (False, True):  # the cached rows, then the manifest's
         table = moves if fresh is None else buffer_moves(root, fresh)
+        found = (rel, 0) if live is None and here(rel) else None
         path, offset = rel, 0
         for _ in range(len(table)):  # a chain never repeats a path: at most one hop per row
             if path not in table:
@@ -153,7 +158,11 @@ def locate(rel: str, root: str, live: set[str] | None, moves: Moves | None) -> t
             path, step = table[path]
             offset += step
             if here(path):
-                return path, offset
+                found = (path, offset)
+                if live is not None:
+                    break
+        if found is not None:
+            return found
     return None
 
 
@@ -204,7 +213,16 @@ def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source
                 f"{source}: refers to rollouts shard {rel}, which is not live in the buffer (quarantined "
                 f"or removed); this curation cannot be trained or exported: curate again")
         where = np.flatnonzero(codes == k)
-        pieces.append(_rows_of(os.path.join(root, at[0]), positions[where] + at[1], source))
+        try:
+            piece = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source)
+        except UnreadableShard:
+            if live_set is not None or os.path.exists(os.path.join(root, at[0])):
+                raise
+            at = locate(rel, root, None, None)  # gone meanwhile (gc after a compaction): where its rows are now
+            if at is None:
+                raise
+            piece = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source)
+        pieces.append(piece)
         order.append(where)
     fetched = pa.concat_tables(pieces)
     back = np.empty(n, np.int64)

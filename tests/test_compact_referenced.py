@@ -227,3 +227,42 @@ def test_kill_9_compaction_beside_train(buffer_dir, tmp_path):
         assert len(buf.manifest.shards("rollouts")) == 1
     check(root, expected, appended)
     print(f"trials={len(trials)} outcomes={outcomes} curated={len(expected)} rollouts={len(appended)}")
+
+
+@pytest.fixture(scope="module")
+def pg():
+    import pg_server
+
+    missing = pg_server.why_missing()
+    if missing:
+        pytest.skip(f"PostgreSQL catalog tests: {missing}")
+    server = pg_server.start()
+    yield server
+    server.stop()
+
+
+def test_a_postgresql_catalog_moves_references_the_same_way(pg, tmp_path, cli):
+    """The catalog contract is shared: compaction of referenced shards, moves followed, training
+    after it trains each curated shard once, a second compaction chains the moves."""
+    root = str(tmp_path / "buf")
+    Buffer.init(root, catalog=pg.fresh_dsn()).close()
+    expected, appended = {}, []
+    add_steps(root, range(3), expected, appended)
+    with Buffer.open(root) as buf:
+        assert buf.manifest.moves() == {}  # no `moved` table yet: none, and no error
+        assert maintenance.compact(buf).merged_shards == 3
+        maintenance.gc(buf, grace_s=0)
+    check(root, expected, appended)
+    res = cli("train", root, "--model", "builtin:tiny", "--run-id", RUN)
+    assert res.code == 0, res.stderr
+    add_steps(root, range(3, 5), expected, appended)
+    with Buffer.open(root) as buf:
+        assert maintenance.compact(buf).merged_shards == 3
+        maintenance.gc(buf, grace_s=0)
+        assert len(buf.manifest.shards("rollouts")) == 1 and len(buf.manifest.moves()) == 6
+    check(root, expected, appended)
+    res = cli("train", root, "--model", "builtin:tiny", "--run-id", RUN)
+    assert res.code == 0, res.stderr
+    with Buffer.open(root) as buf:
+        assert sorted(consumed(buf)) == sorted(expected)
+    assert cli("verify", root).code == 0

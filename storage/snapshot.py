@@ -243,7 +243,13 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
     for name in tables or list(TABLES):
         files = files_of(name)
         if name == "curated" and files:
-            con.execute(f"CREATE OR REPLACE VIEW curated AS {curated_view(files, files_of('rollouts'), root, moves)}")
+            if moves:  # a table, not a VALUES list in the view: a long run's thousands of moves bind once
+                con.register("_moved_rows", pa.table({"moved": list(moves), "shard": [v[0] for v in moves.values()],
+                                                      "row_offset": [v[1] for v in moves.values()]}))
+                con.execute(f"CREATE OR REPLACE TABLE {MOVED_TABLE} AS SELECT * FROM _moved_rows")
+                con.unregister("_moved_rows")
+            con.execute(f"CREATE OR REPLACE VIEW curated AS "
+                        f"{curated_view(files, files_of('rollouts'), root, bool(moves))}")
         elif name == "rollouts" and files:
             con.execute(f"CREATE OR REPLACE VIEW rollouts AS SELECT * FROM {rollouts_relation(files, union_by_name=True)}")
         elif files:
@@ -259,11 +265,15 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
             con.unregister(f"_empty_{name}")
 
 
-def curated_view(curated: list[str], rollouts: list[str], root: str, moves: dict | None = None) -> str:
+MOVED_TABLE = "_rollstore_moved"  # `Snapshot.moves` as a table of the connection (moved, shard, row_offset)
+
+
+def curated_view(curated: list[str], rollouts: list[str], root: str, moved: bool = False) -> str:
     """The SELECT of the `curated` view (the `CURATED` columns): thin shards' references joined to
-    the snapshot's rollouts rows by (file, row position) — a reference to a compacted shard at its
-    place in the shard its rows moved to (`moves`, as `Snapshot.moves`) — the rollout_id checked by
-    the join; kept runs expanded to the loss mask; materialised (version 1) shards as stored."""
+    the snapshot's rollouts rows by (file, row position) — with `moved`, a reference to a compacted
+    shard at its place in the shard its rows moved to (the table `MOVED_TABLE`) — the rollout_id
+    checked by the join; kept runs expanded to the loss mask; materialised (version 1) shards as
+    stored."""
     thin, full = [], []
     for path in curated:
         (thin if is_thin(pq.read_schema(path)) else full).append(path)
@@ -278,9 +288,8 @@ def curated_view(curated: list[str], rollouts: list[str], root: str, moves: dict
                 "NULL::INTEGER[] AS prompt_token_ids, NULL::INTEGER[] AS response_token_ids, "
                 "NULL::FLOAT[] AS gen_logprobs, NULL::FLOAT[] AS old_logprobs WHERE false)")
         join = f"JOIN {rows} r ON r.filename = {prefix} || c.rollouts_shard AND r.file_row_number = c.rollouts_row "
-        if moves:  # references to compacted shards: at their rows' place in the shard they moved to
-            values = ", ".join(f"({sql_string(a)}, {sql_string(b)}, {int(o)})" for a, (b, o) in sorted(moves.items()))
-            join = (f"LEFT JOIN (VALUES {values}) m(moved, shard, row_offset) ON m.moved = c.rollouts_shard "
+        if moved:  # references to compacted shards: at their rows' place in the shard they moved to
+            join = (f"LEFT JOIN {MOVED_TABLE} m ON m.moved = c.rollouts_shard "
                     f"JOIN {rows} r ON r.filename = {prefix} || coalesce(m.shard, c.rollouts_shard) "
                     "AND r.file_row_number = c.rollouts_row + coalesce(m.row_offset, 0) ")
         selects.append(

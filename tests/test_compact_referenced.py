@@ -7,7 +7,8 @@ follows it. `check` is the invariant every test here ends with:
   resolve (`storage.verify.scan`, `scan_references`);
 - the curated shards are exactly those the curations committed, and each resolves to the very
   rows it resolved to before any compaction, through the learner's reader (no snapshot: files on
-  disk), a snapshot (`Snapshot.curated`) and the DuckDB `curated` view;
+  disk), a snapshot (`Snapshot.curated`), the DuckDB `curated` view and a frozen snapshot's view
+  (a Dask worker's);
 - the live rollouts hold every appended rollout exactly once, the id tables name live shards, and
   every retired rollouts shard's rows were moved (no half-done compaction: retired without a move);
 - nothing was trained twice: the run's checkpoints consume each curated shard at most once.
@@ -82,6 +83,9 @@ def check(root: str, expected: dict, appended: list) -> None:
         rows, tokens = con.execute("SELECT count(*), sum(len(loss_mask)) FROM curated").fetchone()
         want = pa.concat_tables(expected.values())
         assert (rows, tokens) == (want.num_rows, sum(len(m) for m in want.column("loss_mask").to_pylist()))
+        frozen = duckdb.connect()  # what a Dask worker reads: the file lists and the moves, no manifest
+        snap.frozen().register_duckdb(frozen, ["rollouts", "curated"])
+        assert frozen.execute("SELECT count(*), sum(len(loss_mask)) FROM curated").fetchone() == (rows, tokens)
         ids = con.execute("SELECT rollout_id FROM rollouts").fetchall()
         assert sorted(r[0] for r in ids) == sorted(appended), "a rollout was lost or duplicated"
         live = {s.path for s in snap.shards("rollouts")}

@@ -270,3 +270,27 @@ def test_a_postgresql_catalog_moves_references_the_same_way(pg, tmp_path, cli):
     with Buffer.open(root) as buf:
         assert sorted(consumed(buf)) == sorted(expected)
     assert cli("verify", root).code == 0
+
+
+def test_a_shard_gc_removes_while_the_learner_reads_it_is_read_where_its_rows_went(buffer_dir, monkeypatch):
+    """The learner's reader (no snapshot) chose a compacted shard's old file, still on disk; gc
+    removes it before the read: the rows are read from the shard they moved to."""
+    from rollstore.storage import references
+
+    expected, appended = {}, []
+    add_steps(buffer_dir, range(2), expected, appended)  # this process has read the buffer's moves (none)
+    with Buffer.open(buffer_dir) as buf:
+        assert maintenance.compact(buf).merged_shards == 2  # the old files stay until gc
+    real, removed = references._rows_of, []
+
+    def gc_first(path, positions, source, columns=references.RESOLVED_COLUMNS):
+        if not removed:
+            removed.append(os.path.relpath(path, buffer_dir))
+            os.unlink(path)  # as gc would, between choosing the file and reading it
+        return real(path, positions, source, columns)
+
+    monkeypatch.setattr(references, "_rows_of", gc_first)
+    for rel, rows in expected.items():
+        assert read_curated([os.path.join(buffer_dir, rel)]).equals(rows)
+    with Buffer.open(buffer_dir) as buf:
+        assert removed and removed[0] in buf.manifest.moves()  # an old file was the one removed

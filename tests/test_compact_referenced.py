@@ -41,6 +41,7 @@ from rollstore.learner.batches import read_curated
 from rollstore.learner.checkpoint import list_checkpoints
 from rollstore.storage import maintenance
 from rollstore.storage.buffer import Buffer
+from rollstore.storage.errors import ManifestError
 from rollstore.storage.references import locate
 from rollstore.storage.verify import scan, scan_references
 
@@ -138,7 +139,8 @@ def test_compaction_merges_referenced_shards_and_answers_as_before(buffer_dir, c
 
 def test_a_compacted_buffer_is_refused_by_an_older_manifest_reader(buffer_dir):
     """The first move makes the manifest version 2 (an older rollstore, which would not follow
-    the moves, refuses the buffer in one line); version 1 without moves stays version 1."""
+    the moves, refuses the buffer in one line, as this one refuses a version it does not know);
+    version 1 without moves stays version 1."""
     expected, appended = {}, []
     add_steps(buffer_dir, range(2), expected, appended)
     with Buffer.open(buffer_dir) as buf:
@@ -146,6 +148,10 @@ def test_a_compacted_buffer_is_refused_by_an_older_manifest_reader(buffer_dir):
         assert buf.manifest.con.execute(version).fetchone()[0] == "1" and buf.manifest.moves() == {}
         maintenance.compact(buf)
         assert buf.manifest.con.execute(version).fetchone()[0] == "2"
+        buf.manifest.con.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")  # a newer format
+    with pytest.raises(ManifestError, match=r"manifest schema version '3', this rollstore reads versions 1 and 2; "
+                                            "use the rollstore that wrote it$"):
+        Buffer.open(buffer_dir)
 
 
 CHILD = r"""

@@ -228,11 +228,16 @@ def already_committed(buf: Buffer, curation_id: str) -> bool:
     return buf.manifest.live_key_count("curations", curation_id) > 0
 
 
-def retired_paths(con, paths) -> list[str]:
-    """Of the rollouts shard `paths`, those no live manifest row names (inside `con`'s transaction)."""
+def retired_paths(con, paths, manifest) -> list[str]:
+    """Of the rollouts shard `paths`, those no live manifest row names and whose rows no compaction
+    moved into another shard (inside `con`'s transaction; references to a moved shard resolve)."""
     live = {r[0] for r in con.execute(
         "SELECT path FROM shards WHERE table_name = 'rollouts' AND removed_seq IS NULL")}
-    return [p for p in paths if p not in live]
+    gone = [p for p in paths if p not in live]
+    if gone:
+        moved = manifest.moves(con)
+        gone = [p for p in gone if p not in moved]
+    return gone
 
 
 class _AlreadyCommitted(Exception):
@@ -333,7 +338,7 @@ def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, reference
     def refuse_duplicate(con, _seq, _ids):
         if buf.manifest.live_key_count("curations", curation_id, con) > 1:
             raise _AlreadyCommitted()
-        gone = retired_paths(con, referenced)
+        gone = retired_paths(con, referenced, buf.manifest)
         if gone:
             raise CurationError(f"rollouts shard {gone[0]} was retired while this curation ran (compaction or "
                                 "quarantine); nothing was committed: curate again")

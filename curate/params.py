@@ -1,6 +1,9 @@
 """Curation parameters (docs/curation.md §Parameters), recipes as presets, `--set` parsing, schedules.
 
 Invariants:
+- Each parameter is defined once, in `PARAMETERS` (name, type, range, default, enum, doc line):
+  the defaults, `coerce`'s range rules, `resolve`, the docs' table (`parameter_table`, checked by
+  tests/test_params.py) and the reference implementation's defaults (tests/reference.py) read it.
 - Every recipe accepts every parameter; a recipe only sets defaults. Unknown names, a name given
   twice, values out of range and fractions of the other schedule are errors (one line each).
 - Fractions and `progress` are exact rationals (`Fraction`) from the decimal text as written; budgets
@@ -43,60 +46,108 @@ class CurationError(RollstoreError):
     """The run cannot proceed (empty batch, missing entropies, bad custom SQL, ...)."""
 
 
-ENUMS = {
-    "truncated": ("keep", "drop"),
-    "std": ("sample", "population", "none"),
-    "filter": ("none", "dynamic"),
-    "amplify": ("none", "da3po", "group"),
-    "sample": ("none", "pods", "in_group", "cross_group"),
-    "token": ("none", "abs_adv_entropy", "entropy"),
-    "schedule": ("static", "linear"),
-    "replay": ("none", "groups", "rollouts", "window"),
-    "prompt_skip": ("none", "greso"),
-}
-FRACTIONS = (
-    "sample_fraction", "sample_fraction_start", "sample_fraction_end",
-    "token_fraction", "token_fraction_start", "token_fraction_end",
-)
-DEFAULTS: dict[str, object] = {
-    "where": None,
-    "current_version": None,
-    "max_policy_lag": None,
-    "max_reuse": None,
-    "truncated": "keep",
-    "std": "sample",
-    "filter": "none",
-    "amplify": "none",
-    "amplify_tau": Fraction(1, 2),
-    "amplify_max": Fraction(3),
-    "difficulty_window": 4,
-    "difficulty_prior": Fraction(2),
-    "sample": "none",
-    "sample_fraction": Fraction(1, 4),
-    "sample_fraction_start": Fraction(1, 4),
-    "sample_fraction_end": Fraction(1),
-    "token": "none",
-    "token_fraction": Fraction(1, 5),
-    "token_fraction_start": Fraction(1, 5),
-    "token_fraction_end": Fraction(1),
-    "schedule": "static",
-    "progress": Fraction(0),
-    "replay": "none",
-    "replay_window": 2,
-    "replay_max_uses": 2,
-    "replay_count": None,
-    "replay_decay": Fraction(1, 2),
+@dataclass(frozen=True)
+class Param:
+    """One curation parameter, defined once: `resolve`, its range check (`coerce`), the defaults,
+    docs/curation.md §Parameters (`parameter_table`) and the reference tests read this.
+
+    `kind`: "sql" (a predicate), "enum" (one of `values`), "int" or "number" (an exact rational),
+    within [`low`, `high`] (`low_open`: the low end excluded); `nullable`: `none` is a value too."""
+
+    name: str
+    kind: str
+    default: object
+    doc: str
+    values: tuple[str, ...] = ()
+    low: Fraction | None = None
+    high: Fraction | None = None
+    low_open: bool = False
+    nullable: bool = False
+    default_doc: str | None = None  # the docs' words for a default computed at run time
+
+    def range_text(self) -> str:
+        """The values it takes, as the docs and the errors say them."""
+        if self.kind == "sql":
+            return "SQL predicate"
+        if self.kind == "enum":
+            return " / ".join(f"`{v}`" for v in self.values)
+        if self.high is not None:
+            return f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
+        text = f"{'int ' if self.kind == 'int' else ''}≥ {_num(self.low)}"
+        return text + (" or `none`" if self.nullable else "")
+
+    def default_text(self) -> str:
+        if self.default_doc is not None:
+            return self.default_doc
+        if self.default is None or self.kind == "enum":
+            return f"`{'none' if self.default is None else self.default}`"
+        return _num(self.default)
+
+
+def _num(f) -> str:
+    """An exact number as its shortest decimal (0.25, 3)."""
+    f = Fraction(f)
+    return str(f.numerator) if f.denominator == 1 else format(Decimal(f.numerator) / Decimal(f.denominator), "f")
+
+
+_UNIT = dict(low=Fraction(0), high=Fraction(1), low_open=True)  # (0, 1]
+_SHARE = dict(low=Fraction(0), high=Fraction(1))  # [0, 1]
+PARAMETERS: tuple[Param, ...] = (
+    Param("where", "sql", None, "which snapshot rows form the batch. Default: `run_id = R AND step = S` of the "
+          "row with the greatest (`created_at`, `run_id`, `step`)", nullable=True,
+          default_doc="latest step of the latest run"),
+    Param("current_version", "int", None, "\"now\", for staleness and the difficulty window", low=Fraction(0),
+          nullable=True, default_doc="highest `checkpoints.version`, else max `policy_version` of the snapshot"),
+    Param("max_policy_lag", "int", None, "§Eligibility `stale`", low=Fraction(0), nullable=True),
+    Param("max_reuse", "int", None, "§Eligibility `reused`", low=Fraction(1), nullable=True),
+    Param("truncated", "enum", "keep", "§Eligibility `truncated`", ("keep", "drop")),
+    Param("std", "enum", "sample", "§Advantages", ("sample", "population", "none")),
+    Param("filter", "enum", "none", "§Dynamic sampling", ("none", "dynamic")),
+    Param("amplify", "enum", "none", "§Amplification", ("none", "da3po", "group")),
+    Param("amplify_tau", "number", Fraction(1, 2), "hard-group threshold τ", **_UNIT),
+    Param("amplify_max", "number", Fraction(3), "w_max", low=Fraction(1)),
+    Param("difficulty_window", "int", 4, "policy versions of difficulty history W", low=Fraction(1)),
+    Param("difficulty_prior", "number", Fraction(2), "Beta prior strength s", low=Fraction(0)),
+    Param("sample", "enum", "none", "§Sample selection", ("none", "pods", "in_group", "cross_group")),
+    Param("sample_fraction", "number", Fraction(1, 4), "f, with `schedule=static`", **_UNIT),
+    Param("sample_fraction_start", "number", Fraction(1, 4), "f0, with `schedule=linear`", **_UNIT),
+    Param("sample_fraction_end", "number", Fraction(1), "f1, with `schedule=linear`", **_UNIT),
+    Param("token", "enum", "none", "§Token selection", ("none", "abs_adv_entropy", "entropy")),
+    Param("token_fraction", "number", Fraction(1, 5), "κ, with `schedule=static`", **_UNIT),
+    Param("token_fraction_start", "number", Fraction(1, 5), "κ0, with `schedule=linear`", **_UNIT),
+    Param("token_fraction_end", "number", Fraction(1), "κ1, with `schedule=linear`", **_UNIT),
+    Param("schedule", "enum", "static", "§Schedule", ("static", "linear")),
+    Param("progress", "number", Fraction(0), "training progress t", **_SHARE),
+    Param("replay", "enum", "none", "[replay.md](replay.md)", ("none", "groups", "rollouts", "window")),
+    Param("replay_window", "int", 2, "τ_max, in policy versions", low=Fraction(1)),
+    Param("replay_max_uses", "int", 2, "uses of a rollout in all", low=Fraction(1)),
+    Param("replay_count", "int", None, "`rollouts` mode: replayed rows at most (`none`: as many as the fresh pool)",
+          low=Fraction(1), nullable=True),
+    Param("replay_decay", "number", Fraction(1, 2), "priority × decay^(age − 1)", **_UNIT),
     # pre-rollout prompt selection (docs/curation.md §Before generation; curate.prompts)
-    "prompt_skip": "none",
-    "skip_window": 8,
-    "skip_target": Fraction(1, 4),
-    "skip_explore_start": Fraction(1, 2),
-    "skip_explore_min": Fraction(1, 20),
-    "skip_step": Fraction(1, 20),
-}
-SKIP_FRACTIONS = ("skip_explore_start", "skip_explore_min", "skip_step")
+    Param("prompt_skip", "enum", "none", "§Before generation: pre-rollout prompt selection, run by the loop",
+          ("none", "greso")),
+    Param("skip_window", "int", 8, "a prompt's newest groups in the run that z is counted over", low=Fraction(1)),
+    Param("skip_target", "number", Fraction(1, 4), "target share of zero-variance groups among the groups a step "
+          "generates (the `greso` recipe presets 0.1)", **_SHARE),
+    Param("skip_explore_start", "number", Fraction(1, 2), "the exploration rates p_e of both kinds at the run's "
+          "first selection", **_UNIT),
+    Param("skip_explore_min", "number", Fraction(1, 20), "the floor of the rates: no prompt is skipped with "
+          "certainty", **_UNIT),
+    Param("skip_step", "number", Fraction(1, 20), "how far a rate moves per step", **_UNIT),
+)
+PARAMS_BY_NAME = {p.name: p for p in PARAMETERS}
+DEFAULTS: dict[str, object] = {p.name: p.default for p in PARAMETERS}
+ENUMS = {p.name: p.values for p in PARAMETERS if p.kind == "enum"}
 STATIC_ONLY = ("sample_fraction", "token_fraction")
 LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_start", "token_fraction_end")
+
+
+def parameter_table() -> str:
+    """docs/curation.md §Parameters' table, generated from `PARAMETERS` (a test checks the docs)."""
+    lines = ["| parameter | values (default) | meaning |", "|---|---|---|"]
+    lines += [f"| `{p.name}` | {p.range_text()} ({p.default_text()}) | {p.doc} |" for p in PARAMETERS]
+    return "\n".join(lines)
 
 
 # Every number a parameter takes is at most 10^18 in magnitude and has at most 18 decimal places:
@@ -146,44 +197,28 @@ def _is_none(value: object) -> bool:
 
 
 def coerce(name: str, value: object) -> object:
-    """Parse and range-check one parameter value."""
-    if name not in DEFAULTS:
+    """Parse and range-check one parameter value (its `Param` says how)."""
+    p = PARAMS_BY_NAME.get(name)
+    if p is None:
         raise UnknownParameter(f"unknown parameter {name!r}{did_you_mean(name, DEFAULTS)} (known: {', '.join(DEFAULTS)})")
-    if name == "where":
-        if _is_none(value):
-            return None
+    if p.nullable and _is_none(value):
+        return None
+    if p.kind == "sql":
         if not isinstance(value, str) or not value.strip():
-            raise ParamError("parameter where: expected an SQL predicate")
+            raise ParamError(f"parameter {name}: expected an SQL predicate")
         return value.strip()
-    if name in ENUMS:
+    if p.kind == "enum":
         word = "none" if value is None else str(value).strip()
-        if word not in ENUMS[name]:
-            raise ParamError(f"parameter {name}: {value!r} is not one of {', '.join(ENUMS[name])}")
+        if word not in p.values:
+            raise ParamError(f"parameter {name}: {value!r} is not one of {', '.join(p.values)}")
         return word
-    if name in ("max_policy_lag", "max_reuse", "current_version"):
-        if _is_none(value):
-            return None
-        return _int(value, name, {"max_policy_lag": 0, "max_reuse": 1, "current_version": 0}[name])
-    if name in ("difficulty_window", "replay_window", "replay_max_uses", "skip_window"):
-        return _int(value, name, 1)
-    if name == "replay_count":
-        return None if _is_none(value) else _int(value, name, 1)
+    if p.kind == "int":
+        return _int(value, name, int(p.low))
     f = exact(value, name)
-    if name in FRACTIONS or name == "amplify_tau" or name in SKIP_FRACTIONS:
-        if not (0 < f <= 1):
-            raise ParamError(f"parameter {name}: must be in (0, 1], got {value}")
-    elif name in ("progress", "skip_target"):
-        if not (0 <= f <= 1):
-            raise ParamError(f"parameter {name}: must be in [0, 1], got {value}")
-    elif name == "amplify_max":
-        if f < 1:
-            raise ParamError(f"parameter amplify_max: must be ≥ 1, got {value}")
-    elif name == "replay_decay":
-        if not (0 < f <= 1):
-            raise ParamError(f"parameter replay_decay: must be in (0, 1], got {value}")
-    elif name == "difficulty_prior":
-        if f < 0:
-            raise ParamError(f"parameter difficulty_prior: must be ≥ 0, got {value}")
+    below = f <= p.low if p.low_open else f < p.low
+    if below or (p.high is not None and f > p.high):
+        raise ParamError(f"parameter {name}: must be {'in ' if p.high is not None else ''}{p.range_text()}, "
+                         f"got {value}")
     return f
 
 

@@ -210,7 +210,7 @@ class Curation:
             with self.buffer._open() as buf, buf.snapshot(pin=True) as snap:
                 live = [s.path for s in snap.shards("rollouts")]
                 files = [f"{buf.root}/{s.path}" for s in snap.shards("curated") if s.key == self.id]
-                tables = [read_curated_file(f, buf.root, live) for f in files]
+                tables = [read_curated_file(f, buf.root, live, snap.moves()) for f in files]
             self._cache["curated_arrow"] = pa.concat_tables(tables) if tables else CURATED.empty_table()
         return self._cache["curated_arrow"]
 

@@ -110,14 +110,16 @@ CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)
 
 # Schema version 3 (added when a version-1 or 2 catalog is opened): the objects of a store that are not
 # shards (a checkpoint's files), each with the sha256 and size its writer computed, named in the
-# commit that publishes them.
+# commit that publishes them; and `moved` (where compaction moved a retired rollouts shard's rows,
+# as in the embedded manifest), so a rollstore that cannot follow moves refuses the catalog.
 _DDL_3 = """
 CREATE TABLE IF NOT EXISTS objects (
     path TEXT PRIMARY KEY,
     sha256 TEXT NOT NULL,
     bytes BIGINT NOT NULL,
     seq BIGINT NOT NULL
-)
+);
+CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)
 """
 
 # The primary key of each table an `INSERT OR REPLACE` may target, and the serial column whose value
@@ -905,6 +907,9 @@ class PgManifest(Manifest):
         """True when no shard row (live or retired) and no object row names `path`."""
         return self.con.execute("SELECT 1 FROM shards WHERE path = ? UNION ALL SELECT 1 FROM objects WHERE path = ? "
                                 "LIMIT 1", (path, path)).fetchone() is None
+
+    def _has_moved(self, con) -> bool:
+        return con.execute("SELECT to_regclass('moved') IS NOT NULL").fetchone()[0]
 
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:

@@ -24,13 +24,23 @@ Invariants:
 - `compact` replaces small shards of a table by one merged shard in ONE manifest transaction: the
   merged rows are the old rows in commit order, so every query's result is unchanged; the old
   files stay on disk until `gc` finds no snapshot that needs them. Shards that any consumer has
-  leased are never merged (a consumer's ledger refers to shard ids), nor are rollouts shards that a
-  live curated shard refers to (by shard path and row position): a referenced rollouts shard is
-  never rewritten or retired by compaction, so `gc` never deletes one either.
+  leased are never merged (a lease names a shard id).
+- Rollouts shards that curated shards refer to (by shard path and row position) are merged like
+  any other: the same transaction records, per retired shard, where its rows went (`moved`: the
+  new shard and the position of its first row there; `storage.manifest`), and every reader of a
+  reference follows it (`storage.references.locate`). No curated shard, checkpoint, consumed
+  ledger, lease, pin or curation record is rewritten, so nothing that names a curated shard
+  changes: a trained curated shard stays trained, a curation's audit and `why` answer as before.
+  A curation committing meanwhile needs no rollback either (its references are moved with the
+  rest); `migrate` rewrites referenced shards the same way (one shard into one).
+- Killed at any point before its commit, compaction leaves the manifest as it was (the old shards
+  live and readable; what it wrote is an orphan for `gc`); after it, the merged shard is live and
+  the moves are recorded: there is no state in between.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -44,7 +54,6 @@ from .buffer import TABLE_DIRS, Buffer, Part
 from .schema import RESPONSE_LENGTH
 from .errors import ManifestError, RollstoreError
 from .owners import host, owner_gone, owner_prefix, parse
-from .references import referenced_shards
 from .verify import verify_shards
 from .writelock import collecting
 
@@ -329,19 +338,13 @@ class CompactReport:
     rows: int = 0
 
 
-def _referenced(buf: Buffer) -> set[str]:
-    """Rollouts shard paths that live curated shards refer to."""
-    return referenced_shards([os.path.join(buf.root, s.path) for s in buf.manifest.shards("curated")])
-
-
 def compact(
     buf: Buffer, table: str = "rollouts", small_bytes: int = 16 * 1024 * 1024,
     target_bytes: int = COMPACT_TARGET_BYTES,
 ) -> CompactReport:
     """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes.
 
-    A rollouts shard that a live curated shard refers to is never merged (its rows' positions are
-    what the references name); a curation that commits meanwhile makes the compaction roll back.
+    References into merged rollouts shards follow them (`moved`, in the same commit).
 
     Only shards with the same key in the same folder (e.g. one curation's) are merged together."""
     if table not in COMPACTABLE:
@@ -349,10 +352,7 @@ def compact(
     man = buf.manifest
     man.require_writable()  # a write command: refused up front, also when nothing is left to merge
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
-    seen_seq = man.latest_seq()
-    referenced = _referenced(buf) if table == "rollouts" else set()
-    shards = [s for s in man.shards(table)
-              if s.bytes < small_bytes and s.shard_id not in leased and s.path not in referenced]
+    shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
 
     def home(s) -> tuple:  # a merged shard keeps its key and folder (e.g. a curation's)
         return s.key, os.path.dirname(s.path)
@@ -373,7 +373,7 @@ def compact(
     batches = [b for b in batches if len(b) > 1]
     if not batches:
         return report
-    report.rows = _rewrite(buf, table, batches, f"compact:{table}", seen_seq)
+    report.rows = _rewrite(buf, table, batches, f"compact:{table}")
     report.merged_shards = sum(len(b) for b in batches)
     report.new_shards = len(batches)
     return report
@@ -386,12 +386,12 @@ def _read_shard(root: str, shard) -> pa.Table:
     return table.drop_columns([RESPONSE_LENGTH]) if RESPONSE_LENGTH in table.column_names else table
 
 
-def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, seen_seq: int,
-             what: tuple[str, str] = ("compaction", "compact")) -> int:
+def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str = "compaction") -> int:
     """Replace each batch of shards by one new shard holding their rows in order, in ONE manifest
-    commit that retires the old shards (and moves their ids); returns the rows written. The old
-    shards are verified first; the commit refuses when one changed, was leased, or (rollouts) a
-    curation committed since `seen_seq`. Until the commit, the old files are the live ones."""
+    commit that retires the old shards, moves their rollout and group ids and (rollouts) records
+    where each old shard's rows now are (`moved`); returns the rows written. The old shards are
+    verified first; the commit refuses when one changed or was leased. Until the commit, the old
+    files are the live ones."""
     store = getattr(buf.manifest, "store", None)
     if store is not None:  # shards in object storage: into this host's cache first, verified
         for sh in (sh for b in batches for sh in b):
@@ -419,17 +419,15 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, seen_seq: 
                 [seq, *ids],
             )
             if cur.rowcount != len(ids):
-                raise ManifestError(f"a shard changed during {what[0]}; nothing was committed")
+                raise ManifestError(f"a shard changed during {what}; nothing was committed")
             if con.execute(f"SELECT 1 FROM leases WHERE shard_id IN ({marks}) LIMIT 1", ids).fetchone():
-                raise ManifestError(f"a shard was leased during {what[0]}; nothing was committed")
-            if table == "rollouts" and con.execute(
-                    "SELECT 1 FROM shards WHERE table_name = 'curated' AND added_seq > ? LIMIT 1",
-                    (seen_seq,)).fetchone():
-                raise ManifestError(f"a curation committed during {what[0]} (its rows may refer to these "
-                                    f"shards); nothing was committed: run {what[1]} again")
+                raise ManifestError(f"a shard was leased during {what}; nothing was committed")
             if table == "rollouts":
                 con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
                 con.execute(f"UPDATE group_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
+                to_path = con.execute("SELECT path FROM shards WHERE shard_id = ?", (new_id,)).fetchone()[0]
+                offsets = [0, *itertools.accumulate(s.rows for s in batch)][:-1]
+                buf.manifest.record_moves(con, seq, [(s.path, to_path, o) for s, o in zip(batch, offsets)])
 
     buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire)
     return rows
@@ -439,24 +437,20 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, seen_seq: 
 class MigrateReport:
     rewritten: int = 0  # rollouts shards rewritten with `response_length`
     rows: int = 0
-    referenced: int = 0  # left as they are: a live curated shard refers to them (read with the length computed)
     leased: int = 0  # left as they are: leased by a consumer
 
 
 def migrate(buf: Buffer) -> MigrateReport:
     """Bring the buffer's rollouts shards to schema version 3: every live rollouts shard without
     `response_length` is rewritten with it (same rows, same order, same key and folder), all in ONE
-    manifest commit that retires the old shards, as compaction does. Shards a live curated shard
-    refers to, or that are leased, are left as they are (readers compute their lengths), and
-    counted. An interrupted migration commits nothing: the old shards stay live and readable; the
+    manifest commit that retires the old shards, as compaction does (references into them follow,
+    `moved`). Leased shards are left as they are (readers compute their lengths), and counted. An interrupted migration commits nothing: the old shards stay live and readable; the
     files it wrote are orphans for `gc`. Running it again after a completed one does nothing."""
     from .snapshot import stores_response_length
 
     man = buf.manifest
     man.require_writable()
     leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
-    seen_seq = man.latest_seq()
-    referenced = _referenced(buf)
     report = MigrateReport()
     batches = []
     store = getattr(man, "store", None)
@@ -465,14 +459,11 @@ def migrate(buf: Buffer) -> MigrateReport:
             store.fetch(buf.root, s.path, s.sha256, s.bytes)
         if stores_response_length(os.path.join(buf.root, s.path)):
             continue
-        if s.path in referenced:
-            report.referenced += 1
-        elif s.shard_id in leased:
+        if s.shard_id in leased:
             report.leased += 1
         else:
             batches.append([s])
     if batches:
-        report.rows = _rewrite(buf, "rollouts", batches, "migrate:rollouts", seen_seq,
-                               ("migration", "rollstore migrate"))
+        report.rows = _rewrite(buf, "rollouts", batches, "migrate:rollouts", "migration")
         report.rewritten = len(batches)
     return report

@@ -9,6 +9,13 @@ Invariants:
 - A lease is held by one consumer at a time per consumer group; an acked shard is never leased again
   in that group; an expired unacked lease returns the shard to the pool.
 - WAL mode with synchronous=FULL: a committed transaction survives kill -9 and power loss.
+- `moved` (made by the first compaction or migration that retires a rollouts shard; the manifest
+  is then schema version 2, which older rollstores refuse to open): one row per retired rollouts
+  shard whose rows were rewritten, in order, into another shard: row i of `path` is row
+  `row_offset + i` of `to_path` from snapshot `seq` on. Rows are only ever added, in the commit
+  that retires `path`, so a reference to `path` (a thin curated shard's) resolves by following
+  the chain to the shard live in the reader's snapshot; nothing that names a curated shard (the
+  consumed ledger, leases, pins, the curation's record) changes.
 """
 
 from __future__ import annotations
@@ -66,6 +73,12 @@ CREATE TABLE IF NOT EXISTS leases (
 );
 CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, expires_at REAL NOT NULL);
 """
+
+# Where the rows of retired rollouts shards went (see the module invariants); made on first use.
+MOVED_DDL = ("CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, "
+             "row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)")
+# The manifest format versions this rollstore reads: 2 adds `moved`.
+SCHEMA_VERSIONS = ("1", "2")
 
 
 @dataclass(frozen=True)
@@ -231,9 +244,9 @@ class Manifest:
             raise damaged(self.path, exc) from None
         if row is None:
             raise damaged(self.path, "no schema_version")
-        if row[0] != "1":
-            raise ManifestError(f"{self.path}: manifest schema version {row[0]!r}, this rollstore reads version 1; "
-                                "use the rollstore that wrote it")
+        if row[0] not in SCHEMA_VERSIONS:
+            raise ManifestError(f"{self.path}: manifest schema version {row[0]!r}, this rollstore reads versions "
+                                f"{' and '.join(SCHEMA_VERSIONS)}; use the rollstore that wrote it")
 
     def close(self) -> None:
         self.con.close()
@@ -340,6 +353,32 @@ class Manifest:
 
     def all_paths(self) -> set[str]:
         return {row[0] for row in self.con.execute("SELECT path FROM shards")}
+
+    # ---- rows of retired rollouts shards, moved into others (compaction, migration) -----------
+    def moves(self, con=None) -> dict[str, tuple[str, int]]:
+        """{retired rollouts shard path: (the path its rows were moved to, their first row there)};
+        empty for a manifest no compaction has moved rows in (no `moved` table). Read inside `con`
+        when given."""
+        con = con or self.con
+        if not self._has_moved(con):
+            return {}
+        return {str(p): (str(t), int(o)) for p, t, o in con.execute("SELECT path, to_path, row_offset FROM moved")}
+
+    def _has_moved(self, con) -> bool:
+        return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'moved'").fetchone() is not None
+
+    def record_moves(self, con, seq: int, moves: list[tuple[str, str, int]]) -> None:
+        """Inside the transaction `con` that retires them: rows of shard `path` are now rows from
+        `row_offset` on of `to_path`, for each (path, to_path, row_offset) of `moves`."""
+        con.execute(MOVED_DDL)
+        self._mark_moved(con)
+        con.executemany("INSERT INTO moved (path, to_path, row_offset, seq) VALUES (?, ?, ?, ?)",
+                        [(p, t, o, seq) for p, t, o in moves])
+
+    def _mark_moved(self, con) -> None:
+        """Schema version 2 from the first move on: an older rollstore, which would not follow
+        `moved`, refuses the buffer instead of compacting a shard that references reach through it."""
+        con.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version' AND value = '1'")
 
     # ---- uniqueness of rollouts ------------------------------------------------------------
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:

@@ -13,6 +13,10 @@ Invariants:
   ever resolved to a different row.
 - Resolved rows come back in the order of the references; each referenced shard is opened once
   per call, and only its row groups that hold a referenced row are read.
+- A reference to a rollouts shard that compaction (or migration) retired follows the manifest's
+  `moved` chain (`storage.manifest`: row i of the old shard is row `row_offset + i` of the new
+  one) to the shard that is live in the caller's snapshot (present on disk, without one), and is
+  checked there as any other; a shard retired without a move (quarantined) does not resolve.
 - A curated shard written before references (schema version 1: token lists inside) reads as it is.
 """
 
@@ -29,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import RollstoreError
+from .errors import NotABuffer, RollstoreError
 from .schema import CURATED, CURATED_REFS
 
 # The rollouts columns a reference brings back.
@@ -110,6 +114,58 @@ def runs_to_mask(runs: pa.ChunkedArray | pa.Array, tokens: np.ndarray) -> pa.Arr
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(mask, pa.bool_()))
 
 
+Moves = dict[str, tuple[str, int]]
+_moves_seen: dict[str, Moves] = {}  # per buffer root: the `moved` rows last read (rows are only added)
+
+
+def buffer_moves(root: str, fresh: bool = False) -> Moves:
+    """The `moved` rows of the buffer at `root` (read once per process, again when `fresh`); none
+    for a folder that is not a buffer (references read outside one)."""
+    if fresh or root not in _moves_seen:
+        from .catalog import open_manifest
+
+        try:
+            man = open_manifest(root)
+        except NotABuffer:
+            return {}
+        try:
+            _moves_seen[root] = man.moves()
+        finally:
+            man.close()
+    return _moves_seen[root]
+
+
+def locate(rel: str, root: str, live: set[str] | None, moves: Moves | None) -> tuple[str, int] | None:
+    """(the rollouts shard to read the rows of `rel` from, the offset of its row 0 there), or None.
+
+    With `live` (a snapshot's live rollouts paths): `rel` itself when live, else the first shard of
+    its `moved` chain that is. Without: the last shard of the chain whose file is present (a
+    compacted shard's file may still be on disk until gc; its rows are read where they are now).
+    `moves`: the buffer's `moved` rows; when None, read from its manifest (again, fresh, when the
+    process's copy finds nothing)."""
+    def here(path: str) -> bool:
+        return path in live if live is not None else os.path.exists(os.path.join(root, path))
+
+    if live is not None and rel in live:
+        return rel, 0
+    for fresh in (None,) if moves is not None else (False, True):  # the cached rows, then the manifest's
+        table = moves if fresh is None else buffer_moves(root, fresh)
+        found = (rel, 0) if live is None and here(rel) else None
+        path, offset = rel, 0
+        for _ in range(len(table)):  # a chain never repeats a path: at most one hop per row
+            if path not in table:
+                break
+            path, step = table[path]
+            offset += step
+            if here(path):
+                found = (path, offset)
+                if live is not None:
+                    break
+        if found is not None:
+            return found
+    return None
+
+
 def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COLUMNS) -> pa.Table:
     """Rows `positions` of one rollouts shard (`columns`), reading only their row groups."""
     with reading(path):
@@ -132,12 +188,14 @@ def _read_rows(path: str, positions: np.ndarray, source: str, columns) -> pa.Tab
     return table.take(pa.array(local))
 
 
-def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source: str = "curated") -> pa.Table:
+def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source: str = "curated",
+            moves: Moves | None = None) -> pa.Table:
     """The `CURATED` rows of references `refs` (CURATED_REFS columns), in their order.
 
     `root`: the buffer root the shard paths are under. `live`: the rollouts shard paths (relative,
     as the manifest records them) the caller's snapshot holds; a reference to any other shard (for
-    example one quarantined after the curation) is refused. `source` names the refs in errors."""
+    example one quarantined after the curation) is refused unless it was moved (`locate`; `moves`:
+    the buffer's `moved` rows, read from its manifest when None). `source` names the refs in errors."""
     n = refs.num_rows
     if n == 0:
         return CURATED.empty_table()
@@ -149,13 +207,22 @@ def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source
     codes = encoded.indices.to_numpy(zero_copy_only=False)
     pieces, order = [], []
     for k, rel in enumerate(names):
-        full = os.path.join(root, rel)
-        if (live_set is not None and rel not in live_set) or not os.path.exists(full):
+        at = locate(rel, root, live_set, moves)
+        if at is None or not os.path.exists(os.path.join(root, at[0])):
             raise UnresolvedReference(
                 f"{source}: refers to rollouts shard {rel}, which is not live in the buffer (quarantined "
                 f"or removed); this curation cannot be trained or exported: curate again")
         where = np.flatnonzero(codes == k)
-        pieces.append(_rows_of(full, positions[where], source))
+        try:
+            piece = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source)
+        except UnreadableShard:
+            if live_set is not None or os.path.exists(os.path.join(root, at[0])):
+                raise
+            at = locate(rel, root, None, None)  # gone meanwhile (gc after a compaction): where its rows are now
+            if at is None:
+                raise
+            piece = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source)
+        pieces.append(piece)
         order.append(where)
     fetched = pa.concat_tables(pieces)
     back = np.empty(n, np.int64)
@@ -194,15 +261,16 @@ def resolve(refs: pa.Table, root: str, live: Iterable[str] | None = None, source
     return pa.table([columns[f.name] for f in CURATED], schema=CURATED)
 
 
-def read_curated_file(path: str, root: str | None = None, live: Iterable[str] | None = None) -> pa.Table:
+def read_curated_file(path: str, root: str | None = None, live: Iterable[str] | None = None,
+                      moves: Moves | None = None) -> pa.Table:
     """One curated shard's rows with the `CURATED` columns: a thin shard resolved (under `root`,
-    default the buffer the path lies in), a materialised one as stored."""
+    default the buffer the path lies in; `live`, `moves` as `resolve`), a materialised one as stored."""
     with reading(path):
         table = pq.read_table(path)
     if not is_thin(table.schema):
         return table.select(CURATED.names).cast(CURATED)
     return resolve(table.select(CURATED_REFS.names).cast(CURATED_REFS), root or buffer_root_of(path), live,
-                   str(path))
+                   str(path), moves)
 
 
 def read_references(paths: Sequence[str]) -> list[pa.Table]:
@@ -226,21 +294,24 @@ def referenced_shards(paths: Sequence[str]) -> set[str]:
     return found
 
 
-def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str) -> str | None:
-    """The first problem of references `refs` (a shard not live, a row out of range, another
-    rollout_id at the position), or None. Reads only the rollout_id column of the row groups that
-    hold a referenced row."""
+def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str,
+                     moves: Moves | None = None) -> str | None:
+    """The first problem of references `refs` (a shard not live nor moved to a live one, a row out
+    of range, another rollout_id at the position), or None. Reads only the rollout_id column of the
+    row groups that hold a referenced row."""
     live_set = set(live)
     shards = refs.column("rollouts_shard").combine_chunks().dictionary_encode()
     codes = shards.indices.to_numpy(zero_copy_only=False)
     positions = refs.column("rollouts_row").to_numpy().astype(np.int64)
     wanted = refs.column("rollout_id").combine_chunks()
     for k, rel in enumerate(shards.dictionary.to_pylist()):
-        if rel not in live_set or not os.path.exists(os.path.join(root, rel)):
+        at = locate(rel, root, live_set, moves)
+        if at is None or not os.path.exists(os.path.join(root, at[0])):
             return f"{source}: refers to rollouts shard {rel}, which is not live (quarantined or removed)"
         where = np.flatnonzero(codes == k)
         try:
-            found = _rows_of(os.path.join(root, rel), positions[where], source, ("rollout_id",)).column("rollout_id")
+            found = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source,
+                             ("rollout_id",)).column("rollout_id")
         except UnresolvedReference as exc:
             return str(exc)
         bad = pc.invert(pc.equal(wanted.take(pa.array(where)), found))

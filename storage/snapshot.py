@@ -7,7 +7,8 @@ Invariants:
   shards missing.
 - Every table of `schema.TABLES` is readable, also when it has no shard yet (an empty relation of
   the contract's schema). `curated` reads resolved (schema `CURATED`: thin shards' references
-  joined to the snapshot's live rollouts rows) in the DuckDB view, `arrow` and `polars`.
+  joined to the snapshot's live rollouts rows, through the manifest's `moved` chain for shards
+  that compaction retired: `moves`) in the DuckDB view, `arrow` and `polars`.
 - A pin is best-effort: when the manifest cannot be written (disk full) a snapshot still reads.
 - Files are handed to an engine only after a stat shows each exists with its recorded size (a
   deleted or truncated shard is one error line); `verify` also checks sha256 (storage.verify).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 
 from .errors import ManifestError, UnknownName, did_you_mean
 from .manifest import Manifest, ManifestReadOnly, Shard
-from .references import is_thin, read_curated_file
+from .references import is_thin, locate, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
 from .store import cache_shards
 from .verify import check_present, verify_shards
@@ -58,6 +59,7 @@ class Snapshot:
         self.seq = seq
         self._manifest = manifest
         self._pin = _try_pin(manifest, seq) if pin else None  # pin before listing: gc keeps what we list
+        self._moves: dict[str, tuple[str, int]] | None = None
         try:
             collected, latest = manifest.collected_seq(), manifest.latest_seq()
             if not 0 <= seq <= latest:  # a future seq would change as commits land
@@ -120,10 +122,21 @@ class Snapshot:
             return ds.dataset(pa.Table.from_batches([], schema=TABLES[table]))
         return ds.dataset(files, schema=TABLES[table], format="parquet")
 
+    def moves(self) -> dict[str, tuple[str, int]]:
+        """{retired rollouts shard path: (the shard of this snapshot its rows are in, the offset of
+        its row 0 there)} for every shard compaction retired whose rows are in this snapshot."""
+        if self._moves is None:
+            live = {s.path for s in self._shards["rollouts"]}
+            moved = self._manifest.moves()
+            found = {rel: locate(rel, self.root, live, moved) for rel in moved if rel not in live}
+            self._moves = {rel: at for rel, at in found.items() if at is not None}
+        return self._moves
+
     def curated(self) -> pa.Table:
         """Every curated row of this snapshot, resolved (schema `CURATED`), in manifest order."""
         live = [s.path for s in self._shards["rollouts"]]
-        tables = [read_curated_file(f, self.root, live) for f in self.files("curated")]
+        moves = self.moves()
+        tables = [read_curated_file(f, self.root, live, moves) for f in self.files("curated")]
         return pa.concat_tables(tables) if tables else CURATED.empty_table()
 
     def polars(self, table: str) -> "pl.LazyFrame":
@@ -158,12 +171,12 @@ class Snapshot:
         """Create a view per table (named as the table) over this snapshot's files, after checking
         that every file is there with its recorded size."""
         self.check_present(tables)
-        _register_duckdb(con, self.files, tables, self.root)
+        _register_duckdb(con, self.files, tables, self.root, self.moves())
 
     def frozen(self) -> "SnapshotFiles":
         """This snapshot's file lists as a plain, picklable value (for processes that must not open
         the manifest, e.g. Dask workers on other hosts); it does not pin anything."""
-        return SnapshotFiles(self.root, self.seq, {name: tuple(self.files(name)) for name in TABLES})
+        return SnapshotFiles(self.root, self.seq, {name: tuple(self.files(name)) for name in TABLES}, self.moves())
 
 
 @dataclass(frozen=True)
@@ -174,12 +187,13 @@ class SnapshotFiles:
     root: str
     seq: int
     listing: dict
+    moves: dict = field(default_factory=dict)  # `Snapshot.moves`
 
     def files(self, table: str) -> list[str]:
         return list(self.listing[table])
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
-        _register_duckdb(con, self.files, tables, self.root)
+        _register_duckdb(con, self.files, tables, self.root, self.moves)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -217,14 +231,21 @@ def rollouts_relation(paths: list[str], located: bool = False, numbered: bool = 
     return f"(SELECT * FROM {read(new)} UNION ALL BY NAME {computed})"
 
 
-def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None, root: str) -> None:
+def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None, root: str,
+                     moves: dict | None = None) -> None:
     """Views by name; columns are matched by name, since a table may gain columns (shards written
     before a column was added read it as null). `curated` shows the resolved columns (`CURATED`):
     thin shards joined to their rollouts rows, materialised ones as stored (`curated_view`)."""
     for name in tables or list(TABLES):
         files = files_of(name)
         if name == "curated" and files:
-            con.execute(f"CREATE OR REPLACE VIEW curated AS {curated_view(files, files_of('rollouts'), root)}")
+            if moves:  # a table, not a VALUES list in the view: a long run's thousands of moves bind once
+                con.register("_moved_rows", pa.table({"moved": list(moves), "shard": [v[0] for v in moves.values()],
+                                                      "row_offset": [v[1] for v in moves.values()]}))
+                con.execute(f"CREATE OR REPLACE TABLE {MOVED_TABLE} AS SELECT * FROM _moved_rows")
+                con.unregister("_moved_rows")
+            con.execute(f"CREATE OR REPLACE VIEW curated AS "
+                        f"{curated_view(files, files_of('rollouts'), root, bool(moves))}")
         elif name == "rollouts" and files:
             con.execute(f"CREATE OR REPLACE VIEW rollouts AS SELECT * FROM {rollouts_relation(files, union_by_name=True)}")
         elif files:
@@ -240,10 +261,15 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
             con.unregister(f"_empty_{name}")
 
 
-def curated_view(curated: list[str], rollouts: list[str], root: str) -> str:
+MOVED_TABLE = "_rollstore_moved"  # `Snapshot.moves` as a table of the connection (moved, shard, row_offset)
+
+
+def curated_view(curated: list[str], rollouts: list[str], root: str, moved: bool = False) -> str:
     """The SELECT of the `curated` view (the `CURATED` columns): thin shards' references joined to
-    the snapshot's rollouts rows by (file, row position), the rollout_id checked by the join; kept
-    runs expanded to the loss mask; materialised (version 1) shards as stored."""
+    the snapshot's rollouts rows by (file, row position) — with `moved`, a reference to a compacted
+    shard at its place in the shard its rows moved to (the table `MOVED_TABLE`) — the rollout_id
+    checked by the join; kept runs expanded to the loss mask; materialised (version 1) shards as
+    stored."""
     thin, full = [], []
     for path in curated:
         (thin if is_thin(pq.read_schema(path)) else full).append(path)
@@ -257,6 +283,11 @@ def curated_view(curated: list[str], rollouts: list[str], root: str) -> str:
                 "(SELECT NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number, NULL::VARCHAR AS rollout_id, "
                 "NULL::INTEGER[] AS prompt_token_ids, NULL::INTEGER[] AS response_token_ids, "
                 "NULL::FLOAT[] AS gen_logprobs, NULL::FLOAT[] AS old_logprobs WHERE false)")
+        join = f"JOIN {rows} r ON r.filename = {prefix} || c.rollouts_shard AND r.file_row_number = c.rollouts_row "
+        if moved:  # references to compacted shards: at their rows' place in the shard they moved to
+            join = (f"LEFT JOIN {MOVED_TABLE} m ON m.moved = c.rollouts_shard "
+                    f"JOIN {rows} r ON r.filename = {prefix} || coalesce(m.shard, c.rollouts_shard) "
+                    "AND r.file_row_number = c.rollouts_row + coalesce(m.row_offset, 0) ")
         selects.append(
             "SELECT c.curation_id, c.rollout_id, c.group_id, c.prompt_id, c.policy_version, "
             "r.prompt_token_ids, r.response_token_ids, coalesce(r.old_logprobs, r.gen_logprobs) AS old_logprobs, "
@@ -265,8 +296,7 @@ def curated_view(curated: list[str], rollouts: list[str], root: str) -> str:
             "flatten(list_transform(range(len(c.bounds) - 1), lambda k: "
             "list_resize([]::BOOLEAN[], c.bounds[k + 2] - c.bounds[k + 1], k % 2 = 1))) AS loss_mask, "
             "c.weight FROM (SELECT *, list_concat([0], keep_runs, [tokens]) AS bounds "
-            f"FROM read_parquet([{refs}], hive_partitioning = false)) c "
-            f"JOIN {rows} r ON r.filename = {prefix} || c.rollouts_shard AND r.file_row_number = c.rollouts_row "
+            f"FROM read_parquet([{refs}], hive_partitioning = false)) c {join}"
             "AND r.rollout_id = c.rollout_id")
     if full:
         listing = ", ".join(sql_string(f) for f in full)

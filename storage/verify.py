@@ -12,7 +12,8 @@ Invariants:
 - `verify_training_inputs` checks what a learner reads: the curated shards and every rollouts
   shard they refer to (live, in place, size and sha256), each hashed once per process.
 - `scan_references` follows thin curated shards' references: each must name a live rollouts shard
-  and, at the row position it names, the rollout_id it names.
+  (or one whose rows compaction moved into a live one: `references.locate`) and, at the row
+  position it names (there), the rollout_id it names.
 - A bad shard raises one `ShardError` line naming the file and what to do about it; nothing here
   writes, except `quarantine`, which retires bad shards in ONE manifest commit and moves their
   files (when present) under `quarantine/` — never deleting them.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from .errors import RollstoreError
 from .manifest import Manifest, Shard
-from .references import check_references, read_references, referenced_shards
+from .references import check_references, locate, read_references, referenced_shards
 from .shardio import READ_THREADS, fsync_dir, sha256_file
 from .store import cache_shards
 
@@ -137,13 +138,14 @@ def scan_references(root: str, manifest: Manifest) -> list[str]:
     inside it, and the rollout_id at that row. Returns one line per bad curated shard (empty: all
     resolve). Curated shards whose own file is bad are left to `scan`."""
     live = [s.path for s in manifest.shards("rollouts")]
+    moves = manifest.moves()
     problems = []
     for shard in manifest.shards("curated"):
         path = os.path.join(root, shard.path)
         if check_shard(root, shard, full=False) is not None:
             continue
         for refs in read_references([path]):
-            problem = check_references(root, refs, live, path)
+            problem = check_references(root, refs, live, path, moves)
             if problem is not None:
                 problems.append(f"{problem}; the curation cannot be trained: curate again")
     return problems
@@ -156,9 +158,10 @@ def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> Non
     documented line (size, link, sha256), not a read error."""
     verify_training_inputs(root, manifest, shards)
     live = [s.path for s in manifest.shards("rollouts")]
+    moves = manifest.moves()
     for refs_path in [os.path.join(root, s.path) for s in shards]:
         for refs in read_references([refs_path]):
-            problem = check_references(root, refs, live, refs_path)
+            problem = check_references(root, refs, live, refs_path, moves)
             if problem is not None:
                 raise ShardError(f"{problem}; this curation cannot be trained: curate again")
 
@@ -166,22 +169,26 @@ def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> Non
 def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -> None:
     """Everything training on the curated `shards` reads, checked as `verify_shards` checks a
     curation's inputs: the curated shards, then every rollouts shard their references name (each
-    must be live in `manifest`; its file a regular file at its own path inside the buffer, with the
-    recorded size and sha256). Hashes are cached per process (`check_shard`), so a learner that
-    trains many curations over the same rollouts shards hashes each of them once. Raises one
+    must be live in `manifest`, or moved into a live one by compaction, which is then checked; its
+    file a regular file at its own path inside the buffer, with the recorded size and sha256).
+    Hashes are cached per process (`check_shard`), so a learner that trains many curations over the
+    same rollouts shards hashes each of them once. Raises one
     `ShardError` line naming the first bad file. (A store's buffer: each file is fetched into this
     host's cache first, verified as it downloads.)"""
     cache_shards(root, manifest, shards)
     verify_shards(root, shards)
     live = {s.path: s for s in manifest.shards("rollouts")}
+    moves = manifest.moves()
+    live_paths = set(live)
     wanted: dict[str, Shard] = {}
     for shard in shards:
         path = os.path.join(root, shard.path)
         for rel in sorted(referenced_shards([path])):
-            if rel not in live:
+            at = locate(rel, root, live_paths, moves)  # a compacted shard: the one its rows are in now
+            if at is None:
                 raise ShardError(f"{path}: refers to rollouts shard {rel}, which is not live (quarantined or "
                                  "removed); this curation cannot be trained: curate again")
-            wanted[rel] = live[rel]
+            wanted[at[0]] = live[at[0]]
     cache_shards(root, manifest, wanted.values())
     verify_shards(root, sorted(wanted.values(), key=lambda s: s.shard_id))
 

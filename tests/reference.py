@@ -2,7 +2,8 @@
 
 Written straight from the design notes' run semantics (steps 1-9; documented in docs/curation.md
 §Order of a run and its stage sections), independently of the SQL engine in `queries/` and
-`curate/`, which it must never import. Tests run both on the same rows and compare the audit
+`curate/`, which it must never import (but the parameter table's defaults, `curate.params.PARAMETERS`:
+data, defined once). Tests run both on the same rows and compare the audit
 (`selections`), the loss masks and the curation record.
 
 Invariants this module keeps:
@@ -25,31 +26,14 @@ from fractions import Fraction
 
 import numpy as np
 
+from rollstore.curate.params import PARAMETERS
+
 EPS = 1e-6
 
-# Defaults of the parameter table (docs/curation.md §Parameters) (used only for keys missing from `params`).
-DEFAULTS = {
-    "max_policy_lag": None,
-    "max_reuse": None,
-    "truncated": "keep",
-    "std": "sample",
-    "filter": "none",
-    "amplify": "none",
-    "amplify_tau": "0.5",
-    "amplify_max": "3.0",
-    "difficulty_window": 4,
-    "difficulty_prior": "2.0",
-    "sample": "none",
-    "sample_fraction": "0.25",
-    "sample_fraction_start": "0.25",
-    "sample_fraction_end": "1.0",
-    "token": "none",
-    "token_fraction": "0.2",
-    "token_fraction_start": "0.2",
-    "token_fraction_end": "1.0",
-    "schedule": "static",
-    "progress": "0",
-}
+# The parameter table's defaults (curate/params.py `PARAMETERS`, docs/curation.md §Parameters), for
+# keys missing from `params`: the one import from the engine's packages, and it is data.
+REPLAY_KEYS = ("replay", "replay_window", "replay_max_uses", "replay_count", "replay_decay")
+DEFAULTS = {p.name: p.default for p in PARAMETERS if p.name not in REPLAY_KEYS}
 
 ENTROPY_COMMAND = "the learner's scoring pass (learner/score), which fills `entropies`"
 
@@ -537,8 +521,7 @@ def reference_curate(rows: list[dict], params: dict, snapshot_rows: list[dict] |
 # replay (docs/replay.md): the window beside the fresh batch
 # --------------------------------------------------------------------------------------------
 
-REPLAY_DEFAULTS = {"replay": "none", "replay_window": 2, "replay_max_uses": 2, "replay_count": None,
-                   "replay_decay": "0.5"}
+REPLAY_DEFAULTS = {p.name: p.default for p in PARAMETERS if p.name in REPLAY_KEYS}
 
 
 def reference_replay_curate(snapshot_rows: list[dict], batch_ids: set[str], params: dict, current_version: int,

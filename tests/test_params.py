@@ -1,14 +1,18 @@
-"""Parameters of a curation run: presets, `--set` parsing, exact decimal budgets, schedules."""
+"""Parameters of a curation run: the parameter table (each defined once; the docs' table is generated
+from it), presets, `--set` parsing, exact decimal budgets, schedules."""
 
 from __future__ import annotations
 
 import json
+import os
 from fractions import Fraction
 
 import pytest
 
+from conftest import ROOT
 from rollstore.curate.params import (
-    DEFAULTS, ParamError, budget, builtin_recipes, load_recipe, parse_sets, resolve, token_budget,
+    DEFAULTS, PARAMETERS, ParamError, budget, builtin_recipes, coerce, load_recipe, parameter_table, parse_sets,
+    resolve, token_budget,
 )
 
 ALL = ["d1s", "d1s-c", "d2s", "d3s", "d3s-i", "da3po", "dapo", "entropy-top", "greso", "grpo", "pods",
@@ -121,3 +125,40 @@ def test_one_builtin_recipe_is_recommended_and_recipes_says_so(cli):
     assert f"[recommended: epochs {r.epochs}, lr {r.lr:g}]" in lines[marked[0]]
     assert sum("recommended" in ln for ln in lines.values()) == 1
     assert len({ln.index(load_recipe(n).description) for n, ln in lines.items()}) == 1
+
+
+def test_the_docs_parameter_table_is_the_generated_one():
+    """docs/curation.md §Parameters' table is `parameter_table()`, generated from `PARAMETERS`;
+    regenerate it with `python -c "from rollstore.curate.params import parameter_table as t; print(t())"`."""
+    with open(os.path.join(ROOT, "docs", "curation.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    start = text.index("| parameter | values (default) | meaning |")
+    assert text[start:text.index("\n\n", start)] == parameter_table()
+
+
+@pytest.mark.parametrize("p", PARAMETERS, ids=lambda p: p.name)
+def test_each_parameter_is_checked_by_its_table_row(p):
+    """Every row's default passes its own check; its range's ends are where the errors start."""
+    assert coerce(p.name, p.default) == p.default
+    if p.kind == "enum":
+        for word in p.values:
+            assert coerce(p.name, word) == word
+        with pytest.raises(ParamError, match=f"parameter {p.name}: 'other' is not one of"):
+            coerce(p.name, "other")
+    if p.low is not None:
+        if p.low_open:
+            with pytest.raises(ParamError, match=f"parameter {p.name}: must be"):
+                coerce(p.name, str(p.low))
+        else:
+            assert coerce(p.name, str(p.low)) == p.low
+        with pytest.raises(ParamError, match=f"parameter {p.name}: must be"):
+            coerce(p.name, str(p.low - 1))
+    if p.high is not None:
+        assert coerce(p.name, str(p.high)) == p.high
+        with pytest.raises(ParamError, match=f"parameter {p.name}: must be in"):
+            coerce(p.name, str(float(p.high + Fraction(1, 100))))
+    if p.nullable:
+        assert coerce(p.name, "none") is None
+    elif p.kind in ("int", "number"):
+        with pytest.raises(ParamError, match=f"parameter {p.name}: expected a decimal number"):
+            coerce(p.name, "none")

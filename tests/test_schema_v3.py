@@ -131,14 +131,18 @@ def test_migrate_writes_the_length_and_changes_no_row(cli, tmp_path):
     root = str(tmp_path / "buf")
     build(root, {0, 1, 2})
     before = _rows(root)
-    # a live curation refers to the shard of step 1: that shard stays
+    # a live curation refers to the shard of step 1: it is rewritten too, the references follow it
     assert cli("curate", root, "--recipe", "grpo", "--set", "where=step = 1").code == 0
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        curated = snap.curated()
     decided = decisions(root, "d3s")
     res = cli("migrate", root)
     assert res.code == 0, res.stderr
-    assert "rewrote 2 rollouts shards (48 rows)" in res.stdout and "1 referenced" in res.stdout, res.stdout
-    assert sorted(stores_response_length(f) for f in files(root)) == [False, True, True, True]  # step 1 stays
+    assert "rewrote 3 rollouts shards (72 rows)" in res.stdout, res.stdout
+    assert sorted(stores_response_length(f) for f in files(root)) == [True, True, True, True]
     assert _rows(root).equals(before)
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        assert snap.curated().equals(curated)
     cid, record, audit = decisions(root, "d3s")
     assert (record, audit) == decided[1:]  # a new snapshot: a new id, the same decisions
     again = cli("migrate", root)
@@ -169,9 +173,9 @@ def test_an_interrupted_migration_leaves_the_old_files_live_and_readable(cli, tm
     assert _rows(root).equals(before)
     assert cli("verify", root).code == 0
     assert cli("curate", root, "--recipe", "d3s", "--set", "where=step = 1").code == 0
-    res = cli("migrate", root)  # and it can be run again: the shard the curation refers to stays
-    assert res.code == 0 and "rewrote 3 rollouts shards" in res.stdout, res.stdout
-    assert sorted(stores_response_length(f) for f in files(root)) == [False, True, True, True]
+    res = cli("migrate", root)  # and it can be run again (the shard the curation refers to too)
+    assert res.code == 0 and "rewrote 4 rollouts shards" in res.stdout, res.stdout
+    assert sorted(stores_response_length(f) for f in files(root)) == [True, True, True, True]
     assert _rows(root).equals(before)
 
 

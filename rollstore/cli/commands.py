@@ -309,19 +309,14 @@ def compact(
 @guarded
 def migrate(buffer: str):
     """Bring the buffer's rollouts shards to the current schema version (3: each row's stored
-    response_length) in one manifest commit; shards that live curated shards refer to stay as they
-    are (read with the length computed)."""
+    response_length) in one manifest commit; references into them follow; leased shards stay as
+    they are (read with the length computed)."""
     from rollstore.storage.maintenance import migrate as run
 
     with open_buffer(buffer) as buf:
         r = run(buf)
-    left = []
-    if r.referenced:
-        left.append(f"{r.referenced} referenced by live curated shards")
-    if r.leased:
-        left.append(f"{r.leased} leased")
     out.print(f"rewrote {r.rewritten} rollouts shards ({r.rows} rows) with response_length"
-              + (f"; left as they are: {', '.join(left)} (read with the length computed)" if left else ""),
+              + (f"; left as they are: {r.leased} leased (read with the length computed)" if r.leased else ""),
               highlight=False, markup=False)
 
 

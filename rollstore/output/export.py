@@ -57,7 +57,7 @@ def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
                 if not snap.rows(name):
                     continue
                 if name == "curated":  # materialised: references resolved, token lists written out
-                    batches = (read_curated_file(f, snap.root, live) for f in snap.files(name))
+                    batches = (read_curated_file(f, snap.root, live, snap.moves()) for f in snap.files(name))
                 else:
                     batches = snap.arrow(name).to_batches()
                 rows[name] = _write_table(batches, name, os.path.join(tmp, name))

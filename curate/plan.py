@@ -210,9 +210,7 @@ def _group_steps(steps: _Steps, p: Params) -> None:
     """Group statistics, advantages and the filter; the replay choice; the difficulty."""
     replay = p["replay"] != "none"
     stats_rows = AS_GENERATED if replay else ELIGIBLE
-    steps.add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=stats_rows, out="full_groups")
-    steps.add("curate_advantages", "groups", GROUP, ("work", "full_groups"), ("full_adv",),
-              rows=stats_rows, groups="full_groups", out="full_adv")
+    steps.add("curate_advantages", "groups", GROUP, ("work",), ("full_adv",), rows=stats_rows, out="full_adv")
     steps.add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",))
     if replay:
         steps.add("curate_replay", "replay", GLOBAL, ("work",), ("replay_choice",), merge="whole")
@@ -253,9 +251,7 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
                       value="reward" if pods else "advantage_final")
         steps.add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",))
         if pods:
-            steps.add("curate_group_stats", "apply", GROUP, ("work",), ("subset_groups",), rows=CHOSEN, out="subset_groups")
-            steps.add("curate_advantages", "apply", GROUP, ("work", "subset_groups"), ("subset_adv",),
-                      rows=CHOSEN, groups="subset_groups", out="subset_adv")
+            steps.add("curate_advantages", "apply", GROUP, ("work",), ("subset_adv",), rows=CHOSEN, out="subset_adv")
             _amplification(steps, "apply")
 
 

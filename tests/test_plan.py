@@ -87,7 +87,7 @@ def test_a_fragment_inside_a_user_predicate_is_not_substituted():
     candidates = plan_module.build(params, recipe).steps[0]
     assert "prompt <> '{rows}'" in candidates.text
     with pytest.raises(KeyError):
-        render("curate_group_stats", {"rows": "work"})  # `out` left unfilled: a programming error
+        render("curate_advantages", {"rows": "work"})  # `out` left unfilled: a programming error
 
 
 def test_dry_run_never_reads_token_ids_or_logprobs(steps_buffer, monkeypatch):

@@ -346,3 +346,26 @@ def test_a_kernel_that_returns_the_wrong_relation_stops_the_run_with_one_line_an
         assert message.format(n=n, n1=n + 1) in text and "nothing was committed" in text, text
         assert {t: buf.manifest.live_paths(t) for t in before} == before
         assert buf.manifest.live_key_count("curations", dry.curation_id) == 0
+
+
+def test_a_kernel_with_the_wrong_relation_stops_a_dask_run_with_the_same_line(steps_buffer, monkeypatch):
+    """In-process Dask workers (threads), so the patched kernel is the one the tasks run."""
+    distributed = pytest.importorskip("distributed")
+    from rollstore.curate import kernels
+    from rollstore.curate.dask_client import curate_dask
+    from rollstore.curate.options import Dask
+    from rollstore.curate.params import CurationError
+
+    def short(rows, values, args):
+        return {"fallback": pa.array([False] * (rows.num_rows - 1), pa.bool_())}
+
+    monkeypatch.setitem(kernels.KERNELS, "fallback", dataclasses.replace(kernels.KERNELS["fallback"], fn=short))
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client, \
+            Buffer.open(steps_buffer) as buf:
+        before = {t: buf.manifest.live_paths(t) for t in ("curated", "selections", "curations")}
+        with pytest.raises(CurationError) as err:
+            curate_dask(buf, load_recipe("d3s"), {"progress": "0.3"}, dask=Dask(client, 2))
+        assert {t: buf.manifest.live_paths(t) for t in before} == before
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("kernel step fallback (version 1): column 'fallback': returned "), text
+    assert "values of bool, declared" in text and "nothing was committed" in text, text

@@ -95,10 +95,11 @@ def child_floor(root: str, memory_limit: str, where: str) -> dict:
     from rollstore.storage.buffer import Buffer
 
     base = common.rss_mib()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap, memory_limit) as s:
         n = s.one(FLOOR_SQL.format(where=where))[0]
-    return {"seconds": time.perf_counter() - t0, "baseline_rss_mib": base, "scored_tokens": int(n)}
+    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0, "baseline_rss_mib": base,
+            "scored_tokens": int(n)}
 
 
 def child_copy(root: str, memory_limit: str, ids: str, out: str) -> dict:
@@ -130,13 +131,13 @@ def child_curate(root: str, recipe: str, memory_limit: str, progress: str, where
                           limits=Limits(memory_limit), dry_run=dry_run)
 
     with StageClock() as clock:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if prof:
             r, top = common.profile(go)
         else:
             r, top = go(), None
-        seconds = time.perf_counter() - t0
-    res = {"seconds": seconds, "baseline_rss_mib": base, "n_selected": r.record["n_selected"],
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    res = {"seconds": seconds, "cpu_seconds": cpu, "baseline_rss_mib": base, "n_selected": r.record["n_selected"],
            "tokens_kept": r.record["tokens_kept"], "tokens_candidate": r.record["tokens_candidate"],
            "stages": clock.seconds, "profile": top, "peak_rss_mib": common.peak_rss_mib(),
            "arrow_peak_mib": common.arrow_peak_mib()}

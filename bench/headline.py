@@ -1,10 +1,12 @@
 """Headline: `d3s` over a very large buffer on this machine, dry run and full curation.
 
 Outside the default `make bench`. For each size (a buffer grown step by step, kept between sizes,
-so the larger run reuses the smaller's shards), two fresh child processes run `rollstore curate`
-with `d3s` over the whole buffer (`where = true`): `--dry-run` (the record and every candidate's
-audit row, tokens kept included; no curated shards) and the full curation (curated shards, audit
-and record committed). Each reports seconds and peak RSS; the buffer's DuckDB memory_limit bounds
+so the larger run reuses the smaller's shards), three fresh child processes: the scan floor (one
+DuckDB scan over the columns a d3s curation needs, computing the same |A|·H token scores, no
+selection: `bench.curation`'s floor row), then `rollstore curate` with `d3s` over the whole buffer
+(`where = true`): `--dry-run` (the record and every candidate's audit row, tokens kept included;
+no curated shards) and the full curation (curated shards, audit and record committed). The table
+gives dry ÷ floor and full ÷ dry at each size (issue 37's targets: ≤ 1.5× the floor at 1 B). Each reports seconds and peak RSS; the buffer's DuckDB memory_limit bounds
 the engine, so RSS should stay near it whatever the size. With more than one size the table gives
 the log-log slope of seconds on tokens, which extrapolates to the aim (1 B tokens: dry run under
 60 s, full under 2 min, both under 4 GB) when 1 B does not fit the machine's disk or time.
@@ -32,9 +34,10 @@ def measure(root: str, sizes: list[int], shard_tokens: int, memory_limit: str) -
         t0 = time.perf_counter()
         info = common.build_buffer(root, size, shard_tokens)
         build = time.perf_counter() - t0
+        floor = run_one("floor", root, "d3s", memory_limit)
         dry = run_one("dry", root, "d3s", memory_limit)
         full = run_one("curate", root, "d3s", memory_limit)
-        rows.append({"info": info, "build_seconds": build, "dry": dry, "full": full})
+        rows.append({"info": info, "build_seconds": build, "floor": floor, "dry": dry, "full": full})
     tokens = [r["info"]["tokens"] for r in rows]
     slopes = {k: slope(tokens, [r[k]["seconds"] for r in rows]) if len(rows) > 1 else None for k in ("dry", "full")}
     return {"rows": rows, "slopes": slopes, "memory_limit": memory_limit, "shard_tokens": shard_tokens}
@@ -52,11 +55,16 @@ def tables(m: dict) -> str:
     rows = []
     for r in m["rows"]:
         info = r["info"]
-        for kind, label in (("dry", "d3s --dry-run"), ("full", "d3s full curation")):
+        ratio = {"floor": None, "dry": r["dry"]["seconds"] / r["floor"]["seconds"],
+                 "full": r["full"]["seconds"] / r["dry"]["seconds"]}
+        for kind, label, what in (("floor", "scan floor", ""), ("dry", "d3s --dry-run", "÷ floor"),
+                                  ("full", "d3s full curation", "÷ dry run")):
             x = r[kind]
             rows.append([label, f"{info['tokens']:,}", info["shards"], info["bytes"] / 2**30, x["seconds"],
-                         info["tokens"] / x["seconds"] / 1e6, x["peak_rss_mib"], x["n_selected"], x["tokens_kept"]])
-    out = [common.md_table(["run", "response tokens", "shards", "GiB on disk", "seconds", "Mtokens/s",
+                         f"{ratio[kind]:.2f} {what}" if ratio[kind] is not None else "",
+                         info["tokens"] / x["seconds"] / 1e6, x.get("peak_rss_mib"), x.get("n_selected"),
+                         x.get("tokens_kept")])
+    out = [common.md_table(["run", "response tokens", "shards", "GiB on disk", "seconds", "ratio", "Mtokens/s",
                             "peak RSS (MiB)", "selected", "tokens kept"], rows)]
     if m["slopes"]["dry"] is not None:
         out += ["", "Growth (log-log slope of seconds on tokens) and the extrapolation to 1 B tokens:", "",

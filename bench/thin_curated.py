@@ -48,6 +48,7 @@ def one(tree: str, base: str, work: str, recipe: str, progress: str, memory_limi
         dry = child(tree, "dry", root, recipe, progress, memory_limit)
         full = child(tree, "curate", root, recipe, progress, memory_limit)
         return {"floor": floor["seconds"], "dry": dry["seconds"], "full": full["seconds"], "n_selected": full["n_selected"],
+                "cpu": {k: x.get("cpu_seconds") for k, x in (("floor", floor), ("dry", dry), ("full", full))},
                 "tokens_kept": full["tokens_kept"], "peak_rss_mib": full["peak_rss_mib"],
                 "materialise": full["stages"].get("materialise + write + commit", 0.0),
                 "curated_bytes": folder_bytes(os.path.join(root, "curated")),
@@ -104,6 +105,19 @@ def main() -> None:
                      f"{best['full']:.3f} | {best['full'] / dry:.2f} ({every}) | {median_full:.2f} | {best['materialise']:.3f} | "
                      f"{best['curated_bytes'] / best['rollouts_bytes']:.2%} ({best['curated_bytes']:,} B) | "
                      f"{best['peak_rss_mib']:.0f} | {best['n_selected']} | {best['tokens_kept']} |")
+    lines += ["", "CPU seconds of each child's run (user + system, every thread of the process: the work done, "
+              "which a loaded host inflates far less than wall time); medians over the rounds, and the medians of the "
+              "per-round ratios:", "",
+              "| code | floor CPU s | dry CPU s | full CPU s | median dry ÷ floor (CPU) | median full ÷ dry (CPU) |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name, rs in runs.items():
+        cpu = [x["cpu"] for x in rs if None not in x["cpu"].values()]
+        if not cpu:
+            continue
+        med = {k: statistics.median(c[k] for c in cpu) for k in ("floor", "dry", "full")}
+        lines.append(f"| {name} | {med['floor']:.3f} | {med['dry']:.3f} | {med['full']:.3f} | "
+                     f"{statistics.median(c['dry'] / c['floor'] for c in cpu):.2f} | "
+                     f"{statistics.median(c['full'] / c['dry'] for c in cpu):.2f} |")
     lines.append("")
     common.publish("\n".join(lines) + "\n", record=not a.no_record)
 

@@ -4,20 +4,21 @@ The tasks it submits are in `curate.dask_tasks`.
 Invariants:
 - The client builds the plan (`curate.plan`) and ships it with every task: workers run the
   client's SQL text, step by step, in the plan's order; no SQL of this module runs on the batch.
-  What this module adds is the placement of the steps and the gathering of a GLOBAL step's
-  partial results for its registered merge (`curate.merges`, the same merge the embedded engine
-  uses):
-  - the candidates phase's ROW steps and the PROMPT steps that read Parquet (the difficulty
-    history) run per input shard; their rows go to partition hash(prompt_id) mod P, so a partition
-    holds whole prompts, hence whole groups (a group's rows share one prompt, checked at append)
-    and every part of its prompts' history (per-prompt counts add up exactly);
-  - the other steps of the candidates and selection phases run inside each partition until a
-    GLOBAL step: its partial results go through its merge on the client (μ, the batch size, one
-    run), or, for a `whole` step (the cross-group selection, the replay choice), the step runs on
-    the client over every partition's `work` and the tables it writes go back to every partition;
-  - the record's steps run over every candidate's narrow row in one task; so does the audit;
-  - token and output steps run per input shard holding a selected row, with the same round trips
-    at their GLOBAL steps (first missing entropies, histogram, bucket heads, kept total); a shard's
+  What this module adds is running each step where it declares (`Step.at`; nothing is inferred
+  from a step's phase, scope or relations) and the gathering of a step's partial results for its
+  registered merge (`curate.merges`, the same merge the embedded engine uses):
+  - steps `per input shard` (the candidates, the difficulty history) run per input shard; their
+    rows go to partition hash(prompt_id) mod P, so a partition holds whole prompts, hence whole
+    groups (a group's rows share one prompt, checked at append) and every part of its prompts'
+    history (per-prompt counts add up exactly);
+  - steps `per partition` run inside each partition until one with a merge: its partial results
+    go through the merge on the client (μ, the batch size, one run); a step `on the client` (the
+    cross-group selection, the replay choice) runs on the client over every partition's `work`
+    and the tables it writes go back to every partition;
+  - steps `once over every candidate` (the record; the audit) run over every candidate's narrow
+    row in one task;
+  - steps `per selected shard` run per input shard holding a selected row, with the same round
+    trips at their merges (first missing entropies, histogram, bucket heads, kept total); a shard's
     tables (its selected rows, their entropies, kept counts) travel as Arrow between its tasks,
     and a task re-declares the views of earlier steps (`dask_tasks._views_before`);
   - curated shards are cut exactly as the embedded engine cuts them (`finish.part_layout`), one
@@ -56,11 +57,11 @@ from rollstore.storage.shardio import READ_THREADS
 
 from . import dask_tasks as tasks
 from .finish import (CurationResult, Decided, already_committed, finish_curation, part_layout, referenced_paths,
-                     rows_per_shard, token_values)
+                     rows_per_shard)
 from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
-from .plan import build
+from .plan import ONCE, PER_SELECTED, build
 from .steps import Runner, latest_checkpoint, run_values, verifying_inputs, with_defaults
 
 
@@ -218,9 +219,9 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     collected = job.submit(tasks.collect, ctx, *states)
     del states
     summary = job.item(collected, "summary").result()
-    values.update(token_values(plan, summary))
+    values.update(plan.token_values(summary["tokens_selected"]))
     shards = [i for i, n in enumerate(summary["selected_per_shard"]) if n]
-    first = next(i for i, s in enumerate(plan.steps) if s.phase == "tokens")
+    first = plan.first(PER_SELECTED)
     per_shard = {i: job.submit(tasks.shard_advance, ctx, i, job.submit(tasks.shard_state, collected, i), first, dict(values))
                  for i in shards}
     per_shard = dict(zip(shards, _merge_rounds(job, session, [per_shard[i] for i in shards], values,
@@ -228,7 +229,7 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     if not shards:  # no shard holds a selected row: every merge of the token and output steps sees no part
         for step in plan.steps:
             merge = MERGES.get(step.merge or "")
-            if step.phase in ("tokens", "output") and merge and merge.combine and merge.runs(values):
+            if step.at == PER_SELECTED and merge and merge.combine and merge.runs(values):
                 values.update(merge.combine([], values))
     audit = _audit(job, collected, [per_shard[i] for i in shards], values)
     layout = part_layout(summary["selected_per_shard"], rows_per_shard(summary))
@@ -276,10 +277,10 @@ def _merge_rounds(job: _Run, session: Session, states: list, values: dict, resum
 
 
 def _audit(job: _Run, collected, states: list, values: dict) -> pa.Table:
-    """The `whole` steps of the output phase (the audit) in one task, over every candidate's row
-    and every shard's kept counts."""
+    """The step placed `once over every candidate` after the token stage (the audit) in one task,
+    over every candidate's row and every shard's kept counts."""
     plan = job.ctx.plan
-    idx = next(i for i, s in enumerate(plan.steps) if s.phase == "output" and s.merge == "whole")
+    idx = next(i for i, s in enumerate(plan.steps) if i > plan.first(PER_SELECTED) and s.at == ONCE)
     kept = [t["kept_counts"] for t in job.gather([job.get(st, "tables") for st in states])]
     tables = {"work": job.item(collected, "work").result(),
               "kept_counts": tasks.concat(kept) if kept else pa.table(

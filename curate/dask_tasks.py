@@ -8,13 +8,14 @@ Invariants:
   worker and gets the same rows and bytes.
 - Tasks never open the manifest: they read the pinned snapshot's file list (`SnapshotFiles`), and
   write only under BUFFER/tmp/curate-<host>-<pid>-<hex>/ (the client's run folder).
-- Placement (see `curate.dask_client` for the whole flow): the candidates phase's ROW steps and
-  the PROMPT steps that read Parquet run per input shard (`map_shard`), their rows tagged with the
-  partition hash(prompt_id) mod P; the rest of the candidates and selection phases run per
-  partition (`partition_start`, `partition_resume`) until a GLOBAL step, whose partial result they
-  return; the record over every candidate in one task (`collect`); the token and output steps per
-  input shard holding a selected row (`shard_advance`, `shard_resume`); one task per curated shard
-  (`materialise_part`), cut as the embedded engine cuts them; the audit in one task.
+- Placement is each step's declaration (`Step.at`, see `curate.dask_client` for the whole flow):
+  steps `per input shard` run in `map_shard`, the tables they write tagged with the partition
+  hash(prompt_id) mod P; steps `per partition` in `partition_start`, `partition_resume`, until a
+  step with a merge, whose partial result they return (or, `on the client`, whose tables they
+  hand over); steps `once over every candidate` in one task (`collect` before the token stage,
+  `whole_step` after it); steps `per selected shard` in `shard_advance`, `shard_resume`, and the
+  materialisation's (SQL and kernels) in one task per curated shard (`materialise_part`), cut as
+  the embedded engine cuts them.
 - The `where` predicate (the user's SQL) runs only in `map_shard`, under the run's timeout
   (`TaskContext.timeout`), per task.
 """
@@ -33,9 +34,9 @@ from rollstore.storage.buffer import Part, WrittenPart, write_part
 from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.snapshot import SnapshotFiles
 
-from .finish import PartCounts, audit_path, curated_table, masked, part_name, sorted_by_rollout, summarise
+from .finish import PartCounts, audit_path, curated_table, materialised, part_name, sorted_by_rollout, summarise
 from .merges import MERGES
-from .plan import GLOBAL, PROMPT, ROW, SELECTION_PHASES, Plan, Step
+from .plan import ON_CLIENT, ONCE, PER_PARTITION, PER_SELECTED, PER_SHARD, Plan, Step
 from .steps import Runner, latest_policy, latest_step, parquet
 
 # ---- what every task gets --------------------------------------------------------------------
@@ -82,20 +83,21 @@ def concat(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
 
 
-def _views_before(plan: Plan, start: int, phases: tuple[str, ...]) -> list[Step]:
-    """The view steps of `phases` before `start`: a view is a definition, not data, so a task that
-    resumes a part re-declares the views its earlier steps made (the tables travel as Arrow)."""
-    return [s for s in plan.steps[:start] if s.phase in phases and s.scope != GLOBAL and " TEMP VIEW " in s.text]
+def _views_before(plan: Plan, start: int, places: tuple[str, ...]) -> list[Step]:
+    """The view steps placed at `places` before `start`: a view is a definition, not data, so a
+    task that resumes a part re-declares the views its earlier steps made (the tables travel as
+    Arrow)."""
+    return [s for s in plan.steps[:start] if s.at in places and s.merge is None and " TEMP VIEW " in s.text]
 
 
 @contextlib.contextmanager
-def _resumed(ctx: TaskContext, tables: dict[str, pa.Table], start: int, values: dict, phases: tuple[str, ...]):
+def _resumed(ctx: TaskContext, tables: dict[str, pa.Table], start: int, values: dict, places: tuple[str, ...]):
     """A task's session over a part's tables, with the views of its earlier steps re-declared."""
     with _session(ctx) as s:
         for name, table in tables.items():
             s.load(name, table)
         runner = Runner(s, values)
-        for view in _views_before(ctx.plan, start, phases):
+        for view in _views_before(ctx.plan, start, places):
             runner.run(view)
         yield s, runner
 
@@ -133,23 +135,23 @@ def scan_defaults(ctx: TaskContext, i: int):
         return latest_step(s, source), latest_policy(s, source)
 
 
-def map_shard(ctx: TaskContext, i: int) -> list[tuple[pa.Table, pa.Table | None]]:
-    """The steps that read Parquet before the selection, over one input shard: the candidates
-    phase's ROW steps and the PROMPT steps that read history rows; their rows split by partition.
-    The `where` predicate sees the whole snapshot, as in the embedded engine."""
+def map_shard(ctx: TaskContext, i: int) -> list[dict[str, pa.Table]]:
+    """The steps placed `per input shard`, over input shard i: `rollouts` bound to the shard with
+    each row's file and position (what `work` keeps), `rows` to the shard alone; the tables they
+    write, split by partition (`work` tagged with the shard). The `where` predicate sees the whole
+    snapshot, as in the embedded engine."""
     _start(ctx, "map")
+    inputs = {"rollouts": parquet([ctx.shard(i)], located=True, numbered=True), "rows": parquet([ctx.shard(i)])}
     with _session(ctx, whole=True) as s, s.deadline(ctx.timeout):
         runner = Runner(s, dict(ctx.values))
-        history = None
+        written: dict[str, pa.Table] = {}
         for step in ctx.plan.steps:
-            if step.phase == "candidates" and step.scope == ROW:
-                shard = parquet([ctx.shard(i)], located=True, numbered=True)
-                runner.run(step, {"rollouts": shard} if step.relations else None)
-            elif step.scope == PROMPT and step.relations:
-                runner.run(step, {"rows": parquet([ctx.shard(i)])})
-                history = _tag(s.unload(step.writes[0]), None, ctx.partitions)
-        work = _tag(s.unload("work"), i, ctx.partitions)
-    return list(zip(_split(work, "part", ctx.partitions), _split(history, "part", ctx.partitions)))
+            if step.at == PER_SHARD:
+                runner.run(step, {k: inputs[k] for k in step.relations if k in inputs})
+                for name in step.writes:
+                    written[name] = _tag(s.unload(name), i if name == "work" else None, ctx.partitions)
+    split = {name: _split(table, "part", ctx.partitions) for name, table in written.items()}
+    return [{name: parts[j] for name, parts in split.items()} for j in range(ctx.partitions)]
 
 
 def _tag(table: pa.Table, shard: int | None, partitions: int) -> pa.Table:
@@ -165,27 +167,27 @@ def _tag(table: pa.Table, shard: int | None, partitions: int) -> pa.Table:
     return table
 
 
-def partition_start(ctx: TaskContext, *pieces) -> State:
-    """A partition's rows (and its prompts' history parts), then the steps up to a GLOBAL one."""
+def partition_start(ctx: TaskContext, *pieces: dict[str, pa.Table]) -> State:
+    """A partition's share of the tables the per-shard steps wrote (its rows, its prompts' history
+    parts), then its steps up to one with a merge."""
     _start(ctx, "groups")
-    tables = {"work": concat([w for w, _ in pieces])}
-    history = [h for _, h in pieces if h is not None]
-    if history:
-        tables["history_parts"] = concat(history)
+    tables = {name: concat([p[name] for p in pieces]) for name in pieces[0]}
     return _advance(ctx, State(tables), 0, dict(ctx.values), {})
 
 
 def _advance(ctx: TaskContext, state: State, start: int, values: dict, shipped: dict[str, pa.Table]) -> State:
-    """A partition from step `start`: the steps of the candidates and selection phases that were
-    not run per shard, until a GLOBAL one (returning its partial result) or the end."""
-    phases = ("candidates", *SELECTION_PHASES)
-    with _resumed(ctx, {**state.tables, **shipped}, start, values, phases) as (s, runner):
+    """A partition from step `start`: the steps placed `per partition` (or `on the client`, which
+    stop it), until one with a merge (returning its partial result) or the first step placed
+    `once over every candidate` (the record: the selection is over)."""
+    places = (PER_PARTITION, ON_CLIENT)
+    with _resumed(ctx, {**state.tables, **shipped}, start, values, places) as (s, runner):
         for idx in range(start, len(ctx.plan.steps)):
             step = ctx.plan.steps[idx]
-            if step.phase not in phases or (step.scope == ROW and step.phase == "candidates") or \
-                    (step.scope == PROMPT and step.relations):
+            if step.at == ONCE:
+                break
+            if step.at not in places:
                 continue
-            if step.scope == GLOBAL:
+            if step.merge is not None:
                 merge = MERGES[step.merge]
                 partial = runner.partial(step, merge.arrow) if merge.combine is not None else None
                 return State(_tables(s), idx, partial)
@@ -199,15 +201,17 @@ def _tables(s: Session) -> dict[str, pa.Table]:
 
 
 def collect(ctx: TaskContext, *states: State) -> dict:
-    """Every candidate's final narrow row in one task: the record steps (`whole`), and per input
-    shard the selected rows that the token and output steps need."""
+    """Every candidate's final narrow row in one task: the steps placed `once over every
+    candidate` before the first step `per selected shard` (the record), and per input shard the
+    selected rows that the token and output steps need."""
     _start(ctx, "collect")
     n_shards = len(ctx.files.listing["rollouts"])
     work = concat([st.tables["work"] for st in states])
     with _session(ctx) as s:
         s.load("work", work)
         runner = Runner(s, dict(ctx.values))
-        results = {step.result: runner.table(step) for step in ctx.plan.phase("record")}
+        results = {step.result: runner.table(step) for step in ctx.plan.steps[:ctx.plan.first(PER_SELECTED)]
+                   if step.at == ONCE}
     summary = summarise(results)
     selected = work.filter(pc.fill_null(work.column("selected"), False)).sort_by([("shard", "ascending"),
                                                                                 ("rollout_id", "ascending")])
@@ -222,19 +226,19 @@ def _decision(collected: dict, i: int) -> pa.Table:
 
 
 def shard_advance(ctx: TaskContext, i: int, state: State, start: int, values: dict) -> State:
-    """One input shard's token and output steps from step `start` (its selected rows as `work`,
-    its tables so far), until a GLOBAL step (returning its partial result) or the output's end."""
+    """One input shard's steps placed `per selected shard` from step `start` (its selected rows as
+    `work`, its tables so far), until one with a merge (returning its partial result) or the next
+    step placed `once over every candidate` (the audit, `whole_step`)."""
     _start(ctx, "tokens")
-    phases = ("tokens", "output")
-    with _resumed(ctx, state.tables, start, values, phases) as (s, runner):
+    with _resumed(ctx, state.tables, start, values, (PER_SELECTED,)) as (s, runner):
         for idx in range(start, len(ctx.plan.steps)):
             step = ctx.plan.steps[idx]
-            if step.phase not in phases:
+            if step.at == ONCE:
+                break
+            if step.at != PER_SELECTED:
                 continue
-            if step.scope == GLOBAL:
+            if step.merge is not None:
                 merge = MERGES[step.merge]
-                if merge.combine is None:  # the audit: over every candidate's row (`_audit`)
-                    break
                 if not merge.runs(values):
                     continue
                 return State(_tables(s), idx, runner.partial(step, merge.arrow))
@@ -255,7 +259,8 @@ def materialise_part(ctx: TaskContext, curation_id: str, k: int, slices: list, v
         with _session(ctx) as s:
             for name, table in state.tables.items():
                 s.load(name, table)
-            table = masked(Runner(s, values).table(step, shards=[ctx.shard(i)]), ctx.plan.params["token"], values)
+            runner = Runner(s, values)
+            table = materialised(runner, ctx.plan, runner.table(step, shards=[ctx.shard(i)]))
             pieces.append(sorted_by_rollout(table).slice(start, rows))
     table, counts = curated_table(pieces, curation_id, ctx.files.root)
     name, path = part_name(curation_id, k)

@@ -42,13 +42,12 @@ import pyarrow.parquet as pq
 from rollstore.storage.buffer import Buffer, Part, WrittenPart, write_part
 from rollstore.storage.catalog import holding
 from rollstore.storage.owners import owned_name
-from rollstore.storage.references import logprob_lists
 from rollstore.storage.schema import CURATED_REFS, CURATIONS, SELECTIONS
 from rollstore.storage.shardio import ROW_GROUP_BYTES
 
-from .params import CurationError, token_budget
+from .params import CurationError
 from .plan import Plan
-from .tokens import check_kept, keep_runs, run_lengths
+from .tokens import check_kept, run_lengths
 
 CURATED_SHARD_BYTES = ROW_GROUP_BYTES
 
@@ -85,13 +84,6 @@ def summarise(results: dict) -> dict:
     }
 
 
-def token_values(plan: Plan, summary: dict) -> dict:
-    """The values the token steps start from: the budget K (None without a token stage)."""
-    if not plan.token_stage:
-        return {"token_budget": None}
-    return {"token_budget": token_budget(summary["tokens_selected"], plan.params.token_fraction())}
-
-
 def exact_var_pop(values: np.ndarray) -> float | None:
     """Population variance with exactly rounded sums: the same float whatever the order of values."""
     values = values[~np.isnan(values)] if values.dtype.kind == "f" else values.astype(np.float64)
@@ -104,9 +96,8 @@ def exact_var_pop(values: np.ndarray) -> float | None:
 def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, values: dict) -> dict:
     """The curation's record from its summary and the run's final values (threshold, tokens kept)."""
     p = plan.params
-    kappa = p.token_fraction() if plan.token_stage else None
     threshold = values.get("threshold")
-    sample_budget = summary["n_selected"] if plan.counts_budget else None
+    stages = plan.record_fields(summary["n_selected"])
     return {
         "curation_id": curation_id,
         "created_at": dt.datetime.now(dt.timezone.utc),
@@ -115,8 +106,8 @@ def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, v
         "sql_sha256": plan.sha256(),
         "snapshot_seq": snapshot_seq,
         "progress": float(p["progress"]),
-        "sample_budget": sample_budget,
-        "token_fraction": float(kappa) if kappa is not None else None,
+        "sample_budget": stages["sample_budget"],
+        "token_fraction": stages["token_fraction"],
         "token_threshold": threshold[0] if threshold else None,
         "n_candidates": summary["n_candidates"],
         "n_selected": summary["n_selected"],
@@ -168,11 +159,14 @@ def sorted_by_rollout(table: pa.Table) -> pa.Table:
     return table.take(pc.sort_indices(table, [("rollout_id", "ascending")]))
 
 
-def masked(table: pa.Table, token: str, values: dict) -> pa.Table:
-    """Rows of `curate_materialise.sql` with their loss masks as kept runs (`keep_runs`, for the
-    run's `token` mode and threshold `values`) in place of their entropies. Done before the rows
-    are sorted: a sort then moves no token list."""
-    return table.drop_columns(["entropies"]).append_column("keep_runs", keep_runs(table, token, values))
+def materialised(runner, plan: Plan, table: pa.Table) -> pa.Table:
+    """Rows of `curate_materialise.sql` after the plan's kernel steps of the materialisation (the
+    loss mask as kept runs in place of the entropies, the fallback flag), in the plan's order;
+    done before the rows are sorted, so a sort moves no token list."""
+    for step in plan.phase("materialise"):
+        if step.kernel is not None:
+            table = runner.kernel(step, table)
+    return table
 
 
 class PartCounts(NamedTuple):
@@ -184,21 +178,11 @@ class PartCounts(NamedTuple):
 
 def curated_table(pieces: list[pa.Table], curation_id: str, root: str) -> tuple[pa.Table, PartCounts]:
     """One curated shard's table (references, schema CURATED_REFS) from consecutive slices of
-    materialised input shards (`masked`), and how many of its rows fell back to gen_logprobs
-    (`fallback`: no old_logprobs, told by the rollouts shards' column statistics,
-    `storage.references.null_lists`, without reading the column where they rule nulls out), and
-    the tokens its masks keep. `root`: the buffer root; each row's input shard is stored as the
-    manifest's path under it."""
+    materialised input shards (`materialised`: with their kept runs and fallback flags), and how
+    many of its rows fell back to gen_logprobs and the tokens its masks keep. `root`: the buffer
+    root; each row's input shard is stored as the manifest's path under it."""
     table = pa.concat_tables(pieces)
-    flags, bad = logprob_lists(table.column("shard_file"), table.column("rollouts_row").to_numpy(),
-                               table.column("rollout_id"))
-    if bad is not None:
-        rid, file, column = bad
-        raise CurationError(f"{file}: row rollout_id={rid!r}: column {column!r} holds NaN or infinity; import "
-                            "refuses such rows, so this shard reached the buffer another way: re-import it from its "
-                            "source, or quarantine it")
-    fallback = int(flags.sum())
-    table = table.append_column("fallback", pa.array(flags, pa.bool_()))
+    fallback = int(pc.sum(table.column("fallback")).as_py() or 0)
     table = table.add_column(0, "curation_id", pa.array([curation_id] * table.num_rows, pa.string()))
     table = table.append_column("rollouts_shard", manifest_paths(table.column("shard_file"), root))
     kept = int(run_lengths(table.column("keep_runs").combine_chunks()).sum())
@@ -315,25 +299,25 @@ def selected_meanwhile(buf: Buffer, con, snapshot_seq: int, curation_id: str, ro
     return None
 
 
-def use_capped(out: CurationResult) -> tuple[int, pa.Array] | None:
-    """(snapshot seq, the audit's rollout ids) of a curation with a use cap (replay, `max_reuse`),
-    whose counted uses its commit re-checks; None for any other."""
-    params = json.loads(out.record.get("params") or "{}")
-    if out.audit is None or (params.get("replay", "none") == "none" and params.get("max_reuse") is None):
+def use_capped(out: CurationResult, capped: bool) -> tuple[int, pa.Array] | None:
+    """(snapshot seq, the audit's rollout ids) of a curation whose plan caps uses (`Plan.use_capped`:
+    replay, `max_reuse`), whose counted uses its commit re-checks; None for any other."""
+    if out.audit is None or not capped:
         return None
     return out.snapshot_seq, out.audit.column("rollout_id").combine_chunks()
 
 
-def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = ()) -> CurationResult:
+def publish(buf: Buffer, parts, curation_id: str, out: CurationResult, referenced: list[str] = (),
+            capped: bool = False) -> CurationResult:
     """Commit `parts()` (curated shards, the audit, the record) in ONE manifest transaction, unless
     the manifest says this curation is already committed (then nothing is written: the run is
     idempotent). A concurrent identical run that commits first makes this one roll back, and so
     does a rollouts shard of `referenced` (manifest paths the curated rows refer to) that was
     retired meanwhile (compacted or quarantined): the references would not resolve. With a use cap
-    (`use_capped`), a curation committed after this one's snapshot that selected one of its
+    (`capped`, `use_capped`), a curation committed after this one's snapshot that selected one of its
     candidates makes this one roll back: the uses it counted (and the cap it applied) are out of
     date."""
-    capped = use_capped(out)
+    capped = use_capped(out, capped)
 
     def refuse_duplicate(con, _seq, _ids):
         if buf.manifest.live_key_count("curations", curation_id, con) > 1:
@@ -426,7 +410,7 @@ def finish_curation(buf: Buffer, decided: Decided, curated: CuratedParts, refere
         out.curated = pa.concat_tables(tables).cast(CURATED_REFS) if tables else CURATED_REFS.empty_table()
         return out
     try:
-        return publish(buf, lambda: ahead(parts()), cid, out, referenced)
+        return publish(buf, lambda: ahead(parts()), cid, out, referenced, decided.plan.use_capped)
     finally:
         if beside is not None:
             beside.close()

@@ -1,18 +1,23 @@
-"""The curation plan: one ordered list of steps, built from the parameters alone.
+"""The curation plan: one ordered list of typed steps, built from the parameters alone.
 
-Each step is one SQL file of `queries/` with its fragments (`{name}`), the values it binds
-(`$name`), its scope and what it reads and writes. `rollstore recipes --explain NAME` prints it.
+A step is either SQL — one file of `queries/` with its fragments (`{name}`) and the values it binds
+(`$name`) — or a registered kernel (`curate.kernels`: a Python/numpy function with a declared input
+and output relation and a version). Each step has a scope, what it reads and writes, and where it
+runs (`Step.at`). `rollstore recipes --explain NAME` prints the plan.
 
 Invariants:
-- This module is the only place where recipe modes branch. The engines (`curate.run`, embedded;
-  `curate.dask_client`, Dask) run the steps in order and run no other SQL on the batch; what
-  differs between them is only where a step runs, how a GLOBAL step's partial results are gathered
-  for its registered merge (`Step.merge`, `curate.merges`), and which input a step with
-  `relations` reads (one shard, or the shards holding a selected row). A new step is one `add` here.
+- This module is the only place where recipe modes branch: the engines, the record and the
+  commit ask the plan (its steps, `Plan.token_values`, `Plan.record_fields`, `Plan.use_capped`),
+  never the parameters. The engines (`curate.run`, embedded; `curate.dask_client`, Dask) run the
+  steps in order and run no other SQL or kernel on the batch; a step declares where it runs
+  (`at`: per input shard, per partition, on the client, once over every candidate, per shard
+  holding a selected row) and the engines place it there without inferring anything from its
+  phase, scope or relations; a GLOBAL step's partial results are gathered for its registered
+  merge (`Step.merge`, `curate.merges`). A new step is one `add` (or `kernel`) here.
 - The curation id is a hash of the plan: of every step's text as built here (relations at their
-  canonical names; comments and spacing left out, `executable`), with the snapshot, the recipe
-  name and the effective parameters. Two runs with the same id run the same SQL on the same data,
-  on either engine.
+  canonical names; comments and spacing left out, `executable`; a kernel step's name, version and
+  arguments), with the snapshot, the recipe name and the effective parameters. Two runs with the
+  same id run the same SQL and kernels on the same data, on either engine.
 - Scopes: ROW steps act on each candidate alone; PROMPT steps add up per prompt; GROUP steps need
   whole groups (a Dask partition holds whole prompts, hence whole groups); SHARD steps run per
   input shard; GLOBAL steps need the whole batch, and name their merge.
@@ -27,10 +32,19 @@ import duckdb
 
 from rollstore.queries import load_sql, parameters_of, render
 
-from .params import Params, Recipe
+from .kernels import KERNELS, signature
+from .params import Params, Recipe, token_budget
 from .tokens import kept_expression, score_expression
 
 ROW, PROMPT, GROUP, SHARD, GLOBAL = "row", "prompt", "group", "shard", "global"
+# Where a step runs (`Step.at`). The embedded engine runs every step in its one session; the Dask
+# engine places each step by this declaration alone.
+PER_SHARD = "per input shard"           # over one input shard of the snapshot, before rows move to partitions
+PER_PARTITION = "per partition"         # over a partition of whole prompts (hence whole groups)
+ON_CLIENT = "on the client"             # over every partition's `work`, once (a `whole` merge mid-selection)
+ONCE = "once over every candidate"      # over every candidate's final narrow row, in one task
+PER_SELECTED = "per selected shard"     # over one input shard holding a selected row (its rows and entropies)
+PLACES = (PER_SHARD, PER_PARTITION, ON_CLIENT, ONCE, PER_SELECTED)
 PHASES = ("candidates", "groups", "replay", "difficulty", "amplify", "select", "apply", "record", "tokens", "output",
           "materialise")
 SELECTION_PHASES = ("groups", "replay", "difficulty", "amplify", "select", "apply")
@@ -51,7 +65,7 @@ BEHAVIOUR = ("(old_logprobs IS NOT NULL OR coalesce(json_extract_string(meta, '$
 
 @dataclass(frozen=True)
 class Step:
-    sql: str                                    # queries/<sql>.sql, or "custom" (the user's SELECT)
+    sql: str                                    # queries/<sql>.sql, "custom" (the user's SELECT), or the kernel's name
     phase: str
     scope: str
     reads: tuple[str, ...]
@@ -63,13 +77,20 @@ class Step:
     text: str = ""                              # the step's SQL as hashed
     source: str = ""                            # the SQL file's text (engines render from it)
     result: str | None = None                   # GLOBAL steps: the name their merged result is kept under
+    at: str = PER_PARTITION                     # where it runs (PLACES)
+    kernel: str | None = None                   # a kernel step: its name in curate.kernels.KERNELS
+    args: tuple[tuple[str, object], ...] = ()   # a kernel step's arguments (hashed)
+
+    @property
+    def kind(self) -> str:
+        return "kernel" if self.kernel is not None else "sql"
 
     def render(self, **bound: str) -> str:
         """The SQL to run, with `bound` relations in place of their canonical ones."""
         unknown = set(bound) - set(self.relations)
         if unknown:
             raise KeyError(f"{self.sql}: {sorted(unknown)} are not relations of this step")
-        if self.sql == "custom":
+        if self.sql == "custom" or self.kernel is not None:
             return self.text
         return render(self.sql, {**dict(self.fragments), **bound}, text=self.source)
 
@@ -88,6 +109,10 @@ class Plan:
     def phase(self, name: str) -> list[Step]:
         return [s for s in self.steps if s.phase == name]
 
+    def first(self, at: str) -> int:
+        """Index of the first step placed `at`."""
+        return next(i for i, s in enumerate(self.steps) if s.at == at)
+
     @property
     def token_stage(self) -> bool:
         return self.params["token"] != "none"
@@ -98,12 +123,31 @@ class Plan:
         recipe chooses rows)."""
         return self.params["sample"] != "none" or any(s.merge == "custom" for s in self.steps)
 
+    def token_values(self, tokens_selected: int) -> dict:
+        """The values the token steps start from: the budget K = ⌈κ·N⌉ over the selected rows'
+        tokens (None without a token stage)."""
+        if not self.token_stage:
+            return {"token_budget": None}
+        return {"token_budget": token_budget(tokens_selected, self.params.token_fraction())}
+
+    def record_fields(self, n_selected: int) -> dict:
+        """The record's fields that depend on the recipe's stages: κ, and the sample budget."""
+        kappa = self.params.token_fraction() if self.token_stage else None
+        return {"token_fraction": float(kappa) if kappa is not None else None,
+                "sample_budget": n_selected if self.counts_budget else None}
+
+    @property
+    def use_capped(self) -> bool:
+        """Whether the run caps uses (replay, or `max_reuse`): its commit re-checks the uses it counted."""
+        return self.params["replay"] != "none" or self.params["max_reuse"] is not None
+
     def sha256(self) -> str:
         """The hash of what the steps execute: their texts (and guards) without comments, tokens one
         space apart, with each step's scope and merge."""
         parts = []
         for s in self.steps:
-            parts.append(f"{s.scope}:{s.merge or ''}:{s.result or ''}\n{executable(s.text)}")
+            text = s.text if s.kernel is not None else executable(s.text)
+            parts.append(f"{s.scope}:{s.merge or ''}:{s.result or ''}\n{text}")
             if s.guard:
                 parts.append(f"guard\n{executable(s.guard)}")
         return hashlib.sha256("\n;\n".join(parts).encode()).hexdigest()
@@ -167,11 +211,28 @@ class _Steps(list):
     """The plan's steps as they are added, each rendered from its SQL file and fragments."""
 
     def add(self, sql: str, phase: str, scope: str, reads: tuple, writes: tuple, relations: tuple = (),
-            guard: str | None = None, merge: str | None = None, result: str | None = None, **fragments: str) -> None:
+            guard: str | None = None, merge: str | None = None, result: str | None = None, *, at: str,
+            **fragments: str) -> None:
         frags = tuple(sorted(fragments.items()))
         source = load_sql(sql)
-        self.append(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
-                         render(sql, dict(frags), text=source), source, result))
+        self.append(_checked(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
+                                  render(sql, dict(frags), text=source), source, result, at)))
+
+    def kernel(self, name: str, phase: str, scope: str, *, at: str, **args: object) -> None:
+        """A kernel step: reads its kernel's declared columns, writes the ones it adds."""
+        k = KERNELS[name]
+        frozen = tuple(sorted(args.items()))
+        self.append(_checked(Step(name, phase, scope, k.reads, tuple(n for n, _ in k.adds),
+                                  text=signature(name, frozen), at=at, kernel=name, args=frozen)))
+
+
+def _checked(step: Step) -> Step:
+    """A step whose placement fits its merge: a `whole` or `custom` merge runs where every row is."""
+    if step.at not in PLACES:
+        raise ValueError(f"{step.sql}: unknown placement {step.at!r}")
+    if step.merge in ("whole", "custom") and step.at not in (ON_CLIENT, ONCE):
+        raise ValueError(f"{step.sql}: a {step.merge} merge runs on the client or once, not {step.at}")
+    return step
 
 
 def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -> Plan:
@@ -193,41 +254,45 @@ def _candidate_steps(steps: _Steps, p: Params) -> None:
     replay = p["replay"] != "none"
     steps.add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
               relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
-              window=replay_window(p["where"]) if replay else "false", behaviour=BEHAVIOUR if replay else "true")
+              window=replay_window(p["where"]) if replay else "false",
+              behaviour=BEHAVIOUR if replay else "true", at=PER_SHARD)
     if amplify == "da3po":  # read with the candidates: the only other read of rollouts before the tokens
         steps.add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
-                  rows=HISTORY_ROWS, out="history_parts")
-    steps.add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",), merge="nonempty")
+                  rows=HISTORY_ROWS, out="history_parts", at=PER_SHARD)
+    steps.add("curate_batch_size", "candidates", GLOBAL, ("work",), ("error if empty",),
+              merge="nonempty", at=PER_PARTITION)
     steps.add("curate_non_finite", "candidates", GLOBAL, ("work",), ("error if a reward is not finite",),
-              merge="first_non_finite")
+              merge="first_non_finite", at=PER_PARTITION)
     if replay:
-        steps.add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",), merge="one_run")
+        steps.add("curate_replay_runs", "candidates", GLOBAL, ("work",), ("error if several runs",),
+                  merge="one_run", at=PER_PARTITION)
         steps.add("curate_replay_behaviour", "candidates", GLOBAL, ("work",), ("error if no behaviour log-probs",),
-                  merge="first_without_behaviour")
+                  merge="first_without_behaviour", at=PER_PARTITION)
 
 
 def _group_steps(steps: _Steps, p: Params) -> None:
     """Group statistics, advantages and the filter; the replay choice; the difficulty."""
     replay = p["replay"] != "none"
     stats_rows = AS_GENERATED if replay else ELIGIBLE
-    steps.add("curate_group_stats", "groups", GROUP, ("work",), ("full_groups",), rows=stats_rows, out="full_groups")
-    steps.add("curate_advantages", "groups", GROUP, ("work", "full_groups"), ("full_adv",),
-              rows=stats_rows, groups="full_groups", out="full_adv")
-    steps.add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",))
+    steps.add("curate_advantages", "groups", GROUP, ("work",), ("full_adv",),
+              rows=stats_rows, out="full_adv", at=PER_PARTITION)
+    steps.add("curate_filter", "groups", GROUP, ("work", "full_adv"), ("work",), at=PER_PARTITION)
     if replay:
-        steps.add("curate_replay", "replay", GLOBAL, ("work",), ("replay_choice",), merge="whole")
-        steps.add("curate_replay_apply", "replay", ROW, ("work", "replay_choice"), ("work",))
+        steps.add("curate_replay", "replay", GLOBAL, ("work",), ("replay_choice",), merge="whole", at=ON_CLIENT)
+        steps.add("curate_replay_apply", "replay", ROW, ("work", "replay_choice"), ("work",), at=PER_PARTITION)
 
     if p["amplify"] == "da3po":
-        steps.add("curate_batch_accuracy", "difficulty", GLOBAL, ("work",), ("$mu",), merge="mu")
-        steps.add("curate_history_total", "difficulty", PROMPT, ("history_parts",), ("prompt_history",))
-        steps.add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",))
+        steps.add("curate_batch_accuracy", "difficulty", GLOBAL, ("work",), ("$mu",), merge="mu", at=PER_PARTITION)
+        steps.add("curate_history_total", "difficulty", PROMPT, ("history_parts",), ("prompt_history",),
+                  at=PER_PARTITION)
+        steps.add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",),
+                  at=PER_PARTITION)
     else:
-        steps.add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",))
+        steps.add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",), at=PER_PARTITION)
 
 
 def _amplification(steps: _Steps, phase: str) -> None:
-    steps.add("curate_amplify", phase, GROUP, ("work", "subset_adv", "difficulty"), ("work",))
+    steps.add("curate_amplify", phase, GROUP, ("work", "subset_adv", "difficulty"), ("work",), at=PER_PARTITION)
 
 
 def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement: str | None) -> None:
@@ -235,35 +300,36 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
     sample = p["sample"]
     pods = sample == "pods"
     if not pods:
-        steps.add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",))
+        steps.add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",), at=PER_PARTITION)
         _amplification(steps, "amplify")
 
     if recipe.sql is not None:
-        steps.add("curate_custom_candidates", "select", ROW, ("work", "rollouts"), ("candidates",))
-        steps.append(Step("custom", "select", GLOBAL, ("candidates",), ("custom_choice",), merge="custom",
-                          text=custom_statement or ""))
-        steps.add("curate_custom_apply", "apply", ROW, ("work", "custom_choice"), ("work",))
+        steps.add("curate_custom_candidates", "select", ROW, ("work", "rollouts"), ("candidates",), at=PER_PARTITION)
+        steps.append(_checked(Step("custom", "select", GLOBAL, ("candidates",), ("custom_choice",), merge="custom",
+                                   text=custom_statement or "", at=ON_CLIENT)))
+        steps.add("curate_custom_apply", "apply", ROW, ("work", "custom_choice"), ("work",), at=PER_PARTITION)
     else:
         if sample == "none":
-            steps.add("curate_select_all", "select", ROW, ("work",), ("picked",))
+            steps.add("curate_select_all", "select", ROW, ("work",), ("picked",), at=PER_PARTITION)
         else:
             cross = sample == "cross_group"
             steps.add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
                       merge="whole" if cross else None, pool_key="'batch'" if cross else "group_id",
-                      value="reward" if pods else "advantage_final")
-        steps.add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",))
+                      value="reward" if pods else "advantage_final", at=ON_CLIENT if cross else PER_PARTITION)
+        steps.add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",), at=PER_PARTITION)
         if pods:
-            steps.add("curate_group_stats", "apply", GROUP, ("work",), ("subset_groups",), rows=CHOSEN, out="subset_groups")
-            steps.add("curate_advantages", "apply", GROUP, ("work", "subset_groups"), ("subset_adv",),
-                      rows=CHOSEN, groups="subset_groups", out="subset_adv")
+            steps.add("curate_advantages", "apply", GROUP, ("work",), ("subset_adv",),
+                      rows=CHOSEN, out="subset_adv", at=PER_PARTITION)
             _amplification(steps, "apply")
 
 
 def _record_steps(steps: _Steps) -> None:
-    steps.add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="whole", result="counts")
-    steps.add("curate_record_values", "record", GLOBAL, ("work",), ("record",), merge="whole", result="variances")
-    steps.add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="whole", result="reasons")
-    steps.add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",), merge="whole", result="files")
+    steps.add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="whole", result="counts", at=ONCE)
+    steps.add("curate_record_values", "record", GLOBAL, ("work",), ("record",),
+              merge="whole", result="variances", at=ONCE)
+    steps.add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="whole", result="reasons", at=ONCE)
+    steps.add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",),
+              merge="whole", result="files", at=ONCE)
 
 
 def _token_and_output_steps(steps: _Steps, p: Params) -> None:
@@ -271,35 +337,47 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     token = p["token"]
     if token != "none":
         steps.add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
-                  relations=("rollouts",), rollouts="rollouts")
+                  relations=("rollouts",), rollouts="rollouts", at=PER_SELECTED)
         steps.add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
-                  merge="first_missing")
+                  merge="first_missing", at=PER_SELECTED)
         steps.add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_buckets", "token_scores"),
-                  score=score_expression(token))
-        steps.add("curate_token_histogram", "tokens", GLOBAL, ("token_buckets",), ("$bucket", "$n"), merge="histogram")
+                  score=score_expression(token), at=PER_SELECTED)
+        steps.add("curate_token_histogram", "tokens", GLOBAL, ("token_buckets",),
+                  ("$bucket", "$n"), merge="histogram", at=PER_SELECTED)
         steps.add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
-                  merge="heads")
+                  merge="heads", at=PER_SELECTED)
     else:
-        steps.add("curate_no_entropies", "tokens", SHARD, (), ("selected_entropies",))
+        steps.add("curate_no_entropies", "tokens", SHARD, (), ("selected_entropies",), at=PER_SELECTED)
 
     steps.add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
-              kept=kept_expression(token))
-    steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept")
-    steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",), merge="whole", result="audit")
+              kept=kept_expression(token), at=PER_SELECTED)
+    steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept", at=PER_SELECTED)
+    steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",),
+              merge="whole", result="audit", at=ONCE)
     steps.add("curate_materialise", "materialise", SHARD,
-              ("work", "selected_entropies"), ("curated",))
+              ("work", "selected_entropies"), ("curated",), at=PER_SELECTED)
+    steps.kernel("keep_runs", "materialise", ROW, at=PER_SELECTED, token=token)
+    steps.kernel("fallback", "materialise", ROW, at=PER_SELECTED)
 
 
 def explain(plan: Plan) -> list[dict]:
-    """The plan as rows for a person: step, phase, scope, SQL file, values and fragments, reads → writes."""
+    """The plan as rows for a person: step, phase, scope, what runs (an SQL file, or a kernel with
+    its version), where, values and fragments (a kernel's arguments), reads → writes."""
     rows = []
     for i, s in enumerate(plan.steps, 1):
-        used = [f"${k}={plan.values[k]!r}" if k in plan.values else f"${k} (at run time)" for k in s.parameters]
-        frags = [f"{{{k}}}={v}" for k, v in s.fragments if k not in s.relations or v != k]
+        if s.kernel is not None:
+            k = KERNELS[s.kernel]
+            what = f"kernel {k.name} (version {k.version})"
+            uses = [f"{a}={v!r}" for a, v in s.args] + [k.doc] + ([f"drops {', '.join(k.drops)}"] if k.drops else [])
+        else:
+            what = "custom SELECT (the recipe's SQL)" if s.sql == "custom" else f"queries/{s.sql}.sql"
+            used = [f"${k}={plan.values[k]!r}" if k in plan.values else f"${k} (at run time)" for k in s.parameters]
+            frags = [f"{{{k}}}={v}" for k, v in s.fragments if k not in s.relations or v != k]
+            uses = used + frags + ([f"only when: {s.guard}"] if s.guard else [])
+        where = s.at + (f", merged on the client ({s.merge})" if s.merge and s.at not in (ON_CLIENT, ONCE)
+                        else f" ({s.merge})" if s.merge else "")
         rows.append({
-            "step": i, "phase": s.phase, "scope": s.scope + (f" ({s.merge})" if s.merge else ""),
-            "sql": "custom SELECT (the recipe's SQL)" if s.sql == "custom" else f"queries/{s.sql}.sql",
-            "uses": used + frags + ([f"only when: {s.guard}"] if s.guard else []),
-            "reads": list(s.reads), "writes": list(s.writes),
+            "step": i, "phase": s.phase, "scope": s.scope, "kind": s.kind, "sql": what, "at": where,
+            "uses": uses, "reads": list(s.reads), "writes": list(s.writes),
         })
     return rows

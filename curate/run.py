@@ -8,10 +8,11 @@ Invariants:
   its declared relations bound to files (all rollouts shards for the candidates; for the token
   step, only the shards that hold a selected row).
 - Token data is read at most once: the selected rows' entropies once (curate_token_entropies.sql).
-  Materialisation reads no Parquet (the candidates' scan kept each row's shard and position) and
-  writes references (shard, row position, rollout_id) and kept runs, never token ids or log-probs
-  (the fallback flag comes from the shards' column statistics, reading `old_logprobs` only in row
-  groups that may hold a null). A dry run materialises nothing.
+  Materialisation reads no token list (the candidates' scan kept each row's shard and position) and
+  writes references (shard, row position, rollout_id) and kept runs, never token ids or log-probs;
+  its kernel steps turn the entropies into kept runs and take the fallback flag from the shards'
+  column statistics (reading `old_logprobs` only in row groups that may hold a null). A dry run
+  materialises nothing.
 - The commit refuses when a rollouts shard the curated rows refer to was retired meanwhile.
 - Every input shard is hashed against the manifest (sha256) before anything is written or
   committed; the hashes are taken on a thread beside the queries (`steps.verifying_inputs`), and a
@@ -42,13 +43,12 @@ from .finish import (
     Decided,
     curated_table,
     finish_curation,
-    masked,
+    materialised,
     part_layout,
     part_name,
     referenced_paths,
     rows_per_shard,
     summarise,
-    token_values,
 )
 from .merges import MERGES
 from .options import Dask, Limits
@@ -180,7 +180,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     runner.values["curation_id"] = curation_id
     _run(runner, plan, ("record",), {}, results)
     summary = summarise(results)
-    runner.values.update(token_values(plan, summary))
+    runner.values.update(plan.token_values(summary["tokens_selected"]))
     opened = [f for f in files if f in summary["selected_files"]]
     if not dry_run and opened:  # the selected rows' log-probs, decoded beside the token stage (curated_table checks them)
         threading.Thread(target=prefetch_logprob_facts, args=(opened,), name="rollstore-logprobs", daemon=True).start()
@@ -214,7 +214,7 @@ def _materialised(runner: Runner, plan: Plan, opened: list[str], expected: dict[
     query's fixed cost is paid once per group, not per shard."""
     materialise = plan.phase("materialise")[0]
     for group in _shard_groups(opened, MATERIALISE_GROUP_SHARDS):
-        table = masked(runner.table(materialise, shards=group), plan.params["token"], runner.values)
+        table = materialised(runner, plan, runner.table(materialise, shards=group))
         where = pc.index_in(table.column("shard_file"), value_set=pa.array(group, pa.string()))
         if where.null_count:
             raise CurationError(f"materialisation read a row of a shard outside {len(group)} opened shards; "

@@ -2,7 +2,8 @@
 
 Invariants:
 - A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
-  Dask worker runs the client's SQL), with only the relations the step declares rebound.
+  Dask worker runs the client's SQL), with only the relations the step declares rebound; a kernel
+  step runs its registered function through `curate.kernels.apply` (its relations checked).
 - Values are bound by DuckDB (`$name`), never pasted into the text; a value a step needs but the
   runner lacks is a programming error, raised before anything runs.
 """
@@ -19,6 +20,7 @@ from rollstore.queries.session import Session
 
 from rollstore.storage.snapshot import rollouts_relation
 
+from .kernels import apply as apply_kernel
 from .params import CurationError, Params, step_where
 from .plan import Plan, Step
 
@@ -82,6 +84,10 @@ class Runner:
     def table(self, step: Step, bound: dict | None = None, **extra) -> pa.Table:
         sql, args = self._sql(step, bound or {}, extra)
         return self.session.table(sql, args or None)
+
+    def kernel(self, step: Step, table: pa.Table) -> pa.Table:
+        """A kernel step over `table` (its declared input and output checked, `curate.kernels.apply`)."""
+        return apply_kernel(step, table, self.values)
 
     def partial(self, step: Step, arrow: bool, bound: dict | None = None):
         """A GLOBAL step's result over the part this session holds (rows, or an Arrow table)."""

@@ -1,14 +1,9 @@
--- Sample selection, applied — record the sample stage's choice: pool rows in `picked` become 'selected' or
--- 'not_selected' with their sample_rank; rows that left earlier keep their reason.
-CREATE OR REPLACE TEMP TABLE work AS
-SELECT
-    w.* EXCLUDE (reason, selected, sample_rank),
-    CASE
-        WHEN w.reason IS NOT NULL THEN w.reason
-        WHEN p.selected THEN 'selected'
-        ELSE 'not_selected'
-    END                                             AS reason,
-    coalesce(p.selected, false)                     AS selected,
-    CASE WHEN p.selected THEN p.sample_rank END     AS sample_rank
-FROM work w
-LEFT JOIN picked p USING (rollout_id);
+-- Sample selection, applied (to `work`, in place) — the sample stage's choice: pool rows in
+-- `picked` become 'selected' or 'not_selected' with their sample_rank; rows that left earlier keep
+-- their reason (and `selected` false, as created).
+UPDATE work SET
+    reason      = CASE WHEN p.selected THEN 'selected' ELSE 'not_selected' END,
+    selected    = coalesce(p.selected, false),
+    sample_rank = CASE WHEN p.selected THEN p.sample_rank END
+FROM picked p
+WHERE work.rollout_id = p.rollout_id AND work.reason IS NULL;

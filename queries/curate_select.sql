@@ -64,4 +64,5 @@ SELECT
          WHEN r.pos > b.n - (b.m - b.j) THEN r.pos - (b.n - b.m)
     END::INTEGER                                                  AS sample_rank
 FROM ranked r
-JOIN best b USING (pool);
+JOIN best b USING (pool)
+ORDER BY r.rollout_id;  -- the order of `work`: curate_apply_selection.sql updates it in place

@@ -3,4 +3,5 @@
 CREATE OR REPLACE TEMP TABLE picked AS
 SELECT rollout_id, true AS selected, NULL::INTEGER AS sample_rank
 FROM work
-WHERE reason IS NULL;
+WHERE reason IS NULL
+ORDER BY rollout_id;

@@ -237,12 +237,12 @@ def test_curation_refuses_references_to_a_shard_retired_while_it_ran(curated_buf
 
     real = finish.publish
 
-    def retire_then_publish(buf, parts, curation_id, out, referenced=()):
+    def retire_then_publish(buf, parts, curation_id, out, referenced=(), capped=False):
         # as a compaction committed meanwhile would: the shard retired, its file left for gc
         with buf.manifest.transaction() as con:
             seq = buf.manifest.new_commit(con, "compact:rollouts", {})
             con.execute("UPDATE shards SET removed_seq = ? WHERE path = ?", (seq, referenced[0]))
-        return real(buf, parts, curation_id, out, referenced)
+        return real(buf, parts, curation_id, out, referenced, capped)
 
     monkeypatch.setattr(finish, "publish", retire_then_publish)
     with Buffer.open(root) as buf:

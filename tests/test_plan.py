@@ -7,10 +7,12 @@ import dataclasses
 import json
 import re
 
+import pyarrow as pa
 import pytest
 
 import rollstore.curate.run as run_module
 from rollstore.curate import plan as plan_module
+from rollstore.curate.kernels import KERNELS, signature
 from rollstore.curate.params import builtin_recipes, load_recipe, resolve
 from rollstore.curate.run import curate
 from rollstore.curate.steps import Runner
@@ -62,9 +64,13 @@ def test_every_step_is_one_sql_file_and_the_plan_text_is_what_runs(name):
     order = [plan_module.PHASES.index(s.phase) for s in plan.steps]
     assert order == sorted(order), "steps run phase after phase"
     for step in plan.steps:
+        assert step.at in plan_module.PLACES, step  # every step declares where it runs
+        assert (step.merge is not None) == (step.scope == plan_module.GLOBAL), step  # a global step names its merge
+        if step.kind == "kernel":
+            assert step.text == signature(step.kernel, step.args) and step.reads == KERNELS[step.kernel].reads
+            continue
         assert step.source == load_sql(step.sql)
         assert step.text == render(step.sql, dict(step.fragments)) == step.render()
-        assert (step.merge is not None) == (step.scope == plan_module.GLOBAL), step  # a global step names its merge
     assert plan.sha256() != plan_module.build(resolve(recipe, {"where": "false", "current_version": "0"}), recipe).sha256()
 
 
@@ -87,7 +93,7 @@ def test_a_fragment_inside_a_user_predicate_is_not_substituted():
     candidates = plan_module.build(params, recipe).steps[0]
     assert "prompt <> '{rows}'" in candidates.text
     with pytest.raises(KeyError):
-        render("curate_group_stats", {"rows": "work"})  # `out` left unfilled: a programming error
+        render("curate_advantages", {"rows": "work"})  # `out` left unfilled: a programming error
 
 
 def test_dry_run_never_reads_token_ids_or_logprobs(steps_buffer, monkeypatch):
@@ -146,8 +152,11 @@ def test_explain_prints_the_plan_in_order(cli):
     assert res.code == 0, res.stderr
     out = res.stdout
     plan = plan_module.build(resolve(load_recipe("d3s"), {"progress": "0.5", "where": "true"}), load_recipe("d3s"))
-    positions = [out.index(f"queries/{s.sql}.sql") for s in plan.steps]
+    positions = [out.index(f"kernel {s.kernel} (version {KERNELS[s.kernel].version})" if s.kind == "kernel"
+                           else f"queries/{s.sql}.sql") for s in plan.steps]
     assert positions == sorted(positions)
+    assert "runs per input shard" in out and "runs per selected shard" in out and "runs on the client (whole)" in out
+    assert "token='abs_adv_entropy'" in out  # a kernel step's arguments
     assert "$f_num=5" in out and "$f_den=8" in out  # f(0.5) = 1/4 + 3/4·1/2 = 5/8
     assert "rollouts.entropies" in out and "(at run time)" in out
     bad = cli("recipes", "--explain", "no-such-recipe")
@@ -164,7 +173,8 @@ def test_comments_and_spacing_do_not_change_the_hash_but_code_does():
         assert plan_module.executable(changed) != plan_module.executable(sql), changed
     recipe = load_recipe("d3s")
     plan = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
-    reworded = [dataclasses.replace(s, text="-- reworded\n" + s.text.replace("\n", "\n   ")) for s in plan.steps]
+    reworded = [dataclasses.replace(s, text="-- reworded\n" + s.text.replace("\n", "\n   ")) if s.kind == "sql" else s
+                for s in plan.steps]
     assert dataclasses.replace(plan, steps=reworded).sha256() == plan.sha256()
     # non-ASCII text before the code (the tokenizer counts bytes, not characters)
     assert plan_module.executable("-- |A|·H, κ ≤ 1\nSELECT 'é' AS x") == "SELECT 'é' AS x"
@@ -182,13 +192,18 @@ class EngineSpy:
         self.executed: list[str] = []
         self.steps: list[tuple[str, str]] = []  # (step id, rendered text)
         self.lock = threading.Lock()
-        run_sql, execute, table = Runner._sql, Session.execute, Session.table
+        run_sql, execute, table, kernel = Runner._sql, Session.execute, Session.table, Runner.kernel
 
         def spy_sql(runner, step, bound, extra):
             sql, args = run_sql(runner, step, bound, extra)
             with self.lock:
                 self.steps.append((_step_id(step), sql))
             return sql, args
+
+        def spy_kernel(runner, step, rows):
+            with self.lock:
+                self.steps.append((_step_id(step), step.text))
+            return kernel(runner, step, rows)
 
         def spy_execute(session, sql, params=None):
             with self.lock:
@@ -201,6 +216,7 @@ class EngineSpy:
             return table(session, sql, params)
 
         monkeypatch.setattr(Runner, "_sql", spy_sql)
+        monkeypatch.setattr(Runner, "kernel", spy_kernel)
         monkeypatch.setattr(Session, "execute", spy_execute)
         monkeypatch.setattr(Session, "table", spy_table)
 
@@ -288,3 +304,68 @@ def test_every_global_step_has_a_registered_merge_with_a_handler_in_both_engines
                     assert step.merge in MERGES and step.merge in HANDLERS, step
                     if MERGES[step.merge].combine is None:
                         assert step.result or step.writes, step
+
+
+def test_a_kernel_step_is_hashed_by_its_name_version_and_arguments(monkeypatch):
+    from rollstore.curate import kernels
+
+    recipe = load_recipe("d3s")
+    plan = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
+    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["keep_runs", "fallback"]
+    entropy = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "entropy"}), recipe)
+    keep = [s for s in entropy.steps if s.kernel == "keep_runs"][0]
+    assert keep.args == (("token", "entropy"),)
+    monkeypatch.setitem(kernels.KERNELS, "keep_runs", dataclasses.replace(kernels.KERNELS["keep_runs"], version="2"))
+    bumped = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
+    assert bumped.sha256() != plan.sha256()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda rows, values, args: {"keep_runs": pa.array([[0, 1]] * (rows.num_rows + 1), pa.list_(pa.int32()))},
+     "column 'keep_runs': returned {n1} values of list<item: int32>, declared {n} values of list<item: int32>"),
+    (lambda rows, values, args: {"keep_runs": pa.array([1] * rows.num_rows, pa.int64())},
+     "column 'keep_runs': returned {n} values of int64, declared {n} values of list<item: int32>"),
+    (lambda rows, values, args: {"mask": pa.array([[0, 1]] * rows.num_rows, pa.list_(pa.int32()))},
+     "returned columns mask, declared keep_runs"),
+    (lambda rows, values, args: [1, 2], "returned list, declared keep_runs"),
+])
+def test_a_kernel_that_returns_the_wrong_relation_stops_the_run_with_one_line_and_commits_nothing(
+        steps_buffer, monkeypatch, bad, message):
+    from rollstore.curate import kernels
+    from rollstore.curate.params import CurationError
+
+    monkeypatch.setitem(kernels.KERNELS, "keep_runs", dataclasses.replace(kernels.KERNELS["keep_runs"], fn=bad))
+    with Buffer.open(steps_buffer) as buf:
+        dry = curate(buf, load_recipe("d3s"), {"progress": "0.3"}, dry_run=True)  # runs no kernel
+        before = {t: buf.manifest.live_paths(t) for t in ("curated", "selections", "curations")}
+        with pytest.raises(CurationError) as err:
+            curate(buf, load_recipe("d3s"), {"progress": "0.3"})
+        text = str(err.value)
+        assert "\n" not in text and text.startswith("kernel step keep_runs (version 1): "), text
+        n = dry.record["n_selected"]
+        assert message.format(n=n, n1=n + 1) in text and "nothing was committed" in text, text
+        assert {t: buf.manifest.live_paths(t) for t in before} == before
+        assert buf.manifest.live_key_count("curations", dry.curation_id) == 0
+
+
+def test_a_kernel_with_the_wrong_relation_stops_a_dask_run_with_the_same_line(steps_buffer, monkeypatch):
+    """In-process Dask workers (threads), so the patched kernel is the one the tasks run."""
+    distributed = pytest.importorskip("distributed")
+    from rollstore.curate import kernels
+    from rollstore.curate.dask_client import curate_dask
+    from rollstore.curate.options import Dask
+    from rollstore.curate.params import CurationError
+
+    def short(rows, values, args):
+        return {"fallback": pa.array([False] * (rows.num_rows - 1), pa.bool_())}
+
+    monkeypatch.setitem(kernels.KERNELS, "fallback", dataclasses.replace(kernels.KERNELS["fallback"], fn=short))
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client, \
+            Buffer.open(steps_buffer) as buf:
+        before = {t: buf.manifest.live_paths(t) for t in ("curated", "selections", "curations")}
+        with pytest.raises(CurationError) as err:
+            curate_dask(buf, load_recipe("d3s"), {"progress": "0.3"}, dask=Dask(client, 2))
+        assert {t: buf.manifest.live_paths(t) for t in before} == before
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("kernel step fallback (version 1): column 'fallback': returned "), text
+    assert "values of bool, declared" in text and "nothing was committed" in text, text

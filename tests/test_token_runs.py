@@ -83,7 +83,7 @@ def test_without_a_token_stage_every_token_is_one_run():
 def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed(tmp_path, monkeypatch):
     import pytest
 
-    import rollstore.curate.finish as finish
+    import rollstore.curate.kernels as kernels
     from rollstore.curate.params import load_recipe
     from rollstore.curate.run import curate
     from rollstore.storage.buffer import Buffer
@@ -92,7 +92,7 @@ def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed
     runs = pa.array([[0, 2], [1, 3, 4, 5], []], pa.list_(pa.int32()))
     assert list(run_lengths(runs)) == [2, 3, 0]
     check_kept(5, 5)
-    real = finish.keep_runs
+    real = kernels.keep_runs
 
     def one_token_short(table, token, values):  # the last kept token of each part dropped
         out = real(table, token, values).to_pylist()
@@ -101,7 +101,7 @@ def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed
             out[last] = out[last][:-1] + [out[last][-1] - 1]
         return pa.array(out, pa.list_(pa.int32()))
 
-    monkeypatch.setattr(finish, "keep_runs", one_token_short)
+    monkeypatch.setattr(kernels, "keep_runs", one_token_short)
     root = str(tmp_path / "buf")
     with Buffer.init(root) as buf:
         buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=0, seed=3))
@@ -114,7 +114,7 @@ def test_masks_that_disagree_with_the_audit_are_refused_and_nothing_is_committed
     assert not [f for _, ds, fs in os.walk(os.path.join(root, "tmp")) for f in ds + fs]
     assert not os.listdir(os.path.join(root, "audit"))
     with Buffer.open(root) as buf:  # and the same curation, once the masks are right, commits it
-        monkeypatch.setattr(finish, "keep_runs", real)
+        monkeypatch.setattr(kernels, "keep_runs", real)
         out = curate(buf, load_recipe("d3s"), {"where": "true"})
         assert out.committed and buf.manifest.latest_seq() == seq + 1
     assert os.path.exists(os.path.join(root, "audit", out.curation_id, "audit.parquet"))

@@ -36,10 +36,13 @@ def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
         for line in describe(params):
             say(line)
     for row in explain(plan):
-        say(f"{row['step']:>2}. {row['phase']:<10} {row['scope']:<16} {row['sql']}")
+        say(f"{row['step']:>2}. {row['phase']:<11} {row['scope']:<6} {row['sql']}")
+        say(f"      runs {row['at']}")
         say(f"      reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes'])}")
         for use in row["uses"]:
             say(f"      {use}")
     say()
-    say(f"{len(plan.steps)} steps. The curation id hashes their text (plan sha256 {plan.sha256()[:16]}…) with "
-        "the snapshot, the recipe name and the parameters.")
+    kernels = sum(s.kernel is not None for s in plan.steps)
+    say(f"{len(plan.steps)} steps ({len(plan.steps) - kernels} SQL, {kernels} kernel). The curation id hashes their "
+        f"text and each kernel's name, version and arguments (plan sha256 {plan.sha256()[:16]}…) with the snapshot, "
+        "the recipe name and the parameters.")

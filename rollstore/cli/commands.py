@@ -391,7 +391,7 @@ def report(
 def generate(
     buffer: str,
     prompts: str = typer.Option(GENERATE.prompts, "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),
-    model: str = typer.Option(GENERATE.model, "--model", help="A local transformers model directory or builtin:tiny."),
+    model: str = typer.Option(GENERATE.model, "--model", help="A local transformers model directory, builtin:tiny, or checkpoint:latest | checkpoint:N (a checkpoint of this buffer)."),
     backend: str = typer.Option(GENERATE.backend, "--backend", help="hf | vllm"),
     group_size: int = count(GENERATE.group_size, "--group-size", "-G"),
     num_prompts: Optional[int] = count(GENERATE.num_prompts, "--num-prompts", "-n"),

@@ -47,7 +47,8 @@ from rollstore.storage.verify import scan, scan_references
 
 RUN = "train"
 INJECTED = ("verified", "written", "in-txn", "committed", "gc")
-RANDOM_KILLS = 6
+# Random-moment kills per run of the suite (each ~7 s on two cores); more with ROLLSTORE_COMPACT_KILLS=N.
+RANDOM_KILLS = int(os.environ.get("ROLLSTORE_COMPACT_KILLS", "2"))
 
 
 def add_steps(root: str, steps: range, expected: dict, appended: list) -> None:

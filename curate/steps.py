@@ -20,6 +20,7 @@ from rollstore.queries.session import Session
 
 from rollstore.storage.snapshot import rollouts_relation
 
+from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
 from .params import CurationError, Params, step_where
 from .plan import Plan, Step
@@ -63,6 +64,10 @@ class Runner:
     def __init__(self, session: Session, values: dict):
         self.session = session
         self.values = values
+        self.decoded: dict = {}  # session kernels' decoded input (curate.kernels.scored_chunks), until SQL runs
+
+    def _session_kernel(self, step: Step) -> pa.Table:
+        return run_session(step, self.session, self.values, self.decoded)
 
     def _sql(self, step: Step, bound: dict, extra: dict) -> tuple[str, dict]:
         sql = step.render(**bound)
@@ -73,6 +78,10 @@ class Runner:
         return step.guard is None or bool(self.session.one(step.guard)[0])
 
     def run(self, step: Step, bound: dict | None = None, **extra) -> None:
+        if step.kernel is not None:  # a session kernel writing a temp table
+            self.session.load(KERNELS[step.kernel].into, self._session_kernel(step))
+            return
+        self.decoded.clear()  # an SQL statement may rewrite what a session kernel decoded
         if self.wanted(step):
             sql, args = self._sql(step, bound or {}, extra)
             self.session.execute(sql, args or None).fetchall()
@@ -91,6 +100,9 @@ class Runner:
 
     def partial(self, step: Step, arrow: bool, bound: dict | None = None):
         """A GLOBAL step's result over the part this session holds (rows, or an Arrow table)."""
+        if step.kernel is not None:
+            table = self._session_kernel(step)
+            return table if arrow else [tuple(r.values()) for r in table.to_pylist()]
         return self.table(step, bound) if arrow else self.rows(step, bound)
 
 

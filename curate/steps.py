@@ -64,12 +64,13 @@ class Runner:
     def __init__(self, session: Session, values: dict):
         self.session = session
         self.values = values
-        self.decoded: dict = {}  # session kernels' decoded input (curate.kernels.scored_chunks), until SQL runs
+        self.decoded: dict = {}  # session kernels' decoded input (curate.kernels.scored_chunks), until an SQL step runs
 
     def _session_kernel(self, step: Step) -> pa.Table:
         return run_session(step, self.session, self.values, self.decoded)
 
     def _sql(self, step: Step, bound: dict, extra: dict) -> tuple[str, dict]:
+        self.decoded.clear()  # an SQL step may rewrite what a session kernel decoded; past the kernels, memory is freed
         sql = step.render(**bound)
         return sql, bind(sql, {**self.values, **extra})
 
@@ -81,7 +82,6 @@ class Runner:
         if step.kernel is not None:  # a session kernel writing a temp table
             self.session.load(KERNELS[step.kernel].into, self._session_kernel(step))
             return
-        self.decoded.clear()  # an SQL statement may rewrite what a session kernel decoded
         if self.wanted(step):
             sql, args = self._sql(step, bound or {}, extra)
             self.session.execute(sql, args or None).fetchall()

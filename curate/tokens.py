@@ -222,7 +222,7 @@ def missing_entropies_error(rollout_id: str, token: str) -> CurationError:
 # tokens_kept; curate.kernels) over the selected rows' entropies, decoded once per session. ---
 
 SCORED_ROWS = 8192  # rows of `selected_entropies` decoded at a time (a chunk's arrays stay small)
-SCORED_CACHE_TOKENS = 1 << 25  # a session keeps its decoded chunks for the next pass up to this many tokens
+SCORED_CACHE_TOKENS = 1 << 24  # a session keeps its decoded chunks (16 B a token) for the next pass up to this many tokens
 _SIGN = np.int64(0x7FFF_FFFF_FFFF_FFFF)
 BUCKET_SHIFT = 46  # 52 mantissa bits less 6: 64 buckets per octave of the score
 

@@ -184,7 +184,7 @@ def pick_bucket(hist: list[tuple[int, int]], k: int) -> tuple[int, int] | None:
 
 def threshold_of(heads: list[pa.Table], offset: int) -> tuple[float, str, int]:
     """The K-th token: row `offset` of the bucket's heads (each shard's first offset+1 tokens of
-    the bucket, curate_token_bucket.sql) merged in (score desc, rollout_id asc, position asc) order."""
+    the bucket, the kernel `heads`) merged in (score desc, rollout_id asc, position asc) order."""
     table = pa.concat_tables(heads) if len(heads) > 1 else heads[0]
     order = pc.sort_indices(table, [("score", "descending"), ("rollout_id", "ascending"), ("pos", "ascending")])
     row = table.take(order).slice(offset, 1).to_pylist()[0]

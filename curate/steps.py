@@ -3,7 +3,10 @@
 Invariants:
 - A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
   Dask worker runs the client's SQL), with only the relations the step declares rebound; a kernel
-  step runs its registered function through `curate.kernels.apply` (its relations checked).
+  step runs its registered function through `curate.kernels.apply` (its relations checked), a
+  session kernel through `curate.kernels.run_session` (`run`: its temp table is loaded; `partial`:
+  its table is the step's partial result). The decoded input of session kernels is kept for the
+  next kernel of the run and dropped when an SQL step runs.
 - Values are bound by DuckDB (`$name`), never pasted into the text; a value a step needs but the
   runner lacks is a programming error, raised before anything runs.
 """

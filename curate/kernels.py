@@ -5,9 +5,15 @@ rows with the columns it `adds` (and without those it `drops`). A plan step name
 arguments (`curate.plan`, `Step.kernel`, `Step.args`); `rollstore recipes --explain` shows it, and
 the curation id hashes its name, version and arguments, as it hashes an SQL step's text.
 
+A session kernel (`source` set: the token stage's `token_histogram`, `token_heads`, `tokens_kept`)
+reads a temp table of the session instead (`selected_entropies`, decoded once per session or task
+into float64 scores, `scored_chunks`) and returns a table of its declared columns: a GLOBAL step's
+partial result, handed to the step's merge, or the temp table `into` (`kept_counts`). The runner
+runs it (`curate.steps.Runner.run` / `partial`), in whichever task holds the table.
+
 Invariants:
 - `KERNELS` names every kernel a plan may use; both engines run a kernel step through `apply`
-  and nothing else (the embedded engine in its process, the Dask engine in the task that holds
+  (a session kernel through `run_session`) and nothing else (the embedded engine in its process, the Dask engine in the task that holds
   the rows), so both write the same bytes.
 - `apply` checks the relation on the way in (every column the kernel reads is there) and on the
   way out (exactly the declared columns, of the declared types, one value per input row): a
@@ -27,7 +33,16 @@ import pyarrow as pa
 from rollstore.storage.references import logprob_lists
 
 from .params import CurationError
-from .tokens import keep_runs
+from .tokens import (
+    HEADS_SCHEMA,
+    SCORED_CACHE_TOKENS,
+    SCORED_ROWS,
+    heads,
+    histogram,
+    keep_runs,
+    kept_counts,
+    scored,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,8 @@ class Kernel:
     adds: tuple[tuple[str, pa.DataType], ...]
     drops: tuple[str, ...] = ()
     doc: str = ""  # one line for --explain
+    source: str | None = None  # a session kernel: the temp table it reads (else the rows handed to `apply`)
+    into: str | None = None  # a session kernel: the temp table it writes (None: its result is a GLOBAL step's partial)
 
 
 def _keep_runs(rows: pa.Table, values: dict, args: dict) -> dict:
@@ -61,13 +78,30 @@ KERNELS: dict[str, Kernel] = {
         "keep_runs", "1", _keep_runs, ("rollout_id", "advantage", "tokens", "entropies"),
         (("keep_runs", pa.list_(pa.int32())),), drops=("entropies",),
         doc="the loss mask as kept runs [s0, e0, s1, e1, …] from the entropies and $thr, $thr_rollout, $thr_pos "
-            "(curate/tokens.py keep_runs; the predicate of curate_tokens_kept.sql)"),
+            "(curate/tokens.py keep_runs; the predicate of tokens_kept)"),
     "fallback": Kernel(
         "fallback", "1", _fallback, ("shard_file", "rollouts_row", "rollout_id"),
         (("fallback", pa.bool_()),),
         doc="whether the row has no old_logprobs (the rollouts shards' column statistics; the column is decoded "
             "only in row groups that may hold a null), and refuses NaN/inf log-probs "
             "(storage/references.py logprob_lists)"),
+    # Session kernels of the token stage: they read `selected_entropies` (decoded once per session,
+    # `scored_chunks`) and return a GLOBAL step's partial or a temp table.
+    "token_histogram": Kernel(
+        "token_histogram", "1", histogram, ("rollout_id", "advantage_final", "entropies"),
+        (("bucket", pa.int64()), ("n", pa.int64())), source="selected_entropies",
+        doc="threshold pass 1: tokens per bucket of the float64 score |A|·H or H (64 per octave, from the "
+            "score's bits: monotone), highest first (curate/tokens.py histogram)"),
+    "token_heads": Kernel(
+        "token_heads", "1", heads, ("rollout_id", "advantage_final", "entropies"),
+        tuple((f.name, f.type) for f in HEADS_SCHEMA), source="selected_entropies",
+        doc="threshold pass 2: the first $n tokens of bucket $bucket in (score desc, rollout_id asc, position "
+            "asc) order (curate/tokens.py heads)"),
+    "tokens_kept": Kernel(
+        "tokens_kept", "1", kept_counts, ("rollout_id", "advantage_final", "entropies"),
+        (("rollout_id", pa.string()), ("tokens_kept", pa.int32())), source="selected_entropies", into="kept_counts",
+        doc="tokens kept per selected row: score > $thr, or = $thr and (rollout_id, position) not after "
+            "($thr_rollout, $thr_pos) (curate/tokens.py kept_counts; kept_expression's predicate)"),
 }
 
 
@@ -101,3 +135,50 @@ def apply(step, table: pa.Table, values: dict) -> pa.Table:
                                 f"{dtype}; nothing was committed")
         table = table.append_column(name, col)
     return table
+
+
+def scored_chunks(session, relation: str, token: str, cache: dict) -> list:
+    """`relation` (a temp table of the session) decoded into score chunks (`curate.tokens.scored`),
+    SCORED_ROWS rows at a time; kept in `cache` for the next kernel of the same run while they hold
+    at most SCORED_CACHE_TOKENS tokens (past that, each pass decodes its chunks again: memory stays
+    one chunk's, as the SQL passes streamed)."""
+    key = (relation, token)
+    if key in cache:
+        return cache[key]
+    reader = session.con.table(relation).to_arrow_reader(SCORED_ROWS)
+    chunks, tokens = [], 0
+    for batch in reader:
+        if batch.num_rows == 0:
+            continue
+        chunk = scored(batch, token)
+        tokens += len(chunk.score)
+        if tokens > SCORED_CACHE_TOKENS:
+            reader.close()
+            return _streamed(session, relation, token)
+        chunks.append(chunk)
+    cache[key] = chunks
+    return chunks
+
+
+def _streamed(session, relation: str, token: str):
+    return (scored(b, token) for b in session.con.table(relation).to_arrow_reader(SCORED_ROWS) if b.num_rows)
+
+
+def run_session(step, session, values: dict, cache: dict) -> pa.Table:
+    """Session kernel step `step` over its source table: its result (declared columns and types,
+    checked), which the engine loads as `into` or hands to the step's merge."""
+    k = KERNELS[step.kernel]
+    where = f"kernel step {k.name} (version {k.version})"
+    columns = session.con.table(k.source).columns
+    missing = [c for c in k.reads if c not in columns]
+    if missing:
+        raise CurationError(f"{where}: its input {k.source} has no column {missing[0]!r} "
+                            f"(columns: {', '.join(columns)}); nothing was committed (please report this)")
+    args = dict(step.args)
+    out = k.fn(scored_chunks(session, k.source, args["token"], cache), values, args)
+    want = pa.schema(list(k.adds))
+    if not isinstance(out, pa.Table) or not out.schema.equals(want):
+        shape = str(out.schema).replace("\n", ", ") if isinstance(out, pa.Table) else type(out).__name__
+        raise CurationError(f"{where}: returned {shape}, declared {want.to_string().replace(chr(10), ', ')}; "
+                            "nothing was committed")
+    return out

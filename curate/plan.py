@@ -34,7 +34,7 @@ from rollstore.queries import load_sql, parameters_of, render
 
 from .kernels import KERNELS, signature
 from .params import Params, Recipe, token_budget
-from .tokens import kept_expression, score_expression
+from .tokens import kept_expression
 
 ROW, PROMPT, GROUP, SHARD, GLOBAL = "row", "prompt", "group", "shard", "global"
 # Where a step runs (`Step.at`). The embedded engine runs every step in its one session; the Dask
@@ -218,11 +218,15 @@ class _Steps(list):
         self.append(_checked(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
                                   render(sql, dict(frags), text=source), source, result, at)))
 
-    def kernel(self, name: str, phase: str, scope: str, *, at: str, **args: object) -> None:
-        """A kernel step: reads its kernel's declared columns, writes the ones it adds."""
+    def kernel(self, name: str, phase: str, scope: str, *, at: str, merge: str | None = None,
+               writes: tuple = (), **args: object) -> None:
+        """A kernel step: reads its kernel's declared columns (a session kernel: its source table),
+        writes the ones it adds (a session kernel: its table, or `writes`, the values its merge gives)."""
         k = KERNELS[name]
         frozen = tuple(sorted(args.items()))
-        self.append(_checked(Step(name, phase, scope, k.reads, tuple(n for n, _ in k.adds),
+        reads = (k.source,) if k.source else k.reads
+        writes = writes or ((k.into,) if k.into else tuple(n for n, _ in k.adds))
+        self.append(_checked(Step(name, phase, scope, reads, writes, merge=merge,
                                   text=signature(name, frozen), at=at, kernel=name, args=frozen)))
 
 
@@ -340,17 +344,16 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
                   relations=("rollouts",), rollouts="rollouts", at=PER_SELECTED)
         steps.add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
                   merge="first_missing", at=PER_SELECTED)
-        steps.add("curate_token_scores", "tokens", SHARD, ("selected_entropies",), ("token_buckets", "token_scores"),
-                  score=score_expression(token), at=PER_SELECTED)
-        steps.add("curate_token_histogram", "tokens", GLOBAL, ("token_buckets",),
-                  ("$bucket", "$n"), merge="histogram", at=PER_SELECTED)
-        steps.add("curate_token_bucket", "tokens", GLOBAL, ("token_scores",), ("$thr", "$thr_rollout", "$thr_pos"),
-                  merge="heads", at=PER_SELECTED)
+        # The threshold and the kept counts: kernels over the entropies decoded once (curate.tokens).
+        steps.kernel("token_histogram", "tokens", GLOBAL, at=PER_SELECTED, merge="histogram",
+                     writes=("$bucket", "$n"), token=token)
+        steps.kernel("token_heads", "tokens", GLOBAL, at=PER_SELECTED, merge="heads",
+                     writes=("$thr", "$thr_rollout", "$thr_pos"), token=token)
+        steps.kernel("tokens_kept", "output", SHARD, at=PER_SELECTED, token=token)
     else:
         steps.add("curate_no_entropies", "tokens", SHARD, (), ("selected_entropies",), at=PER_SELECTED)
-
-    steps.add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
-              kept=kept_expression(token), at=PER_SELECTED)
+        steps.add("curate_tokens_kept", "output", SHARD, ("work", "selected_entropies"), ("kept_counts",),
+                  kept=kept_expression(token), at=PER_SELECTED)
     steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept", at=PER_SELECTED)
     steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",),
               merge="whole", result="audit", at=ONCE)

@@ -3,7 +3,10 @@
 Invariants:
 - A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
   Dask worker runs the client's SQL), with only the relations the step declares rebound; a kernel
-  step runs its registered function through `curate.kernels.apply` (its relations checked).
+  step runs its registered function through `curate.kernels.apply` (its relations checked), a
+  session kernel through `curate.kernels.run_session` (`run`: its temp table is loaded; `partial`:
+  its table is the step's partial result). The decoded input of session kernels is kept for the
+  next kernel of the run and dropped when an SQL step runs.
 - Values are bound by DuckDB (`$name`), never pasted into the text; a value a step needs but the
   runner lacks is a programming error, raised before anything runs.
 """
@@ -20,6 +23,7 @@ from rollstore.queries.session import Session
 
 from rollstore.storage.snapshot import rollouts_relation
 
+from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
 from .params import CurationError, Params, step_where
 from .plan import Plan, Step
@@ -63,8 +67,13 @@ class Runner:
     def __init__(self, session: Session, values: dict):
         self.session = session
         self.values = values
+        self.decoded: dict = {}  # session kernels' decoded input (curate.kernels.scored_chunks), until an SQL step runs
+
+    def _session_kernel(self, step: Step) -> pa.Table:
+        return run_session(step, self.session, self.values, self.decoded)
 
     def _sql(self, step: Step, bound: dict, extra: dict) -> tuple[str, dict]:
+        self.decoded.clear()  # an SQL step may rewrite what a session kernel decoded; past the kernels, memory is freed
         sql = step.render(**bound)
         return sql, bind(sql, {**self.values, **extra})
 
@@ -73,6 +82,9 @@ class Runner:
         return step.guard is None or bool(self.session.one(step.guard)[0])
 
     def run(self, step: Step, bound: dict | None = None, **extra) -> None:
+        if step.kernel is not None:  # a session kernel writing a temp table
+            self.session.load(KERNELS[step.kernel].into, self._session_kernel(step))
+            return
         if self.wanted(step):
             sql, args = self._sql(step, bound or {}, extra)
             self.session.execute(sql, args or None).fetchall()
@@ -91,6 +103,9 @@ class Runner:
 
     def partial(self, step: Step, arrow: bool, bound: dict | None = None):
         """A GLOBAL step's result over the part this session holds (rows, or an Arrow table)."""
+        if step.kernel is not None:
+            table = self._session_kernel(step)
+            return table if arrow else [tuple(r.values()) for r in table.to_pylist()]
         return self.table(step, bound) if arrow else self.rows(step, bound)
 
 

@@ -1,25 +1,27 @@
-"""D3S token pruning in one place: the score, the exact top-K threshold, the loss mask.
+"""D3S token pruning in one place: the score, the exact top-K threshold, the kept counts, the loss mask.
 
-A newcomer reads token pruning here and in four SQL files, in the order they run:
-`curate_token_entropies.sql` (the selected rows' entropies, read from Parquet once),
-`curate_token_scores.sql` (one score per token: |A|·H or H, and its monotone `bucket`),
-`curate_token_histogram.sql` + `curate_token_bucket.sql` (the K-th token in (score desc,
-rollout_id asc, position asc) order, K = ⌈κ·N⌉, in two passes over the in-session table), then
-`curate_tokens_kept.sql` (tokens kept per row: a token is kept when its order is not after the
-K-th token's). `curate_materialise.sql` hands each selected row's entropies to `keep_runs`, which
-writes the same mask as kept runs in numpy (a `list_filter` over mask positions in SQL cost twice
-the rest of the materialisation).
+A newcomer reads token pruning here, in the order it runs: `curate_token_entropies.sql` (the
+selected rows' entropies, read from Parquet once into the session), then three kernel steps
+(`curate.kernels`) over those entropies decoded once into float64 scores (`scored`):
+`histogram` + `heads` (the K-th token in (score desc, rollout_id asc, position asc) order,
+K = ⌈κ·N⌉, in two passes whose partial results merge exactly across shards), `kept_counts`
+(tokens kept per row: a token is kept when its order is not after the K-th token's). The
+materialisation hands each selected row's entropies to `keep_runs`, which writes the same mask
+as kept runs. `kept_expression` is the same predicate in SQL (with token=none the one used:
+every token; the tests' reference otherwise).
 
 Invariants:
+- The score is the SQL score `score_expression` to the bit: a float32 widened to float64, times
+  |A| widened the same way, rounded once (as DuckDB's DOUBLE multiply); -0 is made +0 (equal to it
+  in every comparison).
 - The threshold is exact: histogram counts add up exactly across shards (`merge_histograms`), and
   the K-th token lies in the heads of its bucket, whichever shards they come from (`threshold_of`).
-  Both rest on the bucket key being monotone in the score; the engines check the result anyway
-  (`check_exact`: the mask keeps exactly K tokens) before anything is written.
-- The score and kept-count expressions below are the only SQL text of token pruning outside those
-  files; they are fragments of the plan, so they are hashed into the curation id.
-- `keep_runs` applies the kept-count predicate to the same float64 scores; before anything is
-  committed the engines check that the runs written keep as many tokens as the audit counted
-  (`check_kept`).
+  Both rest on the bucket key being monotone in the score (`Scored.key`: the float64's bits as an
+  ordered integer, so it is, for every finite score); the engines check the result anyway
+  (`check_exact`: the kept counts add up to exactly K) before anything is written.
+- `keep_runs` and `kept_counts` apply the same predicate to the same float64 scores; before
+  anything is committed the engines check that the runs written keep as many tokens as the audit
+  counted (`check_kept`).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def pick_bucket(hist: list[tuple[int, int]], k: int) -> tuple[int, int] | None:
 
 def threshold_of(heads: list[pa.Table], offset: int) -> tuple[float, str, int]:
     """The K-th token: row `offset` of the bucket's heads (each shard's first offset+1 tokens of
-    the bucket, curate_token_bucket.sql) merged in (score desc, rollout_id asc, position asc) order."""
+    the bucket, the kernel `heads`) merged in (score desc, rollout_id asc, position asc) order."""
     table = pa.concat_tables(heads) if len(heads) > 1 else heads[0]
     order = pc.sort_indices(table, [("score", "descending"), ("rollout_id", "ascending"), ("pos", "ascending")])
     row = table.take(order).slice(offset, 1).to_pylist()[0]
@@ -214,3 +216,114 @@ def missing_entropies_error(rollout_id: str, token: str) -> CurationError:
         f"rollout_id={rollout_id!r}: column 'entropies' is null, but token={token} needs "
         f"per-token entropies; {FILL_ENTROPIES} (or run with --set token=none)"
     )
+
+
+# --- The threshold and the kept counts in numpy (kernel steps token_histogram, token_heads,
+# tokens_kept; curate.kernels) over the selected rows' entropies, decoded once per session. ---
+
+SCORED_ROWS = 8192  # rows of `selected_entropies` decoded at a time (a chunk's arrays stay small)
+SCORED_CACHE_TOKENS = 1 << 24  # a session keeps its decoded chunks (16 B a token) for the next pass up to this many tokens
+_SIGN = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+BUCKET_SHIFT = 46  # 52 mantissa bits less 6: 64 buckets per octave of the score
+
+
+class Scored:
+    """One chunk of selected rows: every token's float64 score (flattened), the rows' offsets into
+    it (int64, rows + 1) and their rollout_ids (Arrow strings, compared bytewise as in DuckDB)."""
+
+    def __init__(self, score: np.ndarray, offsets: np.ndarray, rollout_id: pa.Array):
+        self.score, self.offsets, self.rollout_id = score, offsets, rollout_id
+        self._key = None
+
+    @property
+    def key(self) -> np.ndarray:
+        """The bucket key of each score: monotone in the score (the IEEE order of the float64 as a
+        signed integer, its top 6 mantissa bits kept), so every token of a bucket sorts between the
+        tokens of the buckets around it; equal scores have equal keys (-0 is made +0 first)."""
+        if self._key is None:
+            bits = self.score.view(np.int64)
+            key = bits ^ ((bits >> 63) & _SIGN)
+            np.right_shift(key, BUCKET_SHIFT, out=key)
+            self._key = key
+        return self._key
+
+    def rows_of(self, tokens: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, tokens, side="right") - 1
+
+
+def scored(batch: pa.RecordBatch | pa.Table, token: str) -> Scored:
+    """The scores of a chunk of `selected_entropies` (rollout_id, advantage_final, entropies): H, or
+    |A|·H, in float64 exactly as `score_expression` computes them in SQL (a float32 widened to
+    float64 is exact, and so is the product rounded once to float64, as DuckDB's DOUBLE multiply)."""
+    ents = batch.column("entropies")
+    ents = ents.combine_chunks() if isinstance(ents, pa.ChunkedArray) else ents
+    h = ents.flatten().to_numpy(zero_copy_only=False)
+    offsets = ents.offsets.to_numpy().astype(np.int64)
+    offsets -= offsets[0]
+    if token == "entropy":
+        score = h.astype(np.float64)
+    else:
+        adv = batch.column("advantage_final").to_numpy(zero_copy_only=False).astype(np.float64)
+        score = np.repeat(np.abs(adv), np.diff(offsets))
+        np.multiply(score, h, out=score)
+    np.add(score, 0.0, out=score)  # -0 → +0 (equal scores, one bucket key); every other value unchanged
+    rid = batch.column("rollout_id")
+    return Scored(score, offsets, rid.combine_chunks() if isinstance(rid, pa.ChunkedArray) else rid)
+
+
+def histogram(chunks, values: dict, args: dict) -> pa.Table:
+    """Threshold pass 1 (merge `histogram`): tokens per bucket key, highest first."""
+    counts: dict[int, int] = {}
+    for c in chunks:
+        if not len(c.key):
+            continue
+        low = int(c.key.min())  # keys span at most 2^18 values (sign, 11 exponent and 6 mantissa bits)
+        n = np.bincount(c.key - low)
+        for b in np.flatnonzero(n).tolist():
+            counts[b + low] = counts.get(b + low, 0) + int(n[b])
+    hist = sorted(counts.items(), reverse=True)
+    return pa.table({"bucket": pa.array([b for b, _ in hist], pa.int64()),
+                     "n": pa.array([m for _, m in hist], pa.int64())})
+
+
+HEADS_SCHEMA = pa.schema([("score", pa.float64()), ("rollout_id", pa.string()), ("pos", pa.int64())])
+
+
+def heads(chunks, values: dict, args: dict) -> pa.Table:
+    """Threshold pass 2 (merge `heads`): the first $n tokens of bucket $bucket in the threshold's
+    order (score desc, rollout_id asc, position asc; positions from 1)."""
+    bucket, n = values["bucket"], values["n"]
+    parts = []
+    for c in chunks:
+        idx = np.flatnonzero(c.key == bucket)
+        if len(idx):
+            row = c.rows_of(idx)
+            parts.append(pa.table({"score": pa.array(c.score[idx]),
+                                   "rollout_id": c.rollout_id.take(pa.array(row)).cast(pa.string()),
+                                   "pos": pa.array(idx - c.offsets[row] + 1)}, schema=HEADS_SCHEMA))
+    if not parts:
+        return HEADS_SCHEMA.empty_table()
+    table = pa.concat_tables(parts)
+    order = pc.sort_indices(table, [("score", "descending"), ("rollout_id", "ascending"), ("pos", "ascending")])
+    return table.take(order[:n])
+
+
+def kept_counts(chunks, values: dict, args: dict) -> pa.Table:
+    """Tokens kept per selected row, with the predicate of `kept_expression` (and `keep_runs`):
+    score > $thr, or score = $thr and (rollout_id, position) not after ($thr_rollout, $thr_pos)."""
+    thr, thr_rollout, thr_pos = values["thr"], values["thr_rollout"], values["thr_pos"]
+    ids, kept = [], []
+    for c in chunks:
+        keep = c.score > thr
+        ties = np.flatnonzero(c.score == thr)  # rare: decided by the row's place against the K-th token's
+        if len(ties):
+            row = c.rows_of(ties)
+            before = pc.less(c.rollout_id, thr_rollout).to_numpy(zero_copy_only=False)[row]
+            at = pc.equal(c.rollout_id, thr_rollout).to_numpy(zero_copy_only=False)[row]
+            keep[ties] = before | (at & (ties - c.offsets[row] < thr_pos))
+        total = np.zeros(len(keep) + 1, np.int64)
+        np.cumsum(keep, out=total[1:])
+        ids.append(c.rollout_id.cast(pa.string()))
+        kept.append(pa.array((total[c.offsets[1:]] - total[c.offsets[:-1]]).astype(np.int32)))
+    return pa.table({"rollout_id": pa.chunked_array(ids, pa.string()),
+                     "tokens_kept": pa.chunked_array(kept, pa.int32())})

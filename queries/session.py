@@ -139,7 +139,7 @@ class Session:
         ).fetchall():
             kind = "VIEW" if kind == "VIEW" else "TABLE"
             self.con.execute(f'DROP {kind} IF EXISTS "{catalog}".main."{name}"')
-        for catalog, name, kind in self.con.execute(  # e.g. curate_token_scores.sql's token_score_bucket
+        for catalog, name, kind in self.con.execute(  # a job's temporary macros
             "SELECT DISTINCT database_name, function_name, function_type FROM duckdb_functions() "
             "WHERE NOT internal AND function_type IN ('macro', 'table_macro') AND schema_name = 'main'"
         ).fetchall():

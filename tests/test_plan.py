@@ -67,7 +67,8 @@ def test_every_step_is_one_sql_file_and_the_plan_text_is_what_runs(name):
         assert step.at in plan_module.PLACES, step  # every step declares where it runs
         assert (step.merge is not None) == (step.scope == plan_module.GLOBAL), step  # a global step names its merge
         if step.kind == "kernel":
-            assert step.text == signature(step.kernel, step.args) and step.reads == KERNELS[step.kernel].reads
+            k = KERNELS[step.kernel]  # a session kernel reads its source table, a row kernel its columns
+            assert step.text == signature(step.kernel, step.args) and step.reads == ((k.source,) if k.source else k.reads)
             continue
         assert step.source == load_sql(step.sql)
         assert step.text == render(step.sql, dict(step.fragments)) == step.render()
@@ -193,6 +194,7 @@ class EngineSpy:
         self.steps: list[tuple[str, str]] = []  # (step id, rendered text)
         self.lock = threading.Lock()
         run_sql, execute, table, kernel = Runner._sql, Session.execute, Session.table, Runner.kernel
+        session_kernel = Runner._session_kernel
 
         def spy_sql(runner, step, bound, extra):
             sql, args = run_sql(runner, step, bound, extra)
@@ -204,6 +206,11 @@ class EngineSpy:
             with self.lock:
                 self.steps.append((_step_id(step), step.text))
             return kernel(runner, step, rows)
+
+        def spy_session_kernel(runner, step):
+            with self.lock:
+                self.steps.append((_step_id(step), step.text))
+            return session_kernel(runner, step)
 
         def spy_execute(session, sql, params=None):
             with self.lock:
@@ -217,6 +224,7 @@ class EngineSpy:
 
         monkeypatch.setattr(Runner, "_sql", spy_sql)
         monkeypatch.setattr(Runner, "kernel", spy_kernel)
+        monkeypatch.setattr(Runner, "_session_kernel", spy_session_kernel)
         monkeypatch.setattr(Session, "execute", spy_execute)
         monkeypatch.setattr(Session, "table", spy_table)
 
@@ -311,7 +319,10 @@ def test_a_kernel_step_is_hashed_by_its_name_version_and_arguments(monkeypatch):
 
     recipe = load_recipe("d3s")
     plan = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
-    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["keep_runs", "fallback"]
+    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["token_histogram", "token_heads", "tokens_kept",
+                                                                    "keep_runs", "fallback"]
+    none = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "none"}), recipe)
+    assert [s.kernel for s in none.steps if s.kind == "kernel"] == ["keep_runs", "fallback"]
     entropy = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "entropy"}), recipe)
     keep = [s for s in entropy.steps if s.kernel == "keep_runs"][0]
     assert keep.args == (("token", "entropy"),)

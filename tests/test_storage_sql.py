@@ -208,7 +208,7 @@ def test_sql_through_the_installed_command(loaded, tmp_path):
 
 
 def test_rebind_drops_the_previous_jobs_macros_and_keeps_the_views_macros(loaded):
-    """A curation creates a temporary macro (curate_token_scores.sql); a session reused for the next
+    """A job may create a temporary macro (a curation step did, up to issue 37); a session reused for the next
     job (`Session.rebind`) drops it with the job's tables and views, and re-creates views.sql's."""
     from rollstore.queries.session import Session
 

@@ -42,6 +42,20 @@ def cli():
     return run
 
 
+@pytest.fixture(scope="session")
+def pg():
+    """One PostgreSQL server for the session (tests/pg_server.py finds or starts it); each test makes its
+    own catalog with `pg.fresh_dsn()`. Skips with one line saying what is missing."""
+    import pg_server
+
+    missing = pg_server.why_missing()
+    if missing:
+        pytest.skip(f"PostgreSQL tests: {missing}")
+    server = pg_server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def buffer_dir(tmp_path):
     """An initialised, empty buffer; returns its path."""

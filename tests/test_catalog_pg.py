@@ -30,16 +30,6 @@ from rollstore.storage.manifest import Manifest
 from rollstore.builtin.synthetic import rollouts_table
 
 
-@pytest.fixture(scope="module")
-def pg():
-    missing = pg_server.why_missing()
-    if missing:
-        pytest.skip(f"PostgreSQL catalog tests: {missing}")
-    server = pg_server.start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def pgbuf(pg, tmp_path):
     root = str(tmp_path / "buf")

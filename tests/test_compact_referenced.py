@@ -240,18 +240,6 @@ def test_kill_9_compaction_beside_train(buffer_dir, tmp_path):
     print(f"trials={len(trials)} outcomes={outcomes} curated={len(expected)} rollouts={len(appended)}")
 
 
-@pytest.fixture(scope="module")
-def pg():
-    import pg_server
-
-    missing = pg_server.why_missing()
-    if missing:
-        pytest.skip(f"PostgreSQL catalog tests: {missing}")
-    server = pg_server.start()
-    yield server
-    server.stop()
-
-
 def test_a_postgresql_catalog_moves_references_the_same_way(pg, tmp_path, cli):
     """The catalog contract is shared: compaction of referenced shards, moves followed, training
     after it trains each curated shard once, a second compaction chains the moves."""
@@ -260,7 +248,7 @@ def test_a_postgresql_catalog_moves_references_the_same_way(pg, tmp_path, cli):
     expected, appended = {}, []
     add_steps(root, range(3), expected, appended)
     with Buffer.open(root) as buf:
-        assert buf.manifest.moves() == {}  # no `moved` table yet: none, and no error
+        assert buf.manifest.moves() == {}  # no move recorded yet: none, and no error
         assert maintenance.compact(buf).merged_shards == 3
         maintenance.gc(buf, grace_s=0)
     check(root, expected, appended)

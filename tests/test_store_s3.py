@@ -13,23 +13,12 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-import pg_server
 import s3_server
 from multihost import check_invariants
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.descriptor import read as read_descriptor
 from rollstore.storage.errors import ManifestError
 from rollstore.builtin.synthetic import rollouts_table
-
-
-@pytest.fixture(scope="module")
-def pg():
-    missing = pg_server.why_missing()
-    if missing:
-        pytest.skip(f"S3 store tests: {missing}")
-    server = pg_server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -197,15 +197,34 @@ class SnapshotFiles:
 
 
 @functools.lru_cache(maxsize=65536)
-def _stores_length(path: str, size: int, mtime_ns: int) -> bool:
-    return RESPONSE_LENGTH in pq.read_schema(path).names
+def _schema(path: str, size: int, mtime_ns: int) -> pa.Schema:
+    return pq.read_schema(path)
+
+
+def file_schema(path: str) -> pa.Schema:
+    """The Arrow schema of the Parquet file at `path`, from its footer, read once per process and
+    file (path, size and modification time: shards are written once, never changed in place)."""
+    st = os.stat(path)
+    return _schema(path, st.st_size, st.st_mtime_ns)
 
 
 def stores_response_length(path: str) -> bool:
-    """Whether the rollouts shard at `path` stores `response_length` (schema version 3): its
-    Parquet footer's schema, read once per process and file (path, size and modification time)."""
-    st = os.stat(path)
-    return _stores_length(path, st.st_size, st.st_mtime_ns)
+    """Whether the rollouts shard at `path` stores `response_length` (schema version 3)."""
+    return RESPONSE_LENGTH in file_schema(path).names
+
+
+def union_option(paths: list[str]) -> str:
+    """`, union_by_name = true` when these files' schemas differ (a table that gained a column), else
+    nothing: with one schema DuckDB reads the same rows without opening every footer to bind (a
+    loop rebinds its session's views every iteration over a growing list of files)."""
+    first = None
+    for path in paths:
+        schema = file_schema(path)
+        if first is None:
+            first = schema
+        elif not schema.equals(first):
+            return ", union_by_name = true"
+    return ""
 
 
 def rollouts_relation(paths: list[str], located: bool = False, numbered: bool = False,
@@ -216,7 +235,7 @@ def rollouts_relation(paths: list[str], located: bool = False, numbered: bool = 
     list. Shards written before it (version 2) get it computed, `len(response_token_ids)`; a mix
     of both is one relation (UNION ALL BY NAME)."""
     extra = (", filename = true" if located else "") + (", file_row_number = true" if numbered else "") + \
-        (", union_by_name = true" if union_by_name else "")
+        (union_option(paths) if union_by_name else "")
 
     def read(files: list[str]) -> str:
         return f"read_parquet([{', '.join(sql_string(p) for p in files)}]{extra}, hive_partitioning = false)"
@@ -252,7 +271,7 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
             listing = ", ".join(sql_string(f) for f in files)
             con.execute(
                 f"CREATE OR REPLACE VIEW {name} AS "
-                f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)"
+                f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false{union_option(files)})"
             )
         else:
             empty = pa.Table.from_batches([], schema=ROLLOUTS_STORED if name == "rollouts" else READ_SCHEMAS[name])
@@ -272,14 +291,14 @@ def curated_view(curated: list[str], rollouts: list[str], root: str, moved: bool
     stored."""
     thin, full = [], []
     for path in curated:
-        (thin if is_thin(pq.read_schema(path)) else full).append(path)
+        (thin if is_thin(file_schema(path)) else full).append(path)
     selects = []
     if thin:
         refs = ", ".join(sql_string(f) for f in thin)
         shards = ", ".join(sql_string(f) for f in rollouts) if rollouts else None
         prefix = sql_string(os.path.join(root, ""))
-        rows = (f"read_parquet([{shards}], filename = true, file_row_number = true, hive_partitioning = false, "
-                "union_by_name = true)" if shards else
+        rows = (f"read_parquet([{shards}], filename = true, file_row_number = true, hive_partitioning = false"
+                f"{union_option(rollouts)})" if shards else
                 "(SELECT NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number, NULL::VARCHAR AS rollout_id, "
                 "NULL::INTEGER[] AS prompt_token_ids, NULL::INTEGER[] AS response_token_ids, "
                 "NULL::FLOAT[] AS gen_logprobs, NULL::FLOAT[] AS old_logprobs WHERE false)")
@@ -301,5 +320,5 @@ def curated_view(curated: list[str], rollouts: list[str], root: str, moved: bool
     if full:
         listing = ", ".join(sql_string(f) for f in full)
         names = ", ".join(CURATED.names)
-        selects.append(f"SELECT {names} FROM read_parquet([{listing}], hive_partitioning = false, union_by_name = true)")
+        selects.append(f"SELECT {names} FROM read_parquet([{listing}], hive_partitioning = false{union_option(full)})")
     return " UNION ALL ".join(selects)

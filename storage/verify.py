@@ -68,16 +68,18 @@ def _stat(path: str):
         return None
 
 
-def check_shard(root: str, shard: Shard, full: bool = True) -> Problem | None:
+def check_shard(root: str, shard: Shard, full: bool = True, folders: dict | None = None) -> Problem | None:
     """The problem of one shard, or None. `full=False` checks existence, place and size only:
     the rule every reader applies before it opens a file, and `verify` applies too. A shard is a
     regular file at its own path inside the buffer: never a symbolic link, nor reached through a
-    linked folder (whatever the bytes it leads to)."""
+    linked folder (whatever the bytes it leads to). `folders`: the real paths of folders resolved
+    so far by the caller's pass over many shards (each folder is resolved once per pass; the file
+    itself is checked by `lstat`, which does not follow a link)."""
     path = os.path.join(root, shard.path)
     st = _stat(path)
     if st is None:
         return Problem(shard, "missing")
-    if not stat.S_ISREG(st.st_mode) or os.path.realpath(path) != os.path.join(os.path.realpath(root), shard.path):
+    if not stat.S_ISREG(st.st_mode) or not _in_place(root, shard.path, folders if folders is not None else {}):
         return Problem(shard, "link")
     if st.st_size != shard.bytes:
         return Problem(shard, "size")
@@ -97,10 +99,24 @@ def _raise(root: str, problem: Problem | None) -> None:
         raise ShardError(f"{problem.describe(root)}; {advice(root)}")
 
 
+def _in_place(root: str, relpath: str, folders: dict) -> bool:
+    """Whether root/relpath, a regular file (`lstat`: not a link itself), has the real path
+    realpath(root)/relpath — no linked folder, no `..`, nothing to normalise on the way: the same
+    test as on the file's own real path, with each folder resolved once per pass (`folders`)."""
+    folder, name = os.path.split(relpath)
+    if name in ("", ".", ".."):
+        return False
+    if folder not in folders:
+        real_root = os.path.realpath(root)
+        folders[folder] = folder == "" or os.path.realpath(os.path.join(root, folder)) == os.path.join(real_root, folder)
+    return folders[folder]
+
+
 def check_present(root: str, shards: list[Shard]) -> None:
     """Raise for the first shard that is missing or has the wrong size (no hashing)."""
+    folders: dict = {}
     for shard in shards:
-        _raise(root, check_shard(root, shard, full=False))
+        _raise(root, check_shard(root, shard, full=False, folders=folders))
 
 
 def verify_shards(root: str, shards: list[Shard]) -> None:

@@ -207,16 +207,40 @@ def test_sql_through_the_installed_command(loaded, tmp_path):
     assert json.loads(proc.stdout) == [{"n": 24}]  # stdout holds the JSON document and nothing else
 
 
-def test_rebind_drops_the_previous_jobs_macros_and_keeps_the_views_macros(loaded):
-    """A job may create a temporary macro (a curation step did, up to issue 37); a session reused for the next
-    job (`Session.rebind`) drops it with the job's tables and views, and re-creates views.sql's."""
+def test_rebind_drops_the_previous_jobs_tables_and_views_and_keeps_the_views_macros(loaded):
+    """A session reused for the next job (`Session.rebind`) drops the job's temp tables and views in one
+    script and re-creates views.sql's views and macros."""
     from rollstore.queries.session import Session
 
     with Buffer.open(loaded) as buf, buf.snapshot() as snap, Session(snap) as s:
-        s.execute("CREATE OR REPLACE TEMP MACRO token_score_bucket(score) AS score")
         s.execute("CREATE OR REPLACE TEMP TABLE work AS SELECT 1 AS x")
+        s.execute("CREATE OR REPLACE TEMP TABLE picked AS SELECT 2 AS y")
+        s.execute("CREATE OR REPLACE VIEW mine AS SELECT 3 AS z")
         s.rebind(snap)
-        left = s.execute("SELECT function_name FROM duckdb_functions() WHERE NOT internal").fetchall()
-        assert "token_score_bucket" not in {name for (name,) in left}
-        assert s.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'work'").fetchone()[0] == 0
+        left = {name for (name,) in s.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        assert not left & {"work", "picked", "mine"}, left
+        assert {"rollouts", "groups", "prompts"} <= left
         assert s.execute("SELECT accuracy_band_key(0.5) IS NOT NULL").fetchone()[0]
+
+
+def test_only_views_sql_defines_macros():
+    """`Session.rebind` does not list the catalog's macros (duckdb_functions() cost ~15 ms a loop iteration):
+    it relies on views.sql being the only SQL that creates one (re-created at every rebind). Every query file
+    and every step of every built-in recipe's plan is checked here; user SQL is SELECT-only."""
+    import glob
+    import re
+
+    from rollstore.curate.params import builtin_recipes, load_recipe, resolve
+    from rollstore.curate.plan import build
+
+    macro = re.compile(r"\bCREATE\s+(OR\s+REPLACE\s+)?(TEMP\s+|TEMPORARY\s+)?MACRO\b", re.IGNORECASE)
+    here = os.path.join(os.path.dirname(__file__), "..", "queries")
+    defining = sorted(os.path.basename(f) for f in glob.glob(os.path.join(here, "*.sql"))
+                      if macro.search(open(f).read()))
+    assert defining == ["views.sql"], defining
+    for name in builtin_recipes():
+        recipe = load_recipe(name)
+        if recipe.sql is not None:
+            continue
+        for step in build(resolve(recipe, {}), recipe, None).steps:
+            assert not macro.search(step.text), (name, step.sql)

@@ -692,6 +692,10 @@ class PgManifest(Manifest):
                      [e.get("curation_id") for e in entries]))
         return None
 
+    def _pin_transaction(self):
+        """An unpin (inherited) in this catalog's own transaction, under the buffer's lock."""
+        return self.transaction()
+
     def pin(self, seq: int, ttl: float = 3600.0) -> str:
         pin_id = uuidlib.uuid4().hex
         with self.transaction() as con:

@@ -8,7 +8,11 @@ Invariants:
   primary keys make uniqueness across the buffer hold even between concurrent appenders.
 - A lease is held by one consumer at a time per consumer group; an acked shard is never leased again
   in that group; an expired unacked lease returns the shard to the pool.
-- WAL mode with synchronous=FULL: a committed transaction survives kill -9 and power loss.
+- WAL mode with synchronous=FULL: a committed transaction survives kill -9 and power loss. Pins
+  are the exception (`pin`, `unpin`: synchronous=NORMAL, no fsync of their own): a pin protects a
+  live reader's files from gc, and a power loss that could lose it ends that reader too; it
+  survives kill -9 like any commit (the WAL is in the file system at COMMIT), is visible to other
+  processes at once, and the next durable commit flushes it with the WAL.
 - `moved` (made by the first compaction or migration that retires a rollouts shard; the manifest
   is then schema version 2, which older rollstores refuse to open): one row per retired rollouts
   shard whose rows were rewritten, in order, into another shard: row i of `path` is row
@@ -258,16 +262,24 @@ class Manifest:
                                    "nothing was written")
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction (`BEGIN IMMEDIATE`). `durable=False`: its COMMIT does not wait for
+        the disk (synchronous=NORMAL for this transaction only; see the module invariants)."""
         self.require_writable()
-        self.con.execute("BEGIN IMMEDIATE")
+        if not durable:
+            self.con.execute("PRAGMA synchronous=NORMAL")
         try:
-            yield self.con
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        else:
-            self.con.execute("COMMIT")
+            self.con.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.con
+            except BaseException:
+                self.con.execute("ROLLBACK")
+                raise
+            else:
+                self.con.execute("COMMIT")
+        finally:
+            if not durable:
+                self.con.execute("PRAGMA synchronous=FULL")
 
     # ---- commits and snapshots -------------------------------------------------------------
     def new_commit(self, con: sqlite3.Connection, kind: str, detail: dict | None = None) -> int:
@@ -453,12 +465,16 @@ class Manifest:
     # ---- snapshot pins (keep files of retired shards while a reader needs them) -------------
     def pin(self, seq: int, ttl: float = 3600.0) -> str:
         pin_id = uuid.uuid4().hex
-        with self.transaction() as con:
+        with self._pin_transaction() as con:
             con.execute("INSERT INTO pins VALUES (?, ?, ?)", (pin_id, seq, time.time() + ttl))
         return pin_id
 
+    def _pin_transaction(self):
+        """The transaction of a pin or an unpin: one that does not wait for the disk (module invariants)."""
+        return self.transaction(durable=False)
+
     def unpin(self, pin_id: str) -> None:
-        with self.transaction() as con:
+        with self._pin_transaction() as con:
             con.execute("DELETE FROM pins WHERE pin_id = ?", (pin_id,))
 
     def collected_seq(self) -> int:

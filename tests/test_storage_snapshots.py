@@ -108,6 +108,62 @@ def test_pinned_snapshot_unpins_on_close(buffer_dir):
         assert buf.manifest.oldest_pinned_seq() is None
 
 
+def test_pins_do_not_wait_for_the_disk_and_commits_do(buffer_dir):
+    """A pin and its removal commit with synchronous=NORMAL (a loop pins a snapshot every curation: two
+    fsyncs saved per pin); every other transaction, and the connection between them, stays FULL."""
+    with Buffer.open(buffer_dir) as buf:
+        con = buf.manifest.con
+        seen: list[str] = []
+        con.set_trace_callback(lambda stmt: seen.append(" ".join(stmt.split())))
+        try:
+            with buf.snapshot(pin=True):
+                pass
+            pragmas = [s for s in seen if s.startswith("PRAGMA synchronous")]
+            inserts = [i for i, s in enumerate(seen) if s.startswith("INSERT INTO pins")]
+            deletes = [i for i, s in enumerate(seen) if s.startswith("DELETE FROM pins")]
+            assert len(inserts) == 1 and len(deletes) == 1, seen
+            for at in inserts + deletes:  # NORMAL from before BEGIN to after COMMIT
+                before = [s for s in seen[:at] if s.startswith("PRAGMA synchronous")][-1]
+                after = [s for s in seen[at:] if s.startswith("PRAGMA synchronous")][0]
+                assert before == "PRAGMA synchronous=NORMAL" and after == "PRAGMA synchronous=FULL", seen
+            assert pragmas == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"] * 2
+            seen.clear()
+            buf.append_rollouts(rollouts_table(n_groups=1, group_size=2, seed=5), "s")
+            assert not [s for s in seen if s.startswith("PRAGMA synchronous")], seen
+        finally:
+            con.set_trace_callback(None)
+        assert con.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_a_commit_makes_its_files_and_folders_durable_before_its_transaction(buffer_dir, monkeypatch):
+    """`Buffer.commit` fsyncs every file it publishes, the file's folder and the parent of every folder it
+    made (a curation's curated/<id>/ and audit/<id>/), all before the transaction that names them."""
+    import rollstore.storage.manifest as manifest_module
+    import rollstore.storage.shardio as shardio
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+
+    with Buffer.open(buffer_dir) as buf:
+        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=3), "s")
+    events: list[tuple[str, str]] = []
+    real_fsync, real_commit = shardio.fsync_dir, manifest_module.Manifest.new_commit
+    monkeypatch.setattr(shardio, "fsync_dir", lambda path: (events.append(("fsync", path)), real_fsync(path))[1])
+    monkeypatch.setattr(manifest_module.Manifest, "new_commit",
+                        lambda self, *a, **k: (events.append(("commit", "")), real_commit(self, *a, **k))[1])
+    with Buffer.open(buffer_dir) as buf:
+        out = curate(buf, load_recipe("grpo"), {"where": "true"})
+        latest = buf.manifest.latest_seq()
+        published = [s.path for s in buf.manifest.shards() if s.added_seq == latest]
+    assert [kind for kind, _ in events].count("commit") == 1
+    synced = {os.path.relpath(path, buffer_dir) for kind, path in events[:events.index(("commit", ""))] if kind == "fsync"}
+    cid = out.curation_id
+    for folder in ("curated", "audit"):  # a new folder per curation: its own entry is durable through its parent
+        assert {folder, f"{folder}/{cid}"} <= synced, synced
+        assert any(p.startswith(f"{folder}/{cid}/") and p.endswith(".parquet") for p in synced), synced
+    assert "meta/curations" in synced and any(p.startswith("meta/curations/") for p in synced), synced
+    assert len(published) == 3 and set(published) <= synced, (published, synced)  # curated, audit, record
+
+
 def test_unknown_buffer_is_one_error_line(cli, tmp_path):
     res = cli("sql", str(tmp_path / "nope"), "SELECT 1")
     assert res.code != 0 and "not a rollstore buffer" in res.stderr and len(res.stderr.strip().splitlines()) == 1

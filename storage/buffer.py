@@ -1,8 +1,9 @@
 """A buffer: one directory with a manifest and immutable Parquet shards.
 
 Invariants:
-- `commit` writes every file first (fsynced, linked into place), then records all of them in ONE
-  manifest transaction; if anything fails before COMMIT is sent (the transaction rolled back),
+- `commit` writes every file first (linked into place; the files, their folders and the parents
+  of new folders fsynced together, `shardio.Durable`), then records all of them in ONE manifest
+  transaction; if anything fails before COMMIT is sent (the transaction rolled back),
   the files are unlinked and nothing becomes visible (a crash leaves only orphans for `gc`). A
   failure of COMMIT itself leaves the outcome unknown: then no file is unlinked, whatever the
   manifest seems to say; unnamed ones are orphans for `gc`. A file found at a part's
@@ -36,7 +37,7 @@ from .descriptor import DESCRIPTOR
 from .manifest import Manifest, NewShard, Shard
 from .owners import owned_name
 from .schema import RESPONSE_LENGTH, stored_schema
-from .shardio import compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
+from .shardio import Durable, compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
 from .snapshot import Snapshot
 from .validate import check_finite, validate_rollouts
 from .writelock import writing
@@ -230,6 +231,7 @@ class Buffer:
             store = getattr(self.manifest, "store", None)  # shards in object storage (storage/store.py)
             uploaded: list[str] = []
             sent = False  # True from the moment COMMIT may have reached the manifest
+            durable = Durable()  # every file's and folder's fsync, at once, before the transaction
             try:
                 for part in parts:
                     if isinstance(part, WrittenPart):
@@ -241,7 +243,7 @@ class Buffer:
                             raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
                         if intend is not None:
                             intend([part.relpath])  # before the link: gc leaves it alone, the commit fences
-                        link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan)
+                        link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan, durable)
                         written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
                                                 part.bytes, part.sha256, part.key))
                     else:
@@ -253,10 +255,7 @@ class Buffer:
                         if intend is not None:  # intents on its temporary and final names before any byte
                             tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
                             intend([tmp_rel, rel])
-                        if tmp_rel is None:  # the embedded manifest: the call as it always was
-                            nbytes, digest = publish_file(table, self.root, rel, is_orphan)
-                        else:
-                            nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel)
+                        nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel, durable)
                         written.append(
                             NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
                         )
@@ -264,6 +263,7 @@ class Buffer:
                     if store is not None:  # the local file stays as this host's cached copy
                         self._upload(store, written[-1].path)
                         uploaded.append(written[-1].path)
+                durable.flush()
                 with self.manifest.transaction() as con:
                     seq = self.manifest.new_commit(con, kind, detail)
                     ids = self.manifest.add_shards(con, seq, written)

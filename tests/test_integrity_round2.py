@@ -244,8 +244,8 @@ m.Manifest.new_commit = new_commit
 PAUSE_IN_TMP = """
 import rollstore.storage.shardio as s
 real = s.write_parquet
-def write_parquet(table, path, threads=None):
-    real(table, path, threads)
+def write_parquet(table, path, *args, **kwargs):
+    real(table, path, *args, **kwargs)
     if "/tmp/" in path:
         pause("written")  # the temp file is complete; not yet hashed or linked
 s.write_parquet = write_parquet
@@ -254,8 +254,8 @@ s.write_parquet = write_parquet
 PAUSE_AFTER_LINKS = """
 import rollstore.storage.buffer as b
 real = b.publish_file
-def publish_file(table, root, relpath, is_orphan=None):
-    out = real(table, root, relpath, is_orphan)
+def publish_file(table, root, relpath, *args, **kwargs):
+    out = real(table, root, relpath, *args, **kwargs)
     if relpath.startswith("meta/curations"):
         pause("linked")  # every file of the curation is in place; the commit is next
     return out

@@ -23,7 +23,8 @@ from rollstore.storage.buffer import Buffer
 from rollstore.storage.shardio import sha256_file
 
 RANDOM_KILLS = 20
-INJECTED = ("tmp", "linked", "in-txn")  # killed: after the temp write / after the link / inside the txn
+INJECTED = ("tmp", "linked", "synced", "in-txn")  # killed: after the temp write / after the link / after the
+# commit's fsyncs (`shardio.Durable.flush`) / inside the txn
 
 ZYGOTE = r"""
 import os, signal, sys
@@ -38,8 +39,8 @@ def die():
 def inject(point):
     if point == "tmp":
         real = storage.shardio.write_parquet
-        def write_then_die(table, path):
-            real(table, path)
+        def write_then_die(table, path, *a, **k):
+            real(table, path, *a, **k)
             die()
         storage.shardio.write_parquet = write_then_die
     elif point == "linked":
@@ -48,6 +49,12 @@ def inject(point):
             real_link(src, dst)
             die()
         storage.shardio.os.link = link_then_die
+    elif point == "synced":
+        real_flush = storage.shardio.Durable.flush
+        def flush_then_die(self):
+            real_flush(self)
+            die()
+        storage.shardio.Durable.flush = flush_then_die
     elif point == "in-txn":
         real_add = storage.manifest.Manifest.add_shards
         def add_then_die(self, con, seq, shards):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -69,8 +70,21 @@ def batches(draw):
     return rows
 
 
+# Hypothesis makes a buffer per example outside pytest's tmp_path: removed when the module ends.
+_ROOTS: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_example_buffers():
+    yield
+    for root in _ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
+    _ROOTS.clear()
+
+
 def _append(rows) -> tuple[str, Buffer]:
     root = tempfile.mkdtemp(prefix="rs-ref-")
+    _ROOTS.append(root)
     buf = Buffer.init(root)
     buf.append_rollouts(pa.Table.from_pylist(rows, schema=ROLLOUTS), "hypothesis")
     return root, buf

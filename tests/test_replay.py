@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 import tempfile
 
 import pyarrow as pa
@@ -55,8 +56,22 @@ def runs(draw):
     return rows
 
 
+# Hypothesis makes a buffer per example outside pytest's tmp_path: removed when the module ends.
+_ROOTS: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_example_buffers():
+    yield
+    for root in _ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
+    _ROOTS.clear()
+
+
 def _buffer(rows) -> Buffer:
-    buf = Buffer.init(tempfile.mkdtemp(prefix="rs-replay-"))
+    root = tempfile.mkdtemp(prefix="rs-replay-")
+    _ROOTS.append(root)
+    buf = Buffer.init(root)
     for step in sorted({(r["run_id"], r["step"]) for r in rows}):
         part = [r for r in rows if (r["run_id"], r["step"]) == step]
         buf.append_rollouts(pa.Table.from_pylist(part, schema=ROLLOUTS), f"{step}")

@@ -8,6 +8,7 @@ One templating style for every statement:
 
 from __future__ import annotations
 
+import os
 import re
 from importlib import resources
 
@@ -15,9 +16,22 @@ _FRAGMENT = re.compile(r"\{([a-z_]+)\}")
 _PARAMETER = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
+_TEXTS: dict[tuple[str, int, int], str] = {}
+
+
 def load_sql(name: str) -> str:
-    """Text of queries/<name>.sql."""
-    return resources.files(__name__).joinpath(f"{name}.sql").read_text()
+    """Text of queries/<name>.sql (read once per process and version of the file: a loop builds
+    its plan from the same ~20 files every iteration)."""
+    path = resources.files(__name__).joinpath(f"{name}.sql")
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):  # not a plain file (a zipped package): read it every time
+        return path.read_text()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    text = _TEXTS.get(key)
+    if text is None:
+        text = _TEXTS[key] = path.read_text()
+    return text
 
 
 def render(name: str, fragments: dict[str, str] | None = None, text: str | None = None) -> str:

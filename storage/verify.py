@@ -107,14 +107,16 @@ def _in_place(root: str, relpath: str, folders: dict) -> bool:
     if name in ("", ".", ".."):
         return False
     if folder not in folders:
-        real_root = os.path.realpath(root)
-        folders[folder] = folder == "" or os.path.realpath(os.path.join(root, folder)) == os.path.join(real_root, folder)
+        if None not in folders:
+            folders[None] = os.path.realpath(root)
+        folders[folder] = folder == "" or os.path.realpath(os.path.join(root, folder)) == os.path.join(folders[None], folder)
     return folders[folder]
 
 
-def check_present(root: str, shards: list[Shard]) -> None:
-    """Raise for the first shard that is missing or has the wrong size (no hashing)."""
-    folders: dict = {}
+def check_present(root: str, shards: list[Shard], folders: dict | None = None) -> None:
+    """Raise for the first shard that is missing or has the wrong size (no hashing). `folders`: a
+    pass's resolved folders, shared by the caller across several calls (`_in_place`)."""
+    folders = {} if folders is None else folders
     for shard in shards:
         _raise(root, check_shard(root, shard, full=False, folders=folders))
 

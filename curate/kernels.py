@@ -64,7 +64,7 @@ def _keep_runs(rows: pa.Table, values: dict, args: dict) -> dict:
 
 def _fallback(rows: pa.Table, values: dict, args: dict) -> dict:
     flags, bad = logprob_lists(rows.column("shard_file"), rows.column("rollouts_row").to_numpy(),
-                               rows.column("rollout_id"))
+                               rows.column("rollout_id"), values.get("finite_files", frozenset()))
     if bad is not None:
         rid, file, column = bad
         raise CurationError(f"{file}: row rollout_id={rid!r}: column {column!r} holds NaN or infinity; import "

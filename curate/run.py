@@ -137,7 +137,7 @@ def curate(
             runner = Runner(session, run_values(plan))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES), {"rollouts": everything}, results)
-        return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified)
+        return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
 
 
 def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:
@@ -175,7 +175,7 @@ def _run(runner: Runner, plan: Plan, phases: tuple[str, ...], relations: dict[st
 
 
 def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, plan: Plan, results: dict,
-            commit: bool, dry_run: bool, verified) -> CurationResult:
+            commit: bool, dry_run: bool, verified, finite_files=frozenset) -> CurationResult:
     curation_id = plan.curation_id(snapshot_seq)
     runner.values["curation_id"] = curation_id
     _run(runner, plan, ("record",), {}, results)
@@ -183,7 +183,12 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     runner.values.update(plan.token_values(summary["tokens_selected"]))
     opened = [f for f in files if f in summary["selected_files"]]
     if not dry_run and opened:  # the selected rows' log-probs, decoded beside the token stage (curated_table checks them)
-        threading.Thread(target=prefetch_logprob_facts, args=(opened,), name="rollstore-logprobs", daemon=True).start()
+        # Files checked finite when committed are not decoded again (their sha256 is verified before the commit).
+        finite = runner.values["finite_files"] = finite_files()
+        unchecked = [f for f in opened if f not in finite]
+        if unchecked:
+            threading.Thread(target=prefetch_logprob_facts, args=(unchecked,), name="rollstore-logprobs",
+                             daemon=True).start()
     # No shard holds a selected row: an empty relation, so no entropies are read at all.
     shards = parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"
     _run(runner, plan, ("tokens", "output"), {"rollouts": shards}, results)

@@ -256,8 +256,9 @@ class Buffer:
                             tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
                             intend([tmp_rel, rel])
                         nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel, durable)
-                        written.append(
-                            NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key)
+                        written.append(  # a rollouts shard's floats are finite here (checked above or by its caller)
+                            NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key,
+                                     finite=part.table_name == "rollouts")
                         )
                     inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
                     if store is not None:  # the local file stays as this host's cached copy

@@ -587,6 +587,11 @@ class PgManifest(Manifest):
                                       os.path.join(self.root, s.path))
         return [int(got[s.path]) for s in shards]
 
+    def finite_checked(self, digests: list[str]) -> set[str]:
+        """None recorded in this catalog (no `finite` table): its buffers check every shard's log-probs
+        where a curation reads them, as before."""
+        return set()
+
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:
         """As the embedded manifest's, one statement per 50,000 ids (`= ANY(array)`)."""
         found_r: set[str] = set()

@@ -13,6 +13,10 @@ Invariants:
   live reader's files from gc, and a power loss that could lose it ends that reader too; it
   survives kill -9 like any commit (the WAL is in the file system at COMMIT), is visible to other
   processes at once, and the next durable commit flushes it with the WAL.
+- `finite` (made by the first commit of a rollouts shard): the sha256 of every rollouts file whose
+  floats `Buffer.commit` checked finite before writing it; content-addressed, so a file that hashes
+  to one of them (a reader verifies the hash before committing anything from it) needs no second
+  NaN check. Rows are only ever added.
 - `moved` (made by the first compaction or migration that retires a rollouts shard; the manifest
   is then schema version 2, which older rollstores refuse to open): one row per retired rollouts
   shard whose rows were rewritten, in order, into another shard: row i of `path` is row
@@ -79,6 +83,9 @@ CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, 
 """
 
 # Where the rows of retired rollouts shards went (see the module invariants); made on first use.
+# The sha256 of every rollouts file whose floats were checked finite when it was committed; made on
+# first use (a manifest without it: nothing recorded, every shard is checked where it is read).
+FINITE_DDL = "CREATE TABLE IF NOT EXISTS finite (sha256 TEXT PRIMARY KEY) WITHOUT ROWID"
 MOVED_DDL = ("CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, "
              "row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)")
 # The manifest format versions this rollstore reads: 2 adds `moved`.
@@ -110,6 +117,7 @@ class NewShard:
     bytes: int
     sha256: str
     key: str | None = None
+    finite: bool = False  # a rollouts shard whose floats `Buffer.commit` checked finite (recorded in `finite`)
 
 
 _SHARD_COLS = "shard_id, table_name, path, rows, tokens, bytes, sha256, key, added_seq, removed_seq"
@@ -311,7 +319,24 @@ class Manifest:
                 raise FileExistsError(errno.EEXIST, "already committed by another writer",
                                       os.path.join(self.root, s.path)) from None
             ids.append(int(cur.lastrowid))
+        checked = [(sh.sha256,) for sh in shards if sh.finite]
+        if checked:
+            con.execute(FINITE_DDL)
+            con.executemany("INSERT OR IGNORE INTO finite (sha256) VALUES (?)", checked)
         return ids
+
+    def finite_checked(self, digests: list[str]) -> set[str]:
+        """Which of these sha256 name a rollouts file that was checked finite when it was committed
+        (content-addressed: a file that hashes to one of them holds no NaN or infinity)."""
+        if not digests or self.con.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'finite'").fetchone() is None:
+            return set()
+        found: set[str] = set()
+        for i in range(0, len(digests), 500):
+            chunk = digests[i:i + 500]
+            found.update(r[0] for r in self.con.execute(
+                f"SELECT sha256 FROM finite WHERE sha256 IN ({', '.join('?' * len(chunk))})", chunk))
+        return found
 
     def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]:
         """Shards visible at snapshot `seq` (latest when None), in commit order."""

@@ -406,15 +406,17 @@ def prefetch_logprob_facts(paths: Iterable[str]) -> None:
             continue
 
 
-def logprob_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, rollout_ids: pa.ChunkedArray | pa.Array
-                  ) -> tuple[np.ndarray, tuple[str, str, str] | None]:
+def logprob_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, rollout_ids: pa.ChunkedArray | pa.Array,
+                  finite: frozenset[str] = frozenset()) -> tuple[np.ndarray, tuple[str, str, str] | None]:
     """What a curation needs of the referenced rows' log-probs: whether `old_logprobs` is null at
     each (file, row position) (the `fallback` flag, as `null_lists`), and the first referenced row
     (smallest rollout_id) whose `old_logprobs` or `gen_logprobs` hold a NaN or an infinity, as
     (rollout_id, file, column), else None. Only the row groups holding a referenced row are read,
     and only those two columns (`_row_group_facts`, once per process); rows that are not
     referenced are not judged. Parquet statistics cannot rule out a NaN (writers leave NaN out of
-    min/max), so the columns are decoded."""
+    min/max), so the columns are decoded — except in `finite` files (`Snapshot.finite_files`:
+    checked when committed, and the caller verifies their sha256 before it commits anything),
+    whose null flags come from the statistics as in `null_lists`."""
     files = files.combine_chunks() if isinstance(files, pa.ChunkedArray) else files
     ids = rollout_ids.combine_chunks() if isinstance(rollout_ids, pa.ChunkedArray) else rollout_ids
     encoded = files.dictionary_encode()
@@ -424,6 +426,9 @@ def logprob_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, rollout_i
     bad: list[tuple[str, str, str]] = []
     for k, path in enumerate(encoded.dictionary.to_pylist()):
         where = np.flatnonzero(codes == k)
+        if path in finite:
+            nulls[where] = null_lists(pa.array([path] * len(where), pa.string()), rows[where])
+            continue
         pf = pq.ParquetFile(path)
         md = pf.metadata
         sizes = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], np.int64)

@@ -122,6 +122,14 @@ class Snapshot:
             return ds.dataset(pa.Table.from_batches([], schema=TABLES[table]))
         return ds.dataset(files, schema=TABLES[table], format="parquet")
 
+    def finite_files(self) -> frozenset[str]:
+        """The rollouts files (absolute paths, as `files`) whose content was checked finite when it
+        was committed (`Manifest.finite_checked`, by sha256): a caller that verifies a file's sha256
+        before it commits anything from it need not decode its floats to look for NaN again."""
+        shards = self._shards["rollouts"]
+        checked = self._manifest.finite_checked(sorted({s.sha256 for s in shards}))
+        return frozenset(os.path.join(self.root, s.path) for s in shards if s.sha256 in checked)
+
     def moves(self) -> dict[str, tuple[str, int]]:
         """{retired rollouts shard path: (the shard of this snapshot its rows are in, the offset of
         its row 0 there)} for every shard compaction retired whose rows are in this snapshot."""

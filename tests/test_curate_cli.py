@@ -29,6 +29,14 @@ def run(*args, check=True):
     return res
 
 
+def query(cli, root, sql):
+    """`rollstore sql ROOT SQL --format json` in-process (the `cli` fixture): the checks of what a
+    command run through the real binary wrote, without a process start per check."""
+    res = cli("sql", root, sql, "--format", "json")
+    assert res.code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
 @pytest.fixture(scope="module")
 def filled(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cur") / "buf")
@@ -39,22 +47,19 @@ def filled(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_from_the_command_line(filled, recipe):
+def test_every_recipe_from_the_command_line(filled, recipe, cli):
     res = run("curate", filled, "--recipe", recipe, "--progress", "0.4" if recipe.startswith("d3s") else "0")
     lines = res.stdout.strip().splitlines()
     cid = lines[-1]
     assert cid.startswith("cur-") and " " not in cid
     assert any(line.startswith("candidates") for line in lines)
     assert any(line.startswith("Var(A)") for line in lines)
-    sql = run("sql", filled, f"SELECT count(*) AS n, count(DISTINCT rollout_id) AS d, "
-                             f"sum((reason = 'selected')::INT) AS s FROM selections WHERE curation_id = '{cid}'",
-              "--format", "json")
-    (row,) = json.loads(sql.stdout)
-    rec = json.loads(run("sql", filled, f"SELECT * FROM curations WHERE curation_id = '{cid}'", "--format", "json").stdout)[0]
+    (row,) = query(cli, filled, f"SELECT count(*) AS n, count(DISTINCT rollout_id) AS d, "
+                                f"sum((reason = 'selected')::INT) AS s FROM selections WHERE curation_id = '{cid}'")
+    rec = query(cli, filled, f"SELECT * FROM curations WHERE curation_id = '{cid}'")[0]
     assert row["n"] == row["d"] == rec["n_candidates"] == 96  # one audit row per candidate
     assert row["s"] == rec["n_selected"]
-    curated = json.loads(run("sql", filled, f"SELECT count(*) AS n FROM curated WHERE curation_id = '{cid}'",
-                             "--format", "json").stdout)[0]
+    curated = query(cli, filled, f"SELECT count(*) AS n FROM curated WHERE curation_id = '{cid}'")[0]
     assert curated["n"] == rec["n_selected"]
     assert json.loads(rec["params"])["where"] == "run_id = 'run0' AND step = 2"
 
@@ -78,7 +83,7 @@ def test_repeated_runs_are_byte_identical(tmp_path):
         assert n == 1
 
 
-def test_clear_errors(filled, tmp_path):
+def test_clear_errors(filled, tmp_path, cli):
     cases = [
         (["--recipe", "nope"], "unknown recipe"),
         (["--recipe", "grpo", "--set", "bogus=1"], "unknown parameter"),
@@ -91,9 +96,10 @@ def test_clear_errors(filled, tmp_path):
         (["--recipe", "grpo", "--set", "where=true); COPY rollouts TO 'x.csv'; SELECT (1"], "not one SQL expression"),
         (["--recipe", "grpo", "--set", "where=1=1; COPY rollouts TO 'x.csv'"], "not one SQL expression"),
     ]
-    for args, needle in cases:
-        res = run("curate", filled, *args, check=False)
-        assert res.returncode != 0, args
+    for n, (args, needle) in enumerate(cases):  # the first through the real binary, the others in-process
+        res = run("curate", filled, *args, check=False) if n == 0 else cli("curate", filled, *args)
+        code = res.returncode if n == 0 else res.code
+        assert code != 0, args
         assert needle in res.stderr, (args, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
@@ -123,7 +129,7 @@ def test_pool_emptied_by_filter_commits_empty_run(tmp_path):
     assert r.reasons == {"zero_variance": 12}
 
 
-def test_custom_sql_recipe(filled, tmp_path):
+def test_custom_sql_recipe(filled, tmp_path, cli):
     good = tmp_path / "pick.sql"
     good.write_text(
         "SELECT rollout_id, advantage, 0.5 AS weight FROM candidates\n"
@@ -132,9 +138,8 @@ def test_custom_sql_recipe(filled, tmp_path):
     )
     res = run("curate", filled, "--recipe", str(good))
     cid = res.stdout.strip().splitlines()[-1]
-    rows = json.loads(run("sql", filled, f"SELECT s.reason, c.weight FROM selections s LEFT JOIN curated c "
-                                         f"USING (curation_id, rollout_id) WHERE s.curation_id = '{cid}'",
-                          "--format", "json").stdout)
+    rows = query(cli, filled, f"SELECT s.reason, c.weight FROM selections s LEFT JOIN curated c "
+                              f"USING (curation_id, rollout_id) WHERE s.curation_id = '{cid}'")
     selected = [r for r in rows if r["reason"] == "selected"]
     assert selected and all(r["weight"] == 0.5 for r in selected)
     assert {r["reason"] for r in rows} <= {"selected", "not_selected", "invalid"}
@@ -147,8 +152,8 @@ def test_custom_sql_recipe(filled, tmp_path):
     ]:
         bad = tmp_path / "bad.sql"
         bad.write_text(body)
-        res = run("curate", filled, "--recipe", str(bad), check=False)
-        assert res.returncode != 0 and needle in res.stderr, (body, res.stderr)
+        res = cli("curate", filled, "--recipe", str(bad))
+        assert res.code != 0 and needle in res.stderr, (body, res.stderr)
 
 
 def test_toml_recipe_file(filled, tmp_path):
@@ -160,12 +165,12 @@ def test_toml_recipe_file(filled, tmp_path):
         load_recipe(str(tmp_path / "missing.toml"))
 
 
-def test_audit_command(filled):
+def test_audit_command(filled, cli):
     cid = run("curate", filled, "--recipe", "d3s", "--progress", "0.2").stdout.strip().splitlines()[-1]
     res = run("audit", filled, cid)
     assert "reasons" in res.stdout and "selected" in res.stdout and "keep rate" in res.stdout
-    rid = json.loads(run("sql", filled, f"SELECT rollout_id FROM selections WHERE curation_id = '{cid}' "
-                                        "AND selected ORDER BY rollout_id LIMIT 1", "--format", "json").stdout)[0]["rollout_id"]
+    rid = query(cli, filled, f"SELECT rollout_id FROM selections WHERE curation_id = '{cid}' "
+                             "AND selected ORDER BY rollout_id LIMIT 1")[0]["rollout_id"]
     res = run("audit", filled, cid, "--rollout", rid)
     assert "score" in res.stdout and "kept" in res.stdout
 

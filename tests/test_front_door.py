@@ -289,9 +289,11 @@ def test_generate_from_a_checkpoint_stamps_its_version(buffer_dir, cli, default_
 
 
 def test_first_build_of_the_builtin_policy_says_so(buffer_dir, cli, tmp_path, monkeypatch):
+    import rollstore.builtin.shipped as shipped
     import rollstore.learner.tiny as tiny
 
     monkeypatch.setenv("ROLLSTORE_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(shipped, "SHIPPED_ROOT", str(tmp_path / "nothing-shipped"))  # a build, not a copy
 
     def stop(*args, **kwargs):
         raise RuntimeError("stopped by the test once the build began")

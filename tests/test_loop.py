@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,11 @@ BIN = os.path.join(os.path.dirname(sys.executable), "rollstore")
 def sql(root: str, query: str):
     with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap) as s:
         return s.execute(query).fetchall()
+
+
+def curated_shards(root: str) -> int:
+    with Buffer.open(root) as buf:
+        return len(buf.manifest.shards("curated"))
 
 
 def small(root: str, model: str, **kw) -> LoopConfig:
@@ -96,21 +102,31 @@ def test_replay_recipe_in_the_loop_reuses_stored_groups_without_generating_more(
 
 
 def test_two_process_mode_respects_the_staleness_bound(tmp_path, default_tiny):
+    """The learner starts once the generator's first curation is committed (so the generator is made
+    to wait for v1 before step 2), and its --max-idle only has to outlast the gaps between steps, not
+    both processes' start-up: it ends on its own after the last one."""
     root = str(tmp_path / "buf")
     Buffer.init(root).close()
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
-    learner = subprocess.Popen(
-        [BIN, "train", root, "--model", default_tiny, "--follow", "--max-idle", "25", "--run-id", "learner",
-         "--lr", "2e-5", "--poll", "0.2"],
+    gen = subprocess.Popen(
+        [BIN, "generate", root, "--model", default_tiny, "--follow", "--steps", "3", "--num-prompts", "16",
+         "-G", "4", "--max-policy-lag", "1", "--run-id", "gen", "--recipe", "replay-groups"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    learner = None
     try:
-        gen = subprocess.run(
-            [BIN, "generate", root, "--model", default_tiny, "--follow", "--steps", "3", "--num-prompts", "16",
-             "-G", "4", "--max-policy-lag", "1", "--run-id", "gen", "--recipe", "replay-groups"],
-            capture_output=True, text=True, env=env, timeout=600)
-        assert gen.returncode == 0, gen.stderr
+        deadline = time.monotonic() + 300
+        while gen.poll() is None and time.monotonic() < deadline and not curated_shards(root):
+            time.sleep(0.2)
+        learner = subprocess.Popen(
+            [BIN, "train", root, "--model", default_tiny, "--follow", "--max-idle", "10", "--run-id", "learner",
+             "--lr", "2e-5", "--poll", "0.2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        _, gen_err = gen.communicate(timeout=600)
+        assert gen.returncode == 0, gen_err
     finally:
-        out, err = learner.communicate(timeout=600)
+        gen.kill()
+        if learner is not None:
+            out, err = learner.communicate(timeout=600)
     assert learner.returncode == 0, err
     with Buffer.open(root) as buf:
         cks = list_checkpoints(buf)

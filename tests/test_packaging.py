@@ -2,11 +2,11 @@
 
 `pip wheel .` builds the wheel (no build isolation: the test environment's setuptools); the wheel
 must hold `rollstore/` and its dist-info only, with the layers as `rollstore.storage`, ... and
-their data files (the SQL, the recipes). It is then installed with pip into a new virtual
+their data files (the SQL, the recipes, the shipped tiny policies). It is then installed with pip into a new virtual
 environment outside the checkout, whose only other path is the test environment's site-packages
 (for torch, duckdb, ...; an editable install of this checkout there is not activated, because
 `.pth` files are read only from site directories). From a scratch directory, that environment runs
-`rollstore recipes --explain d3s`, a one-iteration `rollstore demo` and the TRL plug-in's import,
+`rollstore recipes --explain d3s`, a one-iteration `rollstore demo` (from an empty model cache) and the TRL plug-in's import,
 and no module it loads comes from the checkout.
 """
 
@@ -19,7 +19,6 @@ import sysconfig
 import zipfile
 
 import pytest
-from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("storage", "queries", "curate", "rollout", "learner")
@@ -44,11 +43,14 @@ def test_the_wheel_holds_one_top_level_package(wheel):
     assert "rollstore/queries/curate_candidates.sql" in names
     assert "rollstore/curate/recipes/d3s.toml" in names
     assert "rollstore/importers/__init__.py" in names and "rollstore/rollout/backends/__init__.py" in names
+    shipped = sorted(n for n in names if n.startswith("rollstore/builtin/models/"))
+    assert len(shipped) == 2 * 7 and sum(n.endswith("/model.safetensors") for n in shipped) == 2, shipped
 
 
 @pytest.mark.slow
-def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path, default_tiny):  # noqa: F811
-    """`default_tiny`: the demo reuses the session's tiny policy (ROLLSTORE_CACHE), never ~/.cache."""
+def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
+    """The demo starts from an empty cache (ROLLSTORE_CACHE, never ~/.cache), as on a fresh machine:
+    it installs builtin:tiny from the copy the wheel ships."""
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = str(env / "bin" / "python")
@@ -60,7 +62,9 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path, default_tiny
                    check=True, capture_output=True)
     work = tmp_path / "scratch"
     work.mkdir()
-    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    cache = tmp_path / "fresh-cache"
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1",
+                                                                          "ROLLSTORE_CACHE": str(cache)}
 
     def run(*args: str) -> str:
         res = subprocess.run(list(args), cwd=str(work), env=clean, capture_output=True, text=True, timeout=900)
@@ -70,6 +74,8 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path, default_tiny
     rollstore = str(env / "bin" / "rollstore")
     assert "curate_candidates" in run(rollstore, "recipes", "--explain", "d3s")
     assert "held-out" in run(rollstore, "demo", "buf", "--iterations", "1")
+    (tiny,) = os.listdir(cache)
+    assert os.path.exists(cache / tiny / "SHIPPED.json")  # copied, not built
     probe = ("import sys, rollstore.trl.plugin, rollstore.cli.commands, rollstore.storage.buffer\n"
              f"src = {tuple(os.path.join(ROOT, d) + os.sep for d in ('rollstore', *LAYERS))!r}\n"
              "mods = [m for m in list(sys.modules.values()) if getattr(m, '__file__', None)]\n"

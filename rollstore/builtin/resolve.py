@@ -19,6 +19,8 @@ Invariants:
   `WarmStart.steps`: `WARM_TARGET` on builtin:arith, `WARM_FRACTION` of the weak teacher's own
   accuracy on each level of builtin:carries. Float kernels differ between CPUs, so the step it stops at may differ; the
   accuracy it stops at does not, beyond the granularity of one check.
+- The package ships the default build of each built-in policy (rollstore.builtin.shipped): a first
+  use whose key matches one copies and verifies it into the cache instead of building.
 - Every built entry records its warm-start metrics, its checks, and held-out greedy and sampled
   accuracy per level in `rollstore_tiny.json`; unless `quiet`, one line on stderr says a build has
   started (it takes minutes) and a summary is printed there when it is built.
@@ -175,8 +177,13 @@ def _target_check(checks: list[dict], task: str = "arith"):
 
 
 def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES,
-                      quiet: bool = False, task: str = "arith") -> str:
-    """The cached tiny policy for these warm-start settings and task, built on first use."""
+                      quiet: bool = False, task: str = "arith", shipped: bool = True) -> str:
+    """The cached tiny policy for these warm-start settings and task, built on first use.
+
+    With `shipped`, a copy of this very key's build that the package carries (rollstore.builtin.shipped)
+    is installed instead of building, once verified.
+    """
+    from rollstore.builtin import shipped as shipped_copies
     from rollstore.learner.tiny import build_tiny
 
     mod = task_module(task)
@@ -187,6 +194,8 @@ def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = D
         return final
     root = cache_root()
     os.makedirs(root, exist_ok=True)
+    if shipped and shipped_copies.install(spec, final, ref):
+        return final
     if not quiet:  # minutes of silence would look like a hang
         print(f"{ref}: building the built-in policy once (a warm start on {mod.SOURCE}, a few minutes "
               f"on a CPU); later runs reuse {final}", file=sys.stderr, flush=True)

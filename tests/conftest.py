@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -64,6 +66,24 @@ def buffer_dir(tmp_path):
     root = tmp_path / "buf"
     Buffer.init(str(root)).close()
     return str(root)
+
+
+# Hypothesis makes a buffer per example, outside pytest's tmp_path (which its examples share): each in
+# a folder from `example_root`, removed when the module that made it ends.
+_EXAMPLE_ROOTS: list[str] = []
+
+
+def example_root(prefix: str) -> str:
+    root = tempfile.mkdtemp(prefix=prefix)
+    _EXAMPLE_ROOTS.append(root)
+    return root
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_example_roots():
+    yield
+    while _EXAMPLE_ROOTS:
+        shutil.rmtree(_EXAMPLE_ROOTS.pop(), ignore_errors=True)
 
 
 def write_jsonl(table: pa.Table | list[dict], path) -> str:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -27,6 +25,7 @@ from rollstore.storage.buffer import Buffer
 from rollstore.storage.schema import ROLLOUTS
 import pyarrow as pa
 
+from conftest import example_root
 from reference import reference_curate
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -70,21 +69,8 @@ def batches(draw):
     return rows
 
 
-# Hypothesis makes a buffer per example outside pytest's tmp_path: removed when the module ends.
-_ROOTS: list[str] = []
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _remove_example_buffers():
-    yield
-    for root in _ROOTS:
-        shutil.rmtree(root, ignore_errors=True)
-    _ROOTS.clear()
-
-
 def _append(rows) -> tuple[str, Buffer]:
-    root = tempfile.mkdtemp(prefix="rs-ref-")
-    _ROOTS.append(root)
+    root = example_root("rs-ref-")
     buf = Buffer.init(root)
     buf.append_rollouts(pa.Table.from_pylist(rows, schema=ROLLOUTS), "hypothesis")
     return root, buf

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shutil
-import tempfile
 
 import pyarrow as pa
 import pytest
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 
 from rollstore.curate.params import CurationError, ParamError, load_recipe
 from rollstore.curate.run import curate
+from conftest import example_root
 from reference import reference_replay_curate
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.schema import ROLLOUTS
@@ -56,22 +55,8 @@ def runs(draw):
     return rows
 
 
-# Hypothesis makes a buffer per example outside pytest's tmp_path: removed when the module ends.
-_ROOTS: list[str] = []
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _remove_example_buffers():
-    yield
-    for root in _ROOTS:
-        shutil.rmtree(root, ignore_errors=True)
-    _ROOTS.clear()
-
-
 def _buffer(rows) -> Buffer:
-    root = tempfile.mkdtemp(prefix="rs-replay-")
-    _ROOTS.append(root)
-    buf = Buffer.init(root)
+    buf = Buffer.init(example_root("rs-replay-"))
     for step in sorted({(r["run_id"], r["step"]) for r in rows}):
         part = [r for r in rows if (r["run_id"], r["step"]) == step]
         buf.append_rollouts(pa.Table.from_pylist(part, schema=ROLLOUTS), f"{step}")

@@ -224,7 +224,7 @@ class _Steps(list):
         writes the ones it adds (a session kernel: its table, or `writes`, the values its merge gives)."""
         k = KERNELS[name]
         frozen = tuple(sorted(args.items()))
-        reads = (k.source,) if k.source else k.reads
+        reads = ((k.source,) if k.source else k.reads) + tuple(f"rollouts.{c}" for c in k.shard_columns)
         writes = writes or ((k.into,) if k.into else tuple(n for n, _ in k.adds))
         self.append(_checked(Step(name, phase, scope, reads, writes, merge=merge,
                                   text=signature(name, frozen), at=at, kernel=name, args=frozen)))
@@ -340,11 +340,12 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     """The token threshold, the kept counts, the audit and the materialisation."""
     token = p["token"]
     if token != "none":
-        steps.add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
-                  relations=("rollouts",), rollouts="rollouts", at=PER_SELECTED)
-        steps.add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
-                  merge="first_missing", at=PER_SELECTED)
-        # The threshold and the kept counts: kernels over the entropies decoded once (curate.tokens).
+        # The selected rows with their input shard and position; the kernels read their entropies
+        # from those shards (no Parquet read in SQL, no entropies in DuckDB): the input check, the
+        # threshold and the kept counts over the entropies decoded once (curate.kernels, curate.tokens).
+        steps.add("curate_selected_rows", "tokens", SHARD, ("work",), ("selected_rows",), at=PER_SELECTED)
+        steps.kernel("missing_entropies", "tokens", GLOBAL, at=PER_SELECTED, merge="first_missing",
+                     writes=("error if any",), token=token)
         steps.kernel("token_histogram", "tokens", GLOBAL, at=PER_SELECTED, merge="histogram",
                      writes=("$bucket", "$n"), token=token)
         steps.kernel("token_heads", "tokens", GLOBAL, at=PER_SELECTED, merge="heads",
@@ -357,8 +358,9 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept", at=PER_SELECTED)
     steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",),
               merge="whole", result="audit", at=ONCE)
-    steps.add("curate_materialise", "materialise", SHARD,
-              ("work", "selected_entropies"), ("curated",), at=PER_SELECTED)
+    steps.add("curate_materialise", "materialise", SHARD, ("work",), ("curated",), at=PER_SELECTED)
+    if token != "none":
+        steps.kernel("entropies", "materialise", ROW, at=PER_SELECTED)
     steps.kernel("keep_runs", "materialise", ROW, at=PER_SELECTED, token=token)
     steps.kernel("fallback", "materialise", ROW, at=PER_SELECTED)
 

@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -157,10 +158,12 @@ class Plan:
         return f"cur-{hashlib.sha256(text.encode()).hexdigest()[:20]}"
 
 
+@functools.lru_cache(maxsize=1024)
 def executable(sql: str) -> str:
     """`sql` as DuckDB's tokenizer reads it, without comments, its tokens one space apart: a
     reworded comment or a re-indented line of a step file does not change any curation id, while
-    any change to what runs (a keyword, a name, a literal, a fragment) does."""
+    any change to what runs (a keyword, a name, a literal, a fragment) does. Kept per text for the
+    process (a loop's runs hash the same step texts again; the tokenizer cost ~25 ms a plan)."""
     raw = sql.encode()  # the tokenizer's positions are UTF-8 byte offsets
     tokens = duckdb.tokenize(sql)
     ends = [start for start, _ in tokens[1:]] + [len(raw)]

@@ -12,7 +12,10 @@ pyarrow, once per session or task, decoded into float64 scores (`scored_chunks`)
 of its declared columns: a GLOBAL step's partial result, handed to the step's merge, or the temp
 table `into` (`kept_counts`). The runner runs it (`curate.steps.Runner.run` / `partial`), in
 whichever task holds the rows. No entropies pass through DuckDB: the materialisation reads its
-rows' entropies the same way (kernel `entropies`).
+rows' entropies the same way (kernel `entropies`). A session kernel with `scores=False`
+(`max_variance`, the cross-group selection) reads its source's rows as Arrow instead and writes
+its temp table (`picked`); it runs where its step is placed (on the Dask client, for a `whole`
+merge).
 
 Invariants:
 - `KERNELS` names every kernel a plan may use; both engines run a kernel step through `apply`
@@ -39,6 +42,7 @@ import pyarrow as pa
 from rollstore.storage.references import column_at, logprob_lists
 
 from .params import CurationError
+from .selection import PICKED_SCHEMA, max_variance
 from .tokens import (
     HEADS_SCHEMA,
     MISSING_SCHEMA,
@@ -65,6 +69,8 @@ class Kernel:
     source: str | None = None  # a session kernel: the table or view of the session it reads (else the rows handed to `apply`)
     into: str | None = None  # a session kernel: the temp table it writes (None: its result is a GLOBAL step's partial)
     shard_columns: tuple[str, ...] = ()  # columns it reads from the rows' input shards itself (pyarrow, not SQL)
+    scores: bool = True  # a session kernel over the token scores of its source's rows (False: over its rows as Arrow)
+    values: tuple[str, ...] = ()  # the run's $values it uses (--explain shows them)
 
 
 def _keep_runs(rows: pa.Table, values: dict, args: dict) -> dict:
@@ -124,6 +130,14 @@ KERNELS: dict[str, Kernel] = {
         doc="whether the row has no old_logprobs (the rollouts shards' column statistics; the column is decoded "
             "only in row groups that may hold a null), and refuses NaN/inf log-probs "
             "(storage/references.py logprob_lists)"),
+    # A session kernel of the selection: reads `work` as Arrow, writes `picked`.
+    "max_variance": Kernel(
+        "max_variance", "1", max_variance, ("rollout_id", "reason", "advantage_final"),
+        tuple((f.name, f.type) for f in PICKED_SCHEMA), source="work", into="picked", scores=False,
+        values=("f_num", "f_den"),
+        doc="cross-group selection: the maximum-variance subset of the whole pool, S_j = first j ∪ last m − j "
+            "rows in (v desc, rollout_id asc) order, ties within V*·(1 − 1e-9) − 1e-12 to the smallest "
+            "|2j − m| (curate/selection.py; queries/curate_select.sql for per-group pools)"),
     # Session kernels of the token stage: they read the selected rows (`selected_rows`) with their
     # entropies, read from the shards and decoded once per session or task (`scored_chunks`), and
     # return a GLOBAL step's partial or a temp table.
@@ -238,7 +252,11 @@ def run_session(step, session, values: dict, cache: dict) -> pa.Table:
         raise CurationError(f"{where}: its input {k.source} has no column {missing[0]!r} "
                             f"(columns: {', '.join(columns)}); nothing was committed (please report this)")
     args = dict(step.args)
-    out = k.fn(scored_chunks(session, k.source, args["token"], cache), values, args)
+    if k.scores:
+        out = k.fn(scored_chunks(session, k.source, args["token"], cache), values, args)
+    else:
+        out = k.fn(session.con.table(k.source).project(", ".join(f'"{c}"' for c in k.reads)).to_arrow_table(),
+                   values, args)
     want = pa.schema(list(k.adds))
     if not isinstance(out, pa.Table) or not out.schema.equals(want):
         shape = str(out.schema).replace("\n", ", ") if isinstance(out, pa.Table) else type(out).__name__

@@ -319,10 +319,11 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
         if sample == "none":
             steps.add("curate_select_all", "select", ROW, ("work",), ("picked",), at=PER_PARTITION)
         else:
-            cross = sample == "cross_group"
-            steps.add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
-                      merge="whole" if cross else None, pool_key="'batch'" if cross else "group_id",
-                      value="reward" if pods else "advantage_final", at=ON_CLIENT if cross else PER_PARTITION)
+            if sample == "cross_group":  # one pool, the whole batch: in numpy (curate/selection.py)
+                steps.kernel("max_variance", "select", GLOBAL, at=ON_CLIENT, merge="whole", value="advantage_final")
+            else:
+                steps.add("curate_select", "select", GROUP, ("work",), ("picked",), pool_key="group_id",
+                          value="reward" if pods else "advantage_final", at=PER_PARTITION)
         steps.add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",), at=PER_PARTITION)
         if pods:
             steps.add("curate_advantages", "apply", GROUP, ("work",), ("subset_adv",),
@@ -376,7 +377,9 @@ def explain(plan: Plan) -> list[dict]:
         if s.kernel is not None:
             k = KERNELS[s.kernel]
             what = f"kernel {k.name} (version {k.version})"
-            uses = [f"{a}={v!r}" for a, v in s.args] + [k.doc] + ([f"drops {', '.join(k.drops)}"] if k.drops else [])
+            used = [f"${v}={plan.values[v]!r}" if v in plan.values else f"${v} (at run time)" for v in k.values]
+            uses = ([f"{a}={v!r}" for a, v in s.args] + used + [k.doc]
+                    + ([f"drops {', '.join(k.drops)}"] if k.drops else []))
         else:
             what = "custom SELECT (the recipe's SQL)" if s.sql == "custom" else f"queries/{s.sql}.sql"
             used = [f"${k}={plan.values[k]!r}" if k in plan.values else f"${k} (at run time)" for k in s.parameters]

@@ -148,7 +148,11 @@ def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:
 
 
 def _whole(runner: Runner, step: Step, bound: dict, results: dict) -> None:
-    """`whole`: one session holds the whole batch, so the step runs once; its result is kept."""
+    """`whole`: one session holds the whole batch, so the step runs once; its result is kept (a
+    session kernel writes its table)."""
+    if step.kernel is not None:
+        runner.run(step)
+        return
     results[step.result] = runner.table(step, bound)
 
 

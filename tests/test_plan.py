@@ -330,11 +330,11 @@ def test_a_kernel_step_is_hashed_by_its_name_version_and_arguments(monkeypatch):
 
     recipe = load_recipe("d3s")
     plan = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
-    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["missing_entropies", "token_histogram",
-                                                                    "token_heads", "tokens_kept", "entropies",
-                                                                    "keep_runs", "fallback"]
+    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["max_variance", "missing_entropies",
+                                                                    "token_histogram", "token_heads", "tokens_kept",
+                                                                    "entropies", "keep_runs", "fallback"]
     none = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "none"}), recipe)
-    assert [s.kernel for s in none.steps if s.kind == "kernel"] == ["keep_runs", "fallback"]
+    assert [s.kernel for s in none.steps if s.kind == "kernel"] == ["max_variance", "keep_runs", "fallback"]
     entropy = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "entropy"}), recipe)
     keep = [s for s in entropy.steps if s.kernel == "keep_runs"][0]
     assert keep.args == (("token", "entropy"),)

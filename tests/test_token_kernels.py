@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import uuid
 from types import SimpleNamespace
 
 import duckdb
@@ -47,6 +48,9 @@ def batches(draw):
     return rows, token, k, cuts, draw(st.integers(1, 4))
 
 
+_SHARDS = tempfile.TemporaryDirectory(prefix="rs-token-kernels-")  # removed when the module goes
+
+
 def _session(rows: list[dict]) -> SimpleNamespace:
     """A session holding `selected_rows` (the kernels' input: each row's shard and position) over a
     Parquet file holding the rows' entropies in reverse order among rows that are not selected, and
@@ -59,7 +63,7 @@ def _session(rows: list[dict]) -> SimpleNamespace:
         "entropies": entropies,
     }))
     con.execute("CREATE TEMP TABLE selected_entropies AS SELECT * FROM _in")
-    path = os.path.join(tempfile.mkdtemp(prefix="rs-token-kernels-"), "shard.parquet")
+    path = os.path.join(_SHARDS.name, f"shard-{uuid.uuid4().hex}.parquet")
     n = len(rows)
     stored = [[9.0, 9.0]] + [r["entropies"] for r in reversed(rows)] + [None]  # row 0, the last: not selected
     pq.write_table(pa.table({"entropies": pa.array(stored, pa.list_(pa.float32()))}), path, row_group_size=3)

@@ -19,8 +19,9 @@ Invariants:
     row in one task;
   - steps `per selected shard` run per input shard holding a selected row, with the same round
     trips at their merges (first missing entropies, histogram, bucket heads, kept total); a shard's
-    tables (its selected rows, their entropies, kept counts) travel as Arrow between its tasks,
-    and a task re-declares the views of earlier steps (`dask_tasks._views_before`);
+    tables (its selected rows, kept counts) travel as Arrow between its tasks, a task re-declares
+    the views of earlier steps (`dask_tasks._views_before`), and each task whose kernels need the
+    selected rows' entropies reads them from the shard itself (no token list travels);
   - curated shards are cut exactly as the embedded engine cuts them (`finish.part_layout`), one
     task per output shard, with the client's row-group sizing, so the worker's host does not
     change the bytes; workers write them, and the audit (beside them), only under

@@ -105,7 +105,7 @@ def _resumed(ctx: TaskContext, tables: dict[str, pa.Table], start: int, values: 
 @dataclass
 class State:
     """A part between two GLOBAL steps: its tables (narrow `work` rows, its prompts' history, a
-    shard's selected entropies and kept counts), the GLOBAL step it waits at, its partial result."""
+    shard's kept counts; never a token list), the GLOBAL step it waits at, its partial result."""
 
     tables: dict[str, pa.Table]
     stop: int | None = None  # index of the GLOBAL step the part waits at (None: done)

@@ -5,11 +5,17 @@ rows with the columns it `adds` (and without those it `drops`). A plan step name
 arguments (`curate.plan`, `Step.kernel`, `Step.args`); `rollstore recipes --explain` shows it, and
 the curation id hashes its name, version and arguments, as it hashes an SQL step's text.
 
-A session kernel (`source` set: the token stage's `token_histogram`, `token_heads`, `tokens_kept`)
-reads a temp table of the session instead (`selected_entropies`, decoded once per session or task
-into float64 scores, `scored_chunks`) and returns a table of its declared columns: a GLOBAL step's
-partial result, handed to the step's merge, or the temp table `into` (`kept_counts`). The runner
-runs it (`curate.steps.Runner.run` / `partial`), in whichever task holds the table.
+A session kernel (`source` set: the token stage's `missing_entropies`, `token_histogram`,
+`token_heads`, `tokens_kept`) reads a view of the session instead (`selected_rows`: the selected
+rows with each one's input shard and position), whose entropies it reads from those shards with
+pyarrow, once per session or task, decoded into float64 scores (`scored_chunks`); it returns a table
+of its declared columns: a GLOBAL step's partial result, handed to the step's merge, or the temp
+table `into` (`kept_counts`). The runner runs it (`curate.steps.Runner.run` / `partial`), in
+whichever task holds the rows. No entropies pass through DuckDB: the materialisation reads its
+rows' entropies the same way (kernel `entropies`). A session kernel with `scores=False`
+(`max_variance`, the cross-group selection) reads its source's rows as Arrow instead and writes
+its temp table (`picked`); it runs where its step is placed (on the Dask client, for a `whole`
+merge).
 
 Invariants:
 - `KERNELS` names every kernel a plan may use; both engines run a kernel step through `apply`
@@ -19,6 +25,8 @@ Invariants:
   way out (exactly the declared columns, of the declared types, one value per input row): a
   kernel that returns another shape stops the run with one line naming the step, and nothing is
   committed (the engines commit after every kernel step has run).
+- The entropies a kernel reads are the rows' own: each selected row's (input shard, position) is
+  the one the candidates' scan read (`work.filename`, `work.rollouts_row`), in the pinned snapshot.
 - A change to what a kernel computes bumps its `version` (so every curation id that used it
   changes); a faster kernel with the same results keeps it.
 """
@@ -28,15 +36,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 
-from rollstore.storage.references import logprob_lists
+from rollstore.storage.references import column_at, logprob_lists
 
 from .params import CurationError
+from .selection import PICKED_SCHEMA, max_variance
 from .tokens import (
     HEADS_SCHEMA,
+    MISSING_SCHEMA,
     SCORED_CACHE_TOKENS,
     SCORED_ROWS,
+    first_missing,
     heads,
     histogram,
     keep_runs,
@@ -54,12 +66,34 @@ class Kernel:
     adds: tuple[tuple[str, pa.DataType], ...]
     drops: tuple[str, ...] = ()
     doc: str = ""  # one line for --explain
-    source: str | None = None  # a session kernel: the temp table it reads (else the rows handed to `apply`)
+    source: str | None = None  # a session kernel: the table or view of the session it reads (else the rows handed to `apply`)
     into: str | None = None  # a session kernel: the temp table it writes (None: its result is a GLOBAL step's partial)
+    shard_columns: tuple[str, ...] = ()  # columns it reads from the rows' input shards itself (pyarrow, not SQL)
+    scores: bool = True  # a session kernel over the token scores of its source's rows (False: over its rows as Arrow)
+    values: tuple[str, ...] = ()  # the run's $values it uses (--explain shows them)
 
 
 def _keep_runs(rows: pa.Table, values: dict, args: dict) -> dict:
     return {"keep_runs": keep_runs(rows, args["token"], values)}
+
+
+def _entropies(rows: pa.Table, values: dict, args: dict) -> dict:
+    """Each row's `entropies`, read from its input shard at its position (`shard_file`,
+    `rollouts_row`): only the row groups holding a row, and only that column."""
+    files = rows.column("shard_file").combine_chunks().dictionary_encode()
+    codes = files.indices.to_numpy(zero_copy_only=False)
+    positions = rows.column("rollouts_row").to_numpy(zero_copy_only=False)
+    parts, order = [], []
+    for k, path in enumerate(files.dictionary.to_pylist()):
+        where = np.flatnonzero(codes == k)
+        parts.append(column_at(path, positions[where], "entropies", "the curation's materialisation"))
+        order.append(where)
+    if not parts:
+        return {"entropies": pa.array([], ENTROPIES)}
+    column = pa.concat_arrays(parts).cast(ENTROPIES)
+    if len(parts) > 1 or not np.array_equal(order[0], np.arange(rows.num_rows)):
+        column = column.take(pa.array(np.argsort(np.concatenate(order), kind="stable")))
+    return {"entropies": column}
 
 
 def _fallback(rows: pa.Table, values: dict, args: dict) -> dict:
@@ -73,7 +107,18 @@ def _fallback(rows: pa.Table, values: dict, args: dict) -> dict:
     return {"fallback": pa.array(flags, pa.bool_())}
 
 
+ENTROPIES = pa.list_(pa.float32())
+# What the token stage's session kernels read: the selected rows, each with its input shard and
+# position there (queries/curate_selected_rows.sql, a view of `work`); their entropies come from
+# the shards (`scored_chunks`).
+SELECTED = ("rollout_id", "advantage_final", "filename", "rollouts_row")
+
 KERNELS: dict[str, Kernel] = {
+    "entropies": Kernel(
+        "entropies", "1", _entropies, ("shard_file", "rollouts_row"), (("entropies", ENTROPIES),),
+        drops=("entropies",), shard_columns=("entropies",),
+        doc="each row's entropies, read from its input shard at its position (only the row groups holding a "
+            "row, only that column; storage/references.py column_at)"),
     "keep_runs": Kernel(
         "keep_runs", "1", _keep_runs, ("rollout_id", "advantage", "tokens", "entropies"),
         (("keep_runs", pa.list_(pa.int32())),), drops=("entropies",),
@@ -81,25 +126,40 @@ KERNELS: dict[str, Kernel] = {
             "(curate/tokens.py keep_runs; the predicate of tokens_kept)"),
     "fallback": Kernel(
         "fallback", "1", _fallback, ("shard_file", "rollouts_row", "rollout_id"),
-        (("fallback", pa.bool_()),),
+        (("fallback", pa.bool_()),), shard_columns=("old_logprobs", "gen_logprobs"),
         doc="whether the row has no old_logprobs (the rollouts shards' column statistics; the column is decoded "
             "only in row groups that may hold a null), and refuses NaN/inf log-probs "
             "(storage/references.py logprob_lists)"),
-    # Session kernels of the token stage: they read `selected_entropies` (decoded once per session,
-    # `scored_chunks`) and return a GLOBAL step's partial or a temp table.
+    # A session kernel of the selection: reads `work` as Arrow, writes `picked`.
+    "max_variance": Kernel(
+        "max_variance", "1", max_variance, ("rollout_id", "reason", "advantage_final"),
+        tuple((f.name, f.type) for f in PICKED_SCHEMA), source="work", into="picked", scores=False,
+        values=("f_num", "f_den"),
+        doc="cross-group selection: the maximum-variance subset of the whole pool, S_j = first j ∪ last m − j "
+            "rows in (v desc, rollout_id asc) order, ties within V*·(1 − 1e-9) − 1e-12 to the smallest "
+            "|2j − m| (curate/selection.py; queries/curate_select.sql for per-group pools)"),
+    # Session kernels of the token stage: they read the selected rows (`selected_rows`) with their
+    # entropies, read from the shards and decoded once per session or task (`scored_chunks`), and
+    # return a GLOBAL step's partial or a temp table.
+    "missing_entropies": Kernel(
+        "missing_entropies", "1", first_missing, SELECTED, tuple((f.name, f.type) for f in MISSING_SCHEMA),
+        source="selected_rows", shard_columns=("entropies",),
+        doc="the input check: the first selected row (by rollout_id) whose entropies are null or hold NaN or "
+            "infinity, with its input shard (curate/tokens.py first_missing)"),
     "token_histogram": Kernel(
-        "token_histogram", "1", histogram, ("rollout_id", "advantage_final", "entropies"),
-        (("bucket", pa.int64()), ("n", pa.int64())), source="selected_entropies",
+        "token_histogram", "1", histogram, SELECTED,
+        (("bucket", pa.int64()), ("n", pa.int64())), source="selected_rows", shard_columns=("entropies",),
         doc="threshold pass 1: tokens per bucket of the float64 score |A|·H or H (64 per octave, from the "
             "score's bits: monotone), highest first (curate/tokens.py histogram)"),
     "token_heads": Kernel(
-        "token_heads", "1", heads, ("rollout_id", "advantage_final", "entropies"),
-        tuple((f.name, f.type) for f in HEADS_SCHEMA), source="selected_entropies",
+        "token_heads", "1", heads, SELECTED,
+        tuple((f.name, f.type) for f in HEADS_SCHEMA), source="selected_rows", shard_columns=("entropies",),
         doc="threshold pass 2: the first $n tokens of bucket $bucket in (score desc, rollout_id asc, position "
             "asc) order (curate/tokens.py heads)"),
     "tokens_kept": Kernel(
-        "tokens_kept", "1", kept_counts, ("rollout_id", "advantage_final", "entropies"),
-        (("rollout_id", pa.string()), ("tokens_kept", pa.int32())), source="selected_entropies", into="kept_counts",
+        "tokens_kept", "1", kept_counts, SELECTED,
+        (("rollout_id", pa.string()), ("tokens_kept", pa.int32())), source="selected_rows",
+        shard_columns=("entropies",), into="kept_counts",
         doc="tokens kept per selected row: score > $thr, or = $thr and (rollout_id, position) not after "
             "($thr_rollout, $thr_pos) (curate/tokens.py kept_counts; kept_expression's predicate)"),
 }
@@ -138,30 +198,47 @@ def apply(step, table: pa.Table, values: dict) -> pa.Table:
 
 
 def scored_chunks(session, relation: str, token: str, cache: dict) -> list:
-    """`relation` (a temp table of the session) decoded into score chunks (`curate.tokens.scored`),
-    SCORED_ROWS rows at a time; kept in `cache` for the next kernel of the same run while they hold
-    at most SCORED_CACHE_TOKENS tokens (past that, each pass decodes its chunks again: memory stays
-    one chunk's, as the SQL passes streamed)."""
+    """The selected rows of `relation` (a view of the session: rollout_id, advantage_final and each
+    row's input shard and position) with their entropies read from the shards (`read_scored`),
+    decoded into score chunks (`curate.tokens.scored`); kept in `cache` for the next kernel of the
+    same run while they hold at most SCORED_CACHE_TOKENS tokens (past that, each pass reads and
+    decodes its chunks again: memory stays one chunk's)."""
     key = (relation, token)
     if key in cache:
         return cache[key]
-    reader = session.con.table(relation).to_arrow_reader(SCORED_ROWS)
+    rows = session.con.table(relation).to_arrow_table()
     chunks, tokens = [], 0
-    for batch in reader:
-        if batch.num_rows == 0:
-            continue
-        chunk = scored(batch, token)
+    for chunk in read_scored(rows, token):
         tokens += len(chunk.score)
         if tokens > SCORED_CACHE_TOKENS:
-            reader.close()
-            return _streamed(session, relation, token)
+            return _streamed(rows, token)
         chunks.append(chunk)
     cache[key] = chunks
     return chunks
 
 
-def _streamed(session, relation: str, token: str):
-    return (scored(b, token) for b in session.con.table(relation).to_arrow_reader(SCORED_ROWS) if b.num_rows)
+def _streamed(rows: pa.Table, token: str):
+    yield from read_scored(rows, token)
+
+
+def read_scored(rows: pa.Table, token: str):
+    """Score chunks of `rows` (SELECTED columns), input shard by input shard: each shard's
+    `entropies` at the rows' positions (only the row groups holding one, only that column:
+    `storage.references.column_at`), SCORED_ROWS rows at a time."""
+    if rows.num_rows == 0:
+        return
+    files = rows.column("filename").combine_chunks().dictionary_encode()
+    codes = files.indices.to_numpy(zero_copy_only=False)
+    for k, path in enumerate(files.dictionary.to_pylist()):
+        part = rows.take(pa.array(np.flatnonzero(codes == k)))
+        ents = column_at(path, part.column("rollouts_row").to_numpy(zero_copy_only=False), "entropies",
+                         "the curation's token stage")
+        for start in range(0, part.num_rows, SCORED_ROWS):
+            n = min(SCORED_ROWS, part.num_rows - start)
+            batch = pa.table({"rollout_id": part.column("rollout_id").slice(start, n),
+                              "advantage_final": part.column("advantage_final").slice(start, n),
+                              "entropies": ents.slice(start, n)})
+            yield scored(batch, token, path)
 
 
 def run_session(step, session, values: dict, cache: dict) -> pa.Table:
@@ -175,7 +252,11 @@ def run_session(step, session, values: dict, cache: dict) -> pa.Table:
         raise CurationError(f"{where}: its input {k.source} has no column {missing[0]!r} "
                             f"(columns: {', '.join(columns)}); nothing was committed (please report this)")
     args = dict(step.args)
-    out = k.fn(scored_chunks(session, k.source, args["token"], cache), values, args)
+    if k.scores:
+        out = k.fn(scored_chunks(session, k.source, args["token"], cache), values, args)
+    else:
+        out = k.fn(session.con.table(k.source).project(", ".join(f'"{c}"' for c in k.reads)).to_arrow_table(),
+                   values, args)
     want = pa.schema(list(k.adds))
     if not isinstance(out, pa.Table) or not out.schema.equals(want):
         shape = str(out.schema).replace("\n", ", ") if isinstance(out, pa.Table) else type(out).__name__

@@ -162,8 +162,8 @@ class Plan:
 def executable(sql: str) -> str:
     """`sql` as DuckDB's tokenizer reads it, without comments, its tokens one space apart: a
     reworded comment or a re-indented line of a step file does not change any curation id, while
-    any change to what runs (a keyword, a name, a literal, a fragment) does. Cached per text (a
-    loop hashes the same step texts every iteration)."""
+    any change to what runs (a keyword, a name, a literal, a fragment) does. Kept per text for the
+    process (a loop's runs hash the same step texts again; the tokenizer cost ~25 ms a plan)."""
     raw = sql.encode()  # the tokenizer's positions are UTF-8 byte offsets
     tokens = duckdb.tokenize(sql)
     ends = [start for start, _ in tokens[1:]] + [len(raw)]
@@ -227,7 +227,7 @@ class _Steps(list):
         writes the ones it adds (a session kernel: its table, or `writes`, the values its merge gives)."""
         k = KERNELS[name]
         frozen = tuple(sorted(args.items()))
-        reads = (k.source,) if k.source else k.reads
+        reads = ((k.source,) if k.source else k.reads) + tuple(f"rollouts.{c}" for c in k.shard_columns)
         writes = writes or ((k.into,) if k.into else tuple(n for n, _ in k.adds))
         self.append(_checked(Step(name, phase, scope, reads, writes, merge=merge,
                                   text=signature(name, frozen), at=at, kernel=name, args=frozen)))
@@ -319,10 +319,11 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
         if sample == "none":
             steps.add("curate_select_all", "select", ROW, ("work",), ("picked",), at=PER_PARTITION)
         else:
-            cross = sample == "cross_group"
-            steps.add("curate_select", "select", GLOBAL if cross else GROUP, ("work",), ("picked",),
-                      merge="whole" if cross else None, pool_key="'batch'" if cross else "group_id",
-                      value="reward" if pods else "advantage_final", at=ON_CLIENT if cross else PER_PARTITION)
+            if sample == "cross_group":  # one pool, the whole batch: in numpy (curate/selection.py)
+                steps.kernel("max_variance", "select", GLOBAL, at=ON_CLIENT, merge="whole", value="advantage_final")
+            else:
+                steps.add("curate_select", "select", GROUP, ("work",), ("picked",), pool_key="group_id",
+                          value="reward" if pods else "advantage_final", at=PER_PARTITION)
         steps.add("curate_apply_selection", "apply", ROW, ("work", "picked"), ("work",), at=PER_PARTITION)
         if pods:
             steps.add("curate_advantages", "apply", GROUP, ("work",), ("subset_adv",),
@@ -343,11 +344,12 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     """The token threshold, the kept counts, the audit and the materialisation."""
     token = p["token"]
     if token != "none":
-        steps.add("curate_token_entropies", "tokens", SHARD, ("work", "rollouts.entropies"), ("selected_entropies",),
-                  relations=("rollouts",), rollouts="rollouts", at=PER_SELECTED)
-        steps.add("curate_missing_entropies", "tokens", GLOBAL, ("selected_entropies",), ("error if any",),
-                  merge="first_missing", at=PER_SELECTED)
-        # The threshold and the kept counts: kernels over the entropies decoded once (curate.tokens).
+        # The selected rows with their input shard and position; the kernels read their entropies
+        # from those shards (no Parquet read in SQL, no entropies in DuckDB): the input check, the
+        # threshold and the kept counts over the entropies decoded once (curate.kernels, curate.tokens).
+        steps.add("curate_selected_rows", "tokens", SHARD, ("work",), ("selected_rows",), at=PER_SELECTED)
+        steps.kernel("missing_entropies", "tokens", GLOBAL, at=PER_SELECTED, merge="first_missing",
+                     writes=("error if any",), token=token)
         steps.kernel("token_histogram", "tokens", GLOBAL, at=PER_SELECTED, merge="histogram",
                      writes=("$bucket", "$n"), token=token)
         steps.kernel("token_heads", "tokens", GLOBAL, at=PER_SELECTED, merge="heads",
@@ -360,8 +362,9 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     steps.add("curate_kept_total", "output", GLOBAL, ("kept_counts",), ("$tokens_kept",), merge="kept", at=PER_SELECTED)
     steps.add("curate_audit", "output", GLOBAL, ("work", "kept_counts"), ("selections",),
               merge="whole", result="audit", at=ONCE)
-    steps.add("curate_materialise", "materialise", SHARD,
-              ("work", "selected_entropies"), ("curated",), at=PER_SELECTED)
+    steps.add("curate_materialise", "materialise", SHARD, ("work",), ("curated",), at=PER_SELECTED)
+    if token != "none":
+        steps.kernel("entropies", "materialise", ROW, at=PER_SELECTED)
     steps.kernel("keep_runs", "materialise", ROW, at=PER_SELECTED, token=token)
     steps.kernel("fallback", "materialise", ROW, at=PER_SELECTED)
 
@@ -374,7 +377,9 @@ def explain(plan: Plan) -> list[dict]:
         if s.kernel is not None:
             k = KERNELS[s.kernel]
             what = f"kernel {k.name} (version {k.version})"
-            uses = [f"{a}={v!r}" for a, v in s.args] + [k.doc] + ([f"drops {', '.join(k.drops)}"] if k.drops else [])
+            used = [f"${v}={plan.values[v]!r}" if v in plan.values else f"${v} (at run time)" for v in k.values]
+            uses = ([f"{a}={v!r}" for a, v in s.args] + used + [k.doc]
+                    + ([f"drops {', '.join(k.drops)}"] if k.drops else []))
         else:
             what = "custom SELECT (the recipe's SQL)" if s.sql == "custom" else f"queries/{s.sql}.sql"
             used = [f"${k}={plan.values[k]!r}" if k in plan.values else f"${k} (at run time)" for k in s.parameters]

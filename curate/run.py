@@ -5,14 +5,16 @@ plan (`curate.plan`) runs in one DuckDB session over one pinned snapshot, in the
 
 Invariants:
 - The run executes the plan it hashes: each step's text as built by `curate.plan.build`, with only
-  its declared relations bound to files (all rollouts shards for the candidates; for the token
-  step, only the shards that hold a selected row).
-- Token data is read at most once: the selected rows' entropies once (curate_token_entropies.sql).
-  Materialisation reads no token list (the candidates' scan kept each row's shard and position) and
-  writes references (shard, row position, rollout_id) and kept runs, never token ids or log-probs;
-  its kernel steps turn the entropies into kept runs and take the fallback flag from the shards'
-  column statistics (reading `old_logprobs` only in row groups that may hold a null). A dry run
-  materialises nothing.
+  its declared relations bound to files (all rollouts shards for the candidates).
+- Token data is read only where it is needed, and only the `entropies` of the shards that hold a
+  selected row, at the selected rows' positions (the candidates' scan kept each row's shard and
+  position): once by the token stage's kernels (pyarrow, decoded once into scores for every kernel
+  of the stage, `curate.kernels.scored_chunks`; no token list passes through DuckDB), and once more,
+  in a full run, by the materialisation's kernel `entropies`, a few shards at a time. The
+  materialisation writes references (shard, row position, rollout_id) and kept runs, never token
+  ids or log-probs; its kernel steps turn the entropies into kept runs and take the fallback flag
+  from the shards' column statistics (reading `old_logprobs` only in row groups that may hold a
+  null). A dry run materialises nothing.
 - The commit refuses when a rollouts shard the curated rows refer to was retired meanwhile.
 - Every input shard is hashed against the manifest (sha256) before anything is written or
   committed; the hashes are taken on a thread beside the queries (`steps.verifying_inputs`), and a
@@ -146,7 +148,11 @@ def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:
 
 
 def _whole(runner: Runner, step: Step, bound: dict, results: dict) -> None:
-    """`whole`: one session holds the whole batch, so the step runs once; its result is kept."""
+    """`whole`: one session holds the whole batch, so the step runs once; its result is kept (a
+    session kernel writes its table)."""
+    if step.kernel is not None:
+        runner.run(step)
+        return
     results[step.result] = runner.table(step, bound)
 
 
@@ -189,9 +195,9 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
         if unchecked:
             threading.Thread(target=prefetch_logprob_facts, args=(unchecked,), name="rollstore-logprobs",
                              daemon=True).start()
-    # No shard holds a selected row: an empty relation, so no entropies are read at all.
-    shards = parquet(opened) if opened else "(SELECT * FROM rollouts WHERE false)"
-    _run(runner, plan, ("tokens", "output"), {"rollouts": shards}, results)
+    # The token stage's kernels read the selected rows' entropies from their shards (`opened`, the
+    # only ones holding a selected row); no step of it reads Parquet in SQL.
+    _run(runner, plan, ("tokens", "output"), {}, results)
     decided = Decided(plan, snapshot_seq, summary, runner.values, results["audit"])
     layout = part_layout([summary["selected_files"][f] for f in opened], rows_per_shard(summary))
 

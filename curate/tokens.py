@@ -1,14 +1,16 @@
 """D3S token pruning in one place: the score, the exact top-K threshold, the kept counts, the loss mask.
 
-A newcomer reads token pruning here, in the order it runs: `curate_token_entropies.sql` (the
-selected rows' entropies, read from Parquet once into the session), then three kernel steps
-(`curate.kernels`) over those entropies decoded once into float64 scores (`scored`):
-`histogram` + `heads` (the K-th token in (score desc, rollout_id asc, position asc) order,
-K = ⌈κ·N⌉, in two passes whose partial results merge exactly across shards), `kept_counts`
-(tokens kept per row: a token is kept when its order is not after the K-th token's). The
-materialisation hands each selected row's entropies to `keep_runs`, which writes the same mask
-as kept runs. `kept_expression` is the same predicate in SQL (with token=none the one used:
-every token; the tests' reference otherwise).
+A newcomer reads token pruning here, in the order it runs: `curate_selected_rows.sql` (a view:
+the selected rows, each with its input shard and position), then four kernel steps
+(`curate.kernels`) over those rows' entropies, read from the shards with pyarrow and decoded once
+into float64 scores (`scored`): `first_missing` (the input check: the first row, by rollout_id,
+whose entropies are null or not finite), `histogram` + `heads` (the K-th token in (score desc,
+rollout_id asc, position asc) order, K = ⌈κ·N⌉, in two passes whose partial results merge exactly
+across shards), `kept_counts` (tokens kept per row: a token is kept when its order is not after
+the K-th token's). The materialisation reads each selected row's entropies the same way (kernel
+`entropies`) and hands them to `keep_runs`, which writes the same mask as kept runs.
+`kept_expression` is the same predicate in SQL (with token=none the one used: every token; the
+tests' reference otherwise).
 
 Invariants:
 - The score is the SQL score `score_expression` to the bit: a float32 widened to float64, times
@@ -221,18 +223,23 @@ def missing_entropies_error(rollout_id: str, token: str) -> CurationError:
 # --- The threshold and the kept counts in numpy (kernel steps token_histogram, token_heads,
 # tokens_kept; curate.kernels) over the selected rows' entropies, decoded once per session. ---
 
-SCORED_ROWS = 8192  # rows of `selected_entropies` decoded at a time (a chunk's arrays stay small)
+SCORED_ROWS = 8192  # selected rows decoded at a time (a chunk's arrays stay small)
 SCORED_CACHE_TOKENS = 1 << 24  # a session keeps its decoded chunks (16 B a token) for the next pass up to this many tokens
 _SIGN = np.int64(0x7FFF_FFFF_FFFF_FFFF)
 BUCKET_SHIFT = 46  # 52 mantissa bits less 6: 64 buckets per octave of the score
 
 
 class Scored:
-    """One chunk of selected rows: every token's float64 score (flattened), the rows' offsets into
-    it (int64, rows + 1) and their rollout_ids (Arrow strings, compared bytewise as in DuckDB)."""
+    """One chunk of selected rows of one input shard (`filename`): every token's float64 score
+    (flattened), the rows' offsets into it (int64, rows + 1), their rollout_ids (Arrow strings,
+    compared bytewise as in DuckDB), and the rows (indices) whose entropies are null (`absent`) or
+    hold a NaN or an infinity (`non_finite`)."""
 
-    def __init__(self, score: np.ndarray, offsets: np.ndarray, rollout_id: pa.Array):
-        self.score, self.offsets, self.rollout_id = score, offsets, rollout_id
+    def __init__(self, score: np.ndarray, offsets: np.ndarray, rollout_id: pa.Array, filename: str = "",
+                 absent: np.ndarray | None = None, non_finite: np.ndarray | None = None):
+        self.score, self.offsets, self.rollout_id, self.filename = score, offsets, rollout_id, filename
+        self.absent = np.zeros(0, np.int64) if absent is None else absent
+        self.non_finite = np.zeros(0, np.int64) if non_finite is None else non_finite
         self._key = None
 
     @property
@@ -251,15 +258,24 @@ class Scored:
         return np.searchsorted(self.offsets, tokens, side="right") - 1
 
 
-def scored(batch: pa.RecordBatch | pa.Table, token: str) -> Scored:
-    """The scores of a chunk of `selected_entropies` (rollout_id, advantage_final, entropies): H, or
-    |A|·H, in float64 exactly as `score_expression` computes them in SQL (a float32 widened to
-    float64 is exact, and so is the product rounded once to float64, as DuckDB's DOUBLE multiply)."""
+def scored(batch: pa.RecordBatch | pa.Table, token: str, filename: str = "") -> Scored:
+    """The scores of a chunk of selected rows (rollout_id, advantage_final, entropies) of input shard
+    `filename`: H, or |A|·H, in float64 exactly as `score_expression` computes them in SQL (a
+    float32 widened to float64 is exact, and so is the product rounded once to float64, as DuckDB's
+    DOUBLE multiply); with the rows whose entropies are null, or hold a NaN or an infinity (a null
+    element reads as NaN), for `first_missing`."""
     ents = batch.column("entropies")
     ents = ents.combine_chunks() if isinstance(ents, pa.ChunkedArray) else ents
-    h = ents.flatten().to_numpy(zero_copy_only=False)
-    offsets = ents.offsets.to_numpy().astype(np.int64)
-    offsets -= offsets[0]
+    h = ents.flatten().to_numpy(zero_copy_only=False)  # a null row's slot holds nothing
+    absent = np.zeros(0, np.int64)
+    if ents.null_count:
+        absent = np.flatnonzero(ents.is_null().to_numpy(zero_copy_only=False))
+        lens = pc.fill_null(pc.list_value_length(ents), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+    else:
+        offsets = ents.offsets.to_numpy().astype(np.int64)
+        offsets -= offsets[0]
     if token == "entropy":
         score = h.astype(np.float64)
     else:
@@ -267,23 +283,49 @@ def scored(batch: pa.RecordBatch | pa.Table, token: str) -> Scored:
         score = np.repeat(np.abs(adv), np.diff(offsets))
         np.multiply(score, h, out=score)
     np.add(score, 0.0, out=score)  # -0 → +0 (equal scores, one bucket key); every other value unchanged
+    finite = np.isfinite(h)
+    non_finite = np.zeros(0, np.int64)
+    if not finite.all():
+        non_finite = np.unique(np.searchsorted(offsets, np.flatnonzero(~finite), side="right") - 1)
     rid = batch.column("rollout_id")
-    return Scored(score, offsets, rid.combine_chunks() if isinstance(rid, pa.ChunkedArray) else rid)
+    return Scored(score, offsets, rid.combine_chunks() if isinstance(rid, pa.ChunkedArray) else rid, filename,
+                  absent, non_finite)
+
+
+MISSING_SCHEMA = pa.schema([("rollout_id", pa.string()), ("missing", pa.bool_()), ("filename", pa.string())])
+
+
+def first_missing(chunks, values: dict, args: dict) -> pa.Table:
+    """The input check of the token stage (merge `first_missing`): the first selected row (by
+    rollout_id) whose entropies are null (`missing`) or hold a NaN or an infinity, with its input
+    shard; no row when every selected row has finite entropies."""
+    found = None
+    for c in chunks:
+        for rows, missing in ((c.absent, True), (c.non_finite, False)):
+            for r in rows.tolist():
+                row = (c.rollout_id[r].as_py(), missing, c.filename)
+                if found is None or row[0] < found[0]:
+                    found = row
+    if found is None:
+        return MISSING_SCHEMA.empty_table()
+    return pa.table({"rollout_id": [found[0]], "missing": [found[1]], "filename": [found[2]]}, schema=MISSING_SCHEMA)
 
 
 def histogram(chunks, values: dict, args: dict) -> pa.Table:
     """Threshold pass 1 (merge `histogram`): tokens per bucket key, highest first."""
-    counts: dict[int, int] = {}
+    parts = []  # (lowest key, counts from it) per chunk
     for c in chunks:
-        if not len(c.key):
-            continue
-        low = int(c.key.min())  # keys span at most 2^18 values (sign, 11 exponent and 6 mantissa bits)
-        n = np.bincount(c.key - low)
-        for b in np.flatnonzero(n).tolist():
-            counts[b + low] = counts.get(b + low, 0) + int(n[b])
-    hist = sorted(counts.items(), reverse=True)
-    return pa.table({"bucket": pa.array([b for b, _ in hist], pa.int64()),
-                     "n": pa.array([m for _, m in hist], pa.int64())})
+        if len(c.key):
+            low = int(c.key.min())  # keys span at most 2^18 values (sign, 11 exponent and 6 mantissa bits)
+            parts.append((low, np.bincount(c.key - low)))
+    if not parts:
+        return pa.table({"bucket": pa.array([], pa.int64()), "n": pa.array([], pa.int64())})
+    low = min(p[0] for p in parts)
+    total = np.zeros(max(p[0] + len(p[1]) for p in parts) - low, np.int64)
+    for start, n in parts:
+        total[start - low:start - low + len(n)] += n
+    hit = np.flatnonzero(total)[::-1]  # highest first
+    return pa.table({"bucket": pa.array(hit + low, pa.int64()), "n": pa.array(total[hit], pa.int64())})
 
 
 HEADS_SCHEMA = pa.schema([("score", pa.float64()), ("rollout_id", pa.string()), ("pos", pa.int64())])

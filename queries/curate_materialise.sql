@@ -1,11 +1,12 @@
 -- Materialisation (docs/curation.md §Materialisation; schema `curated` as stored, CURATED_REFS,
 -- without curation_id and with the row's input shard as a full path): the selected rows of the
 -- input shards $shards, each with a reference to its rollouts row (`shard_file`, `rollouts_row` as
--- the candidates' scan read it, rollout_id), advantage_final, weight, the response length and
--- its entropies from `selected_entropies` (null without a token stage). Nothing is read from
--- Parquet: everything is in the session already. The engine sorts the rows (input shard,
+-- the candidates' scan read it, rollout_id), advantage_final, weight and the response length, all
+-- from `work`: this query reads no Parquet. `entropies` is a null placeholder: with a token stage
+-- the kernel step `entropies` reads each row's entropies from its shard at its position (only that
+-- column, only the row groups holding a selected row). The engine sorts the rows (input shard,
 -- rollout_id), turns the entropies into the loss mask as kept runs (curate/tokens.py `keep_runs`,
--- the predicate of curate_tokens_kept.sql; their total is checked against the audit's) and adds
+-- the predicate of the kernel tokens_kept; their total is checked against the audit's) and adds
 -- `fallback` (no old_logprobs) from the shards' column statistics; no token list is written. Run
 -- for a few input shards at a time (one per Dask task): memory stays bounded by their selected
 -- rows' entropies.
@@ -14,8 +15,7 @@ SELECT
     w.advantage_final                                 AS advantage,
     w.weight,
     w.tokens_total                                    AS tokens,
-    e.entropies,
+    NULL::FLOAT[]                                     AS entropies,
     w.filename                                        AS shard_file
 FROM work w
-LEFT JOIN selected_entropies e USING (rollout_id)
 WHERE w.selected AND list_contains($shards, w.filename);

@@ -1,5 +1,7 @@
 -- Sample selection — maximum-variance subsets (PODS arXiv 2504.13818; D3S arXiv 2509.22115).
--- Pools: rows still eligible (reason NULL), one pool per {pool_key} (the batch, or a group).
+-- Pools: rows still eligible (reason NULL), one pool per {pool_key} (a group: sample=in_group and
+-- pods; the plan runs the one-pool case, sample=cross_group, as the kernel max_variance,
+-- curate/selection.py, which computes the same from the same definition).
 -- Budget per pool of n rows: m = min(n, max(2, ⌊n·f + ½⌋)), f = $f_num / $f_den exactly.
 -- Order each pool by (v desc, rollout_id asc); S_j = first j rows ∪ last m − j rows, j = 0..m.
 -- Some S_j is optimal for any multiset of reals, so prefix sums over the sorted pool give every

@@ -172,6 +172,14 @@ def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COL
         return _read_rows(path, positions, source, columns)
 
 
+def column_at(path: str, positions: np.ndarray, column: str, source: str) -> pa.Array:
+    """Column `column` at rows `positions` of one rollouts shard (in that order), reading only the
+    row groups that hold them; a decoding error is one `UnreadableShard` line naming the file.
+    The token stage reads the selected rows' `entropies` with it (`curate.kernels`)."""
+    col = _rows_of(path, np.asarray(positions, np.int64), source, (column,)).column(0)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
 def _read_rows(path: str, positions: np.ndarray, source: str, columns) -> pa.Table:
     pf = pq.ParquetFile(path)
     sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)], np.int64)

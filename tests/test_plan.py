@@ -68,7 +68,8 @@ def test_every_step_is_one_sql_file_and_the_plan_text_is_what_runs(name):
         assert (step.merge is not None) == (step.scope == plan_module.GLOBAL), step  # a global step names its merge
         if step.kind == "kernel":
             k = KERNELS[step.kernel]  # a session kernel reads its source table, a row kernel its columns
-            assert step.text == signature(step.kernel, step.args) and step.reads == ((k.source,) if k.source else k.reads)
+            assert step.text == signature(step.kernel, step.args) and step.reads == (
+                ((k.source,) if k.source else k.reads) + tuple(f"rollouts.{c}" for c in k.shard_columns))
             continue
         assert step.source == load_sql(step.sql)
         assert step.text == render(step.sql, dict(step.fragments)) == step.render()
@@ -112,16 +113,19 @@ def test_dry_run_never_reads_token_ids_or_logprobs(steps_buffer, monkeypatch):
         assert dry.record[key] == full.record[key]
     assert dry.record["old_logprobs_fallback"] is None and full.record["old_logprobs_fallback"] == 0
     ran = [name for name, _ in rec.sql]
-    assert "curate_token_entropies" in ran and "curate_materialise" not in ran
+    assert "curate_selected_rows" in ran and "curate_materialise" not in ran
     for name, sql in rec.sql:
         assert not any(col in _code(sql) for col in TOKEN_COLUMNS), (name, sql)
 
 
 def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(steps_buffer, monkeypatch):
-    """A batch of one step in a four-step buffer: the token step reads that step's shard only, the
-    entropies are read from Parquet by one statement (the candidates' scan names no token list: the
-    lengths are stored, schema version 3), and materialisation reads no Parquet (the candidates'
-    scan took each row's position)."""
+    """A batch of one step in a four-step buffer: the token stage reads that step's shard only, the
+    entropies are read from Parquet by the kernels (once for the token stage, once for the
+    materialisation, only at the selected rows' positions), no SQL statement reads a token list
+    (the candidates' scan names none: the lengths are stored, schema version 3), and
+    materialisation reads no Parquet in SQL (the candidates' scan took each row's position)."""
+    from rollstore.curate import kernels
+
     files: list[list[str]] = []
     original = run_module.parquet
 
@@ -129,20 +133,27 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
         files.append(list(paths))
         return original(paths, located, numbered)
 
+    reads: list[tuple[str, str, int]] = []
+    column_at = kernels.column_at
+
+    def read_spy(path, positions, column, source):
+        reads.append((path, column, len(positions)))
+        return column_at(path, positions, column, source)
+
     monkeypatch.setattr(run_module, "parquet", spy)
+    monkeypatch.setattr(kernels, "column_at", read_spy)
     rec = Recorder(monkeypatch)
     with Buffer.open(steps_buffer) as buf, buf.snapshot() as snap:
         shards = snap.files("rollouts")
         result = curate(buf, load_recipe("d3s"), {"where": "step = 1", "progress": "0.3"}, commit=False)
-    assert result.record["n_selected"] > 0 and result.curated.num_rows == result.record["n_selected"]
+    n = result.record["n_selected"]
+    assert n > 0 and result.curated.num_rows == n
     per_step = {name: bound for name, bound in rec.bound if bound}
-    assert set(per_step) == {"curate_candidates", "curate_token_entropies"}
+    assert set(per_step) == {"curate_candidates"}
     assert all("read_parquet" not in sql for name, sql in rec.sql if name == "curate_materialise")
-    assert files[0] == shards  # the candidates: every shard (the `where` may match any row)
-    assert all(f == [shards[1]] for f in files[1:]), files
-    reads_entropies = [name for name, sql in rec.sql if re.search(r"(?<!e\.)\bentropies\b", _code(sql))
-                       and "read_parquet" in sql]  # e.entropies: the in-session table, not Parquet
-    assert reads_entropies == ["curate_token_entropies"]  # the values, once (the lengths are stored)
+    assert files == [shards]  # the candidates: every shard (the `where` may match any row)
+    assert reads == [(shards[1], "entropies", n)] * 2, reads  # the token stage, then the materialisation
+    assert not [name for name, sql in rec.sql if re.search(r"\bentropies\b", _code(sql)) and "read_parquet" in sql]
     token_lists = ("response_token_ids", "prompt_token_ids", "gen_logprobs", "entropies")
     candidates = [_code(sql) for name, sql in rec.sql if name == "curate_candidates"]
     assert candidates and not any(re.search(rf"\b{c}\b", sql) for sql in candidates for c in token_lists), candidates
@@ -319,10 +330,11 @@ def test_a_kernel_step_is_hashed_by_its_name_version_and_arguments(monkeypatch):
 
     recipe = load_recipe("d3s")
     plan = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0"}), recipe)
-    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["token_histogram", "token_heads", "tokens_kept",
-                                                                    "keep_runs", "fallback"]
+    assert [s.kernel for s in plan.steps if s.kind == "kernel"] == ["max_variance", "missing_entropies",
+                                                                    "token_histogram", "token_heads", "tokens_kept",
+                                                                    "entropies", "keep_runs", "fallback"]
     none = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "none"}), recipe)
-    assert [s.kernel for s in none.steps if s.kind == "kernel"] == ["keep_runs", "fallback"]
+    assert [s.kernel for s in none.steps if s.kind == "kernel"] == ["max_variance", "keep_runs", "fallback"]
     entropy = plan_module.build(resolve(recipe, {"where": "true", "current_version": "0", "token": "entropy"}), recipe)
     keep = [s for s in entropy.steps if s.kernel == "keep_runs"][0]
     assert keep.args == (("token", "entropy"),)

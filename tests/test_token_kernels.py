@@ -6,11 +6,15 @@ into shards (the merges on the client) or into decoded chunks."""
 
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
+import uuid
 from types import SimpleNamespace
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,14 +48,32 @@ def batches(draw):
     return rows, token, k, cuts, draw(st.integers(1, 4))
 
 
+_SHARDS = tempfile.TemporaryDirectory(prefix="rs-token-kernels-")  # removed when the module goes
+
+
 def _session(rows: list[dict]) -> SimpleNamespace:
+    """A session holding `selected_rows` (the kernels' input: each row's shard and position) over a
+    Parquet file holding the rows' entropies in reverse order among rows that are not selected, and
+    `selected_entropies` (the brute force's input)."""
     con = duckdb.connect()
+    entropies = pa.array([r["entropies"] for r in rows], pa.list_(pa.float32()))
     con.register("_in", pa.table({
         "rollout_id": pa.array([r["rollout_id"] for r in rows], pa.string()),
         "advantage_final": pa.array([r["advantage_final"] for r in rows], pa.float64()),
-        "entropies": pa.array([r["entropies"] for r in rows], pa.list_(pa.float32())),
+        "entropies": entropies,
     }))
     con.execute("CREATE TEMP TABLE selected_entropies AS SELECT * FROM _in")
+    path = os.path.join(_SHARDS.name, f"shard-{uuid.uuid4().hex}.parquet")
+    n = len(rows)
+    stored = [[9.0, 9.0]] + [r["entropies"] for r in reversed(rows)] + [None]  # row 0, the last: not selected
+    pq.write_table(pa.table({"entropies": pa.array(stored, pa.list_(pa.float32()))}), path, row_group_size=3)
+    con.register("_sel", pa.table({
+        "rollout_id": pa.array([r["rollout_id"] for r in rows], pa.string()),
+        "advantage_final": pa.array([r["advantage_final"] for r in rows], pa.float64()),
+        "filename": pa.array([path] * n, pa.string()),
+        "rollouts_row": pa.array([n - i for i in range(n)], pa.int64()),
+    }))
+    con.execute("CREATE TEMP TABLE selected_rows AS SELECT * FROM _sel")
     return SimpleNamespace(con=con)
 
 
@@ -131,7 +153,26 @@ def test_a_kernel_returning_another_shape_stops_with_one_line(monkeypatch):
     s = _session([{"rollout_id": "a", "advantage_final": 1.0, "entropies": [1.0]}])
     bad = kernels.Kernel("token_histogram", "1", lambda chunks, values, args: pa.table({"bucket": [1]}),
                          kernels.KERNELS["token_histogram"].reads, kernels.KERNELS["token_histogram"].adds,
-                         source="selected_entropies")
+                         source="selected_rows")
     monkeypatch.setitem(kernels.KERNELS, "token_histogram", bad)
     with pytest.raises(kernels.CurationError, match="kernel step token_histogram .*declared"):
         kernels.run_session(_step("token_histogram", "entropy"), s, {"token_budget": 1}, {})
+
+
+def test_the_input_check_names_the_first_row_without_finite_entropies_and_its_shard():
+    """`missing_entropies`: the first selected row by rollout_id whose entropies are null (missing)
+    or hold a NaN or an infinity, with its input shard (the merge `first_missing` raises it)."""
+    rows = [{"rollout_id": "c", "advantage_final": 1.0, "entropies": [0.5, float("nan")]},
+            {"rollout_id": "d", "advantage_final": 1.0, "entropies": None},
+            {"rollout_id": "b", "advantage_final": 1.0, "entropies": [float("inf")]},
+            {"rollout_id": "a", "advantage_final": 1.0, "entropies": [0.5, 1.0]}]
+    s = _session(rows)
+    path = s.con.execute("SELECT any_value(filename) FROM selected_rows").fetchall()[0][0]
+    got = kernels.run_session(_step("missing_entropies", "abs_adv_entropy"), s, {}, {}).to_pylist()
+    assert got == [{"rollout_id": "b", "missing": False, "filename": path}]
+    got = kernels.run_session(_step("missing_entropies", "entropy"), _session(rows[1:2] + rows[3:]), {}, {})
+    assert [(r["rollout_id"], r["missing"]) for r in got.to_pylist()] == [("d", True)]
+    clean = kernels.run_session(_step("missing_entropies", "entropy"), _session(rows[3:]), {}, {})
+    assert clean.num_rows == 0
+    with pytest.raises(kernels.CurationError, match=r"^rollout_id='d': column 'entropies' is null, but token=entropy"):
+        MERGES["first_missing"].combine([[tuple(r.values()) for r in got.to_pylist()]], {"token_mode": "entropy"})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Iterable, Sequence
 
@@ -172,12 +173,40 @@ def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COL
         return _read_rows(path, positions, source, columns)
 
 
+COLUMN_CACHE_BYTES = 256 * 2**20  # the decoded columns `column_at` keeps for a process's next read of the same rows
+_columns: "OrderedDict[tuple, tuple[np.ndarray, pa.Array]]" = OrderedDict()
+_columns_lock = threading.Lock()
+
+
 def column_at(path: str, positions: np.ndarray, column: str, source: str) -> pa.Array:
     """Column `column` at rows `positions` of one rollouts shard (in that order), reading only the
     row groups that hold them; a decoding error is one `UnreadableShard` line naming the file.
-    The token stage reads the selected rows' `entropies` with it (`curate.kernels`)."""
-    col = _rows_of(path, np.asarray(positions, np.int64), source, (column,)).column(0)
-    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    The token stage reads the selected rows' `entropies` with it (`curate.kernels`), and a full
+    curation's materialisation reads the same rows again: the last reads (up to COLUMN_CACHE_BYTES,
+    keyed by the file's path, size, times and inode, like the hash cache) are kept and answer any
+    request for a subset of their rows, in any order, without decoding the file again."""
+    positions = np.asarray(positions, np.int64)
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, column)
+    with _columns_lock:
+        hit = _columns.get(key)
+        if hit is not None:
+            _columns.move_to_end(key)
+    if hit is not None:
+        have, values = hit
+        at = np.searchsorted(have, positions)
+        if len(positions) == 0 or (at.max() < len(have) and np.array_equal(have[np.minimum(at, len(have) - 1)],
+                                                                            positions)):
+            return values.take(pa.array(at))
+    col = _rows_of(path, positions, source, (column,)).column(0)
+    col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    if 0 < col.nbytes <= COLUMN_CACHE_BYTES // 4:
+        order = np.argsort(positions, kind="stable")
+        with _columns_lock:
+            _columns[key] = (positions[order], col.take(pa.array(order)))
+            while sum(v.nbytes for _, v in _columns.values()) > COLUMN_CACHE_BYTES:
+                _columns.popitem(last=False)
+    return col
 
 
 def _read_rows(path: str, positions: np.ndarray, source: str, columns) -> pa.Table:

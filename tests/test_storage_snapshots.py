@@ -169,3 +169,33 @@ def test_unknown_buffer_is_one_error_line(cli, tmp_path):
     assert res.code != 0 and "not a rollstore buffer" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     with pytest.raises(ManifestError):
         Buffer.open(str(tmp_path / "nope"))
+
+
+def test_column_at_answers_a_second_read_of_the_same_rows_from_its_cache(buffer_dir, monkeypatch):
+    """`references.column_at` keeps its last decoded columns: a later read of any subset of those rows, in any
+    order, gives the same values without decoding the file; a file replaced at the same path is read again."""
+    import numpy as np
+    import pyarrow.parquet as pq_
+
+    from rollstore.storage import references
+
+    with Buffer.open(buffer_dir) as buf:
+        buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, seed=8))
+        path = buf.snapshot().files("rollouts")[0]
+    truth = pq_.read_table(path, columns=["entropies"]).column(0).combine_chunks()
+    decoded = []
+    real = references._read_rows
+    monkeypatch.setattr(references, "_read_rows", lambda *a, **k: (decoded.append(a[0]), real(*a, **k))[1])
+    references._columns.clear()
+    first = np.array([3, 17, 5, 11, 20, 0])
+    assert references.column_at(path, first, "entropies", "t").equals(truth.take(first))
+    again = np.array([11, 0, 17])
+    assert references.column_at(path, again, "entropies", "t").equals(truth.take(again))
+    assert len(decoded) == 1  # the subset came from the cache
+    assert references.column_at(path, np.array([1, 3]), "entropies", "t").equals(truth.take([1, 3]))
+    assert len(decoded) == 2  # row 1 was never read: decoded
+    other = rollouts_table(n_groups=6, group_size=4, seed=9).select(["entropies"])
+    os.replace(write_parquet(other, path + ".new"), path)  # another file at the same path (another inode)
+    assert references.column_at(path, again, "entropies", "t").equals(
+        pq_.read_table(path).column("entropies").combine_chunks().take(again))
+    assert len(decoded) == 3

@@ -8,7 +8,8 @@ the curation id hashes its name, version and arguments, as it hashes an SQL step
 A session kernel (`source` set: the token stage's `missing_entropies`, `token_histogram`,
 `token_heads`, `tokens_kept`) reads a view of the session instead (`selected_rows`: the selected
 rows with each one's input shard and position), whose entropies it reads from those shards with
-pyarrow, once per session or task, decoded into float64 scores (`scored_chunks`); it returns a table
+pyarrow, once per session or task, decoded into float64 scores (`scored_chunks`; past
+SCORED_CACHE_TOKENS from a spill file the run removes, `spill`, `release`); it returns a table
 of its declared columns: a GLOBAL step's partial result, handed to the step's merge, or the temp
 table `into` (`kept_counts`). The runner runs it (`curate.steps.Runner.run` / `partial`), in
 whichever task holds the rows. No entropies pass through DuckDB: the materialisation reads its
@@ -33,6 +34,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -197,48 +202,121 @@ def apply(step, table: pa.Table, values: dict) -> pa.Table:
     return table
 
 
-def scored_chunks(session, relation: str, token: str, cache: dict) -> list:
+def scored_chunks(session, relation: str, token: str, cache: dict):
     """The selected rows of `relation` (a view of the session: rollout_id, advantage_final and each
     row's input shard and position) with their entropies read from the shards (`read_scored`),
     decoded into score chunks (`curate.tokens.scored`); kept in `cache` for the next kernel of the
-    same run while they hold at most SCORED_CACHE_TOKENS tokens (past that, each pass reads and
-    decodes its chunks again: memory stays one chunk's)."""
+    same run while they hold at most SCORED_CACHE_TOKENS tokens. Past that, the rows' entropies are
+    read from the shards once more, written uncompressed to an Arrow file in the session's spill
+    folder (`spill`), and every pass of the run reads them from there, one chunk at a time (memory
+    stays one chunk's; the shards' Parquet is decoded twice in all, not once per pass). `release`
+    removes the file when the run's kernels are done."""
     key = (relation, token)
     if key in cache:
-        return cache[key]
+        got = cache[key]
+        return _replayed(got, token) if isinstance(got, str) else got
     rows = session.con.table(relation).to_arrow_table()
     chunks, tokens = [], 0
     for chunk in read_scored(rows, token):
         tokens += len(chunk.score)
         if tokens > SCORED_CACHE_TOKENS:
-            return _streamed(rows, token)
+            chunks.clear()
+            cache[key] = spill(rows, session.spill_dir)
+            return _replayed(cache[key], token)
         chunks.append(chunk)
     cache[key] = chunks
     return chunks
 
 
-def _streamed(rows: pa.Table, token: str):
-    yield from read_scored(rows, token)
+SPILL_COLUMNS = ("rollout_id", "advantage_final", "entropies")
 
 
-def read_scored(rows: pa.Table, token: str):
-    """Score chunks of `rows` (SELECTED columns), input shard by input shard: each shard's
-    `entropies` at the rows' positions (only the row groups holding one, only that column:
-    `storage.references.column_at`), SCORED_ROWS rows at a time."""
+def spill(rows: pa.Table, folder: str) -> str:
+    """The selected rows' (rollout_id, advantage_final, entropies, filename), entropies read from
+    the shards (`read_entropies`), written to a new Arrow IPC file in `folder`; returns its path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"selected-entropies-{uuid.uuid4().hex[:12]}.arrow")
+    schema = pa.schema([("rollout_id", pa.string()), rows.schema.field("advantage_final"),
+                        ("entropies", pa.list_(pa.float32())), ("filename", pa.string())])
+    try:
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for filename, batch in read_entropies(rows):  # values as read: the same scores as without a spill
+                writer.write_table(pa.table({
+                    "rollout_id": batch.column("rollout_id").cast(pa.string()),
+                    "advantage_final": batch.column("advantage_final"),
+                    "entropies": batch.column("entropies").cast(pa.list_(pa.float32())),
+                    "filename": pa.array([filename] * batch.num_rows, pa.string())}, schema=schema))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return path
+
+
+def _replayed(path: str, token: str):
+    """Score chunks of a `spill` file, read through a memory map, SCORED_ROWS rows at a time."""
+    with pa.memory_map(path) as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            for start in range(0, batch.num_rows, SCORED_ROWS):
+                part = batch.slice(start, SCORED_ROWS)
+                yield scored(part.select(list(SPILL_COLUMNS)), token, part.column("filename")[0].as_py())
+
+
+def release(cache: dict) -> None:
+    """Forget a run's decoded input; remove its spill files."""
+    for value in cache.values():
+        if isinstance(value, str):
+            with contextlib.suppress(OSError):
+                os.unlink(value)
+    cache.clear()
+
+
+def read_entropies(rows: pa.Table):
+    """(input shard, rows of it with their `entropies`) for `rows` (SELECTED columns), shard by
+    shard, SCORED_ROWS rows at a time: each shard's `entropies` at the rows' positions (only the row
+    groups holding one, only that column: `storage.references.column_at`)."""
     if rows.num_rows == 0:
         return
     files = rows.column("filename").combine_chunks().dictionary_encode()
     codes = files.indices.to_numpy(zero_copy_only=False)
-    for k, path in enumerate(files.dictionary.to_pylist()):
+
+    def read(k: int, path: str):
         part = rows.take(pa.array(np.flatnonzero(codes == k)))
-        ents = column_at(path, part.column("rollouts_row").to_numpy(zero_copy_only=False), "entropies",
-                         "the curation's token stage")
+        return path, part, column_at(path, part.column("rollouts_row").to_numpy(zero_copy_only=False), "entropies",
+                                     "the curation's token stage")
+
+    for path, part, ents in _ahead(read, list(enumerate(files.dictionary.to_pylist()))):
         for start in range(0, part.num_rows, SCORED_ROWS):
             n = min(SCORED_ROWS, part.num_rows - start)
-            batch = pa.table({"rollout_id": part.column("rollout_id").slice(start, n),
-                              "advantage_final": part.column("advantage_final").slice(start, n),
-                              "entropies": ents.slice(start, n)})
-            yield scored(batch, token, path)
+            yield path, pa.table({"rollout_id": part.column("rollout_id").slice(start, n),
+                                  "advantage_final": part.column("advantage_final").slice(start, n),
+                                  "entropies": ents.slice(start, n)})
+
+
+READ_AHEAD = 2  # shards whose entropies are decoded on threads while the caller handles the current one
+
+
+def _ahead(fn, items: list):
+    """`fn(*item)` for each item, in order, up to READ_AHEAD of them computed ahead on threads
+    (pyarrow decodes without the GIL): a one-shard read at a time left a core idle."""
+    if len(items) <= 1:
+        yield from (fn(*item) for item in items)
+        return
+    with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="rollstore-entropies") as pool:
+        pending = [pool.submit(fn, *item) for item in items[:READ_AHEAD]]
+        for i in range(len(items)):
+            result = pending.pop(0).result()
+            if i + READ_AHEAD < len(items):
+                pending.append(pool.submit(fn, *items[i + READ_AHEAD]))
+            yield result
+
+
+def read_scored(rows: pa.Table, token: str):
+    """Score chunks of `rows` (SELECTED columns), input shard by input shard (`read_entropies`)."""
+    for path, batch in read_entropies(rows):
+        yield scored(batch, token, path)
 
 
 def run_session(step, session, values: dict, cache: dict) -> pa.Table:

@@ -56,6 +56,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
+from .kernels import release
 from .steps import (
     Runner,
     latest_checkpoint,
@@ -139,7 +140,10 @@ def curate(
             runner = Runner(session, run_values(plan))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES), {"rollouts": everything}, results)
-        return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
+        try:
+            return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
+        finally:
+            release(runner.decoded)  # a spilled token stage's file (`curate.kernels.spill`)
 
 
 def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:

@@ -74,7 +74,7 @@ def _session(rows: list[dict]) -> SimpleNamespace:
         "rollouts_row": pa.array([n - i for i in range(n)], pa.int64()),
     }))
     con.execute("CREATE TEMP TABLE selected_rows AS SELECT * FROM _sel")
-    return SimpleNamespace(con=con)
+    return SimpleNamespace(con=con, spill_dir=os.path.join(_SHARDS.name, f"spill-{uuid.uuid4().hex}"))
 
 
 def _step(name: str, token: str) -> Step:
@@ -131,22 +131,31 @@ def test_kernels_find_the_sql_threshold_and_kept_counts_across_shards_and_chunks
         kernels.SCORED_ROWS = saved
 
 
-def test_past_the_cache_size_each_pass_decodes_again_with_the_same_result(monkeypatch):
+def test_past_the_cache_size_the_passes_read_a_spill_file_with_the_same_result(monkeypatch):
+    """Past SCORED_CACHE_TOKENS the selected rows' entropies are read from the shards once more into an Arrow
+    file in the session's spill folder, which every pass then reads (not the shards); `release` removes it."""
     rows = [{"rollout_id": f"r{i}", "advantage_final": [0.5, -1.0, 2.0][i % 3],
              "entropies": [f32(0.1 * j) for j in range(i % 5 + 1)]} for i in range(30)]
     want, want_counts = _brute(rows, "abs_adv_entropy", 17)
     monkeypatch.setattr(kernels, "SCORED_ROWS", 4)
     monkeypatch.setattr(kernels, "SCORED_CACHE_TOKENS", 10)
+    reads = []
+    real = kernels.column_at
+    monkeypatch.setattr(kernels, "column_at", lambda *a, **k: (reads.append(a[0]), real(*a, **k))[1])
     s, cache, values = _session(rows), {}, {"token_budget": 17}
     hist = [tuple(r.values()) for r in kernels.run_session(_step("token_histogram", "abs_adv_entropy"), s, values,
                                                             cache).to_pylist()]
     values.update(MERGES["histogram"].combine([hist], values))
     values.update(MERGES["heads"].combine([kernels.run_session(_step("token_heads", "abs_adv_entropy"), s, values,
                                                                 cache)], values))
-    assert cache == {}
+    (spilled,) = cache.values()
+    assert isinstance(spilled, str) and os.path.exists(spilled) and spilled.startswith(s.spill_dir)
     assert {key: values[key] for key in ("thr", "thr_rollout", "thr_pos")} == want
     table = kernels.run_session(_step("tokens_kept", "abs_adv_entropy"), s, values, cache)
     assert dict(zip(table.column("rollout_id").to_pylist(), table.column("tokens_kept").to_pylist())) == want_counts
+    assert len(reads) == 2  # the first pass up to the cache size, then the spill: never once per pass
+    kernels.release(cache)
+    assert cache == {} and not os.path.exists(spilled)
 
 
 def test_a_kernel_returning_another_shape_stops_with_one_line(monkeypatch):

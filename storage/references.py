@@ -173,7 +173,7 @@ def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COL
         return _read_rows(path, positions, source, columns)
 
 
-COLUMN_CACHE_BYTES = 256 * 2**20  # the decoded columns `column_at` keeps for a process's next read of the same rows
+COLUMN_CACHE_BYTES = 64 * 2**20  # the decoded columns `column_at` keeps for a process's next read of the same rows
 _columns: "OrderedDict[tuple, tuple[np.ndarray, pa.Array]]" = OrderedDict()
 _columns_lock = threading.Lock()
 

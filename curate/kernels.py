@@ -84,14 +84,19 @@ def _keep_runs(rows: pa.Table, values: dict, args: dict) -> dict:
 
 def _entropies(rows: pa.Table, values: dict, args: dict) -> dict:
     """Each row's `entropies`, read from its input shard at its position (`shard_file`,
-    `rollouts_row`): only the row groups holding a row, and only that column."""
+    `rollouts_row`): only the row groups holding a row, and only that column — or, when the run's
+    token stage spilled (`values["entropies_spill"]`, `spill`), from that file, which holds the
+    same values read from the same rows."""
     files = rows.column("shard_file").combine_chunks().dictionary_encode()
     codes = files.indices.to_numpy(zero_copy_only=False)
     positions = rows.column("rollouts_row").to_numpy(zero_copy_only=False)
+    spilled = values.get("entropies_spill")
     parts, order = [], []
     for k, path in enumerate(files.dictionary.to_pylist()):
         where = np.flatnonzero(codes == k)
-        parts.append(column_at(path, positions[where], "entropies", "the curation's materialisation"))
+        got = _from_spill(spilled, path, positions[where]) if spilled else None
+        parts.append(got if got is not None else
+                     column_at(path, positions[where], "entropies", "the curation's materialisation"))
         order.append(where)
     if not parts:
         return {"entropies": pa.array([], ENTROPIES)}
@@ -209,8 +214,9 @@ def scored_chunks(session, relation: str, token: str, cache: dict):
     same run while they hold at most SCORED_CACHE_TOKENS tokens. Past that, the rows' entropies are
     read from the shards once more, written uncompressed to an Arrow file in the session's spill
     folder (`spill`), and every pass of the run reads them from there, one chunk at a time (memory
-    stays one chunk's; the shards' Parquet is decoded twice in all, not once per pass). `release`
-    removes the file when the run's kernels are done."""
+    stays one chunk's; the shards' Parquet is decoded twice in all, not once per pass); the
+    materialisation's kernel `entropies` reads its rows from it too. `release` removes the file
+    when the curation ends (`drop_chunks`, at the run's next SQL step, keeps it)."""
     key = (relation, token)
     if key in cache:
         got = cache[key]
@@ -229,6 +235,34 @@ def scored_chunks(session, relation: str, token: str, cache: dict):
 
 
 SPILL_COLUMNS = ("rollout_id", "advantage_final", "entropies")
+_spills: dict[str, tuple] = {}  # an open spill file: (its mapping, its table; {input shard: (positions sorted, rows)})
+
+
+def _from_spill(path: str, shard: str, positions: np.ndarray) -> pa.Array | None:
+    """`entropies` of input shard `shard` at `positions` from spill file `path`, or None when it
+    does not hold every one of them (the caller reads the shard instead)."""
+    if path not in _spills:
+        if not os.path.exists(path):
+            return None
+        source = pa.memory_map(path)  # open until `release`: the table's buffers are the mapping's
+        table = pa.ipc.open_file(source).read_all()
+        files = table.column("filename").combine_chunks().dictionary_encode()
+        codes = files.indices.to_numpy(zero_copy_only=False)
+        rows_at = table.column("rollouts_row").to_numpy(zero_copy_only=False)
+        index = {}
+        for k, name in enumerate(files.dictionary.to_pylist()):
+            mine = np.flatnonzero(codes == k)
+            order = np.argsort(rows_at[mine], kind="stable")
+            index[name] = (rows_at[mine][order], mine[order])
+        _spills[path] = (source, table, index)
+    _, table, index = _spills[path]
+    if shard not in index:
+        return None
+    have, rows = index[shard]
+    at = np.searchsorted(have, positions)
+    if len(positions) and (at.max() >= len(have) or not np.array_equal(have[at], positions)):
+        return None
+    return table.column("entropies").take(pa.array(rows[at])).combine_chunks()
 
 
 def spill(rows: pa.Table, folder: str) -> str:
@@ -237,7 +271,8 @@ def spill(rows: pa.Table, folder: str) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"selected-entropies-{uuid.uuid4().hex[:12]}.arrow")
     schema = pa.schema([("rollout_id", pa.string()), rows.schema.field("advantage_final"),
-                        ("entropies", pa.list_(pa.float32())), ("filename", pa.string())])
+                        ("entropies", pa.list_(pa.float32())), ("filename", pa.string()),
+                        ("rollouts_row", pa.int64())])
     try:
         with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for filename, batch in read_entropies(rows):  # values as read: the same scores as without a spill
@@ -245,7 +280,8 @@ def spill(rows: pa.Table, folder: str) -> str:
                     "rollout_id": batch.column("rollout_id").cast(pa.string()),
                     "advantage_final": batch.column("advantage_final"),
                     "entropies": batch.column("entropies").cast(pa.list_(pa.float32())),
-                    "filename": pa.array([filename] * batch.num_rows, pa.string())}, schema=schema))
+                    "filename": pa.array([filename] * batch.num_rows, pa.string()),
+                    "rollouts_row": batch.column("rollouts_row").cast(pa.int64())}, schema=schema))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -264,10 +300,19 @@ def _replayed(path: str, token: str):
                 yield scored(part.select(list(SPILL_COLUMNS)), token, part.column("filename")[0].as_py())
 
 
+def drop_chunks(cache: dict) -> None:
+    """Forget a run's decoded chunks (memory), keeping its spill file for the materialisation."""
+    for key in [k for k, v in cache.items() if not isinstance(v, str)]:
+        del cache[key]
+
+
 def release(cache: dict) -> None:
-    """Forget a run's decoded input; remove its spill files."""
+    """Forget a run's decoded input; remove its spill files (at the end of the run)."""
     for value in cache.values():
         if isinstance(value, str):
+            opened = _spills.pop(value, None)
+            if opened is not None:
+                opened[0].close()
             with contextlib.suppress(OSError):
                 os.unlink(value)
     cache.clear()
@@ -292,7 +337,8 @@ def read_entropies(rows: pa.Table):
             n = min(SCORED_ROWS, part.num_rows - start)
             yield path, pa.table({"rollout_id": part.column("rollout_id").slice(start, n),
                                   "advantage_final": part.column("advantage_final").slice(start, n),
-                                  "entropies": ents.slice(start, n)})
+                                  "entropies": ents.slice(start, n),
+                                  "rollouts_row": part.column("rollouts_row").slice(start, n)})
 
 
 READ_AHEAD = 2  # shards whose entropies are decoded on threads while the caller handles the current one
@@ -332,6 +378,9 @@ def run_session(step, session, values: dict, cache: dict) -> pa.Table:
     args = dict(step.args)
     if k.scores:
         out = k.fn(scored_chunks(session, k.source, args["token"], cache), values, args)
+        spilled = cache.get((k.source, args["token"]))
+        if isinstance(spilled, str):  # the materialisation reads the rows' entropies from it (`_entropies`)
+            values["entropies_spill"] = spilled
     else:
         out = k.fn(session.con.table(k.source).project(", ".join(f'"{c}"' for c in k.reads)).to_arrow_table(),
                    values, args)

@@ -23,7 +23,7 @@ from rollstore.queries.session import Session
 
 from rollstore.storage.snapshot import rollouts_relation
 
-from .kernels import KERNELS, release, run_session
+from .kernels import KERNELS, drop_chunks, run_session
 from .kernels import apply as apply_kernel
 from .params import CurationError, Params, step_where
 from .plan import Plan, Step
@@ -73,7 +73,7 @@ class Runner:
         return run_session(step, self.session, self.values, self.decoded)
 
     def _sql(self, step: Step, bound: dict, extra: dict) -> tuple[str, dict]:
-        release(self.decoded)  # an SQL step may rewrite what a session kernel decoded; past the kernels, memory is freed
+        drop_chunks(self.decoded)  # an SQL step may rewrite what a session kernel decoded; past the kernels, memory is freed
         sql = step.render(**bound)
         return sql, bind(sql, {**self.values, **extra})
 

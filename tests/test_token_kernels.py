@@ -185,3 +185,37 @@ def test_the_input_check_names_the_first_row_without_finite_entropies_and_its_sh
     assert clean.num_rows == 0
     with pytest.raises(kernels.CurationError, match=r"^rollout_id='d': column 'entropies' is null, but token=entropy"):
         MERGES["first_missing"].combine([[tuple(r.values()) for r in got.to_pylist()]], {"token_mode": "entropy"})
+
+
+def test_a_spilled_curation_materialises_from_its_spill_file_with_the_same_rows(tmp_path, monkeypatch):
+    """A real d3s curation whose selected tokens pass the cache size: the token stage spills, the
+    materialisation takes the rows' entropies from the spill file (no shard read for them), the curated rows
+    equal a run that did not spill, and the file is gone when the curation returns."""
+    from rollstore.builtin.synthetic import rollouts_table
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.buffer import Buffer
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(3):
+            buf.append_rollouts(rollouts_table(n_groups=6, group_size=4, step=step, seed=step), f"s{step}")
+
+    def run():
+        with Buffer.open(root) as buf:
+            return curate(buf, load_recipe("d3s"), {"where": "true", "progress": "0"}, commit=False)
+
+    plain = run()
+    reads = []
+    real = kernels.column_at
+    monkeypatch.setattr(kernels, "column_at", lambda *a, **k: (reads.append(a[3]), real(*a, **k))[1])
+    monkeypatch.setattr(kernels, "SCORED_CACHE_TOKENS", 50)
+    spills = []
+    real_spill = kernels.spill
+    monkeypatch.setattr(kernels, "spill", lambda *a, **k: (spills.append(real_spill(*a, **k)), spills[-1])[1])
+    spilled = run()
+    assert len(spills) == 1 and not os.path.exists(spills[0]) and kernels._spills == {}
+    assert reads and "the curation's materialisation" not in reads, reads
+    assert spilled.curated.equals(plain.curated)
+    assert {k: v for k, v in spilled.record.items() if k != "created_at"} == \
+        {k: v for k, v in plain.record.items() if k != "created_at"}

@@ -235,34 +235,35 @@ def scored_chunks(session, relation: str, token: str, cache: dict):
 
 
 SPILL_COLUMNS = ("rollout_id", "advantage_final", "entropies")
-_spills: dict[str, tuple] = {}  # an open spill file: (its mapping, its table; {input shard: (positions sorted, rows)})
+_spills: dict[str, tuple] = {}  # an open spill file: (the file, its IPC reader, {input shard: its record batches})
 
 
 def _from_spill(path: str, shard: str, positions: np.ndarray) -> pa.Array | None:
     """`entropies` of input shard `shard` at `positions` from spill file `path`, or None when it
-    does not hold every one of them (the caller reads the shard instead)."""
+    does not hold every one of them (the caller reads the shard instead). Only that shard's record
+    batches are read (the file holds each shard's rows in batches of their own), not mapped: the
+    process's memory holds one shard's rows at a time, whatever the file's size."""
     if path not in _spills:
         if not os.path.exists(path):
             return None
-        source = pa.memory_map(path)  # open until `release`: the table's buffers are the mapping's
-        table = pa.ipc.open_file(source).read_all()
-        files = table.column("filename").combine_chunks().dictionary_encode()
-        codes = files.indices.to_numpy(zero_copy_only=False)
-        rows_at = table.column("rollouts_row").to_numpy(zero_copy_only=False)
-        index = {}
-        for k, name in enumerate(files.dictionary.to_pylist()):
-            mine = np.flatnonzero(codes == k)
-            order = np.argsort(rows_at[mine], kind="stable")
-            index[name] = (rows_at[mine][order], mine[order])
-        _spills[path] = (source, table, index)
-    _, table, index = _spills[path]
-    if shard not in index:
+        source = pa.OSFile(path)  # open until `release`
+        reader = pa.ipc.open_file(source)
+        batches: dict[str, list[int]] = {}
+        for i in range(reader.num_record_batches):
+            name = reader.get_batch(i).column("filename")[0].as_py()
+            batches.setdefault(name, []).append(i)
+        _spills[path] = (source, reader, batches)
+    _, reader, batches = _spills[path]
+    if shard not in batches:
         return None
-    have, rows = index[shard]
+    table = pa.Table.from_batches([reader.get_batch(i) for i in batches[shard]])
+    rows_at = table.column("rollouts_row").to_numpy(zero_copy_only=False)
+    order = np.argsort(rows_at, kind="stable")
+    have = rows_at[order]
     at = np.searchsorted(have, positions)
     if len(positions) and (at.max() >= len(have) or not np.array_equal(have[at], positions)):
         return None
-    return table.column("entropies").take(pa.array(rows[at])).combine_chunks()
+    return table.column("entropies").take(pa.array(order[at])).combine_chunks()
 
 
 def spill(rows: pa.Table, folder: str) -> str:
@@ -290,8 +291,9 @@ def spill(rows: pa.Table, folder: str) -> str:
 
 
 def _replayed(path: str, token: str):
-    """Score chunks of a `spill` file, read through a memory map, SCORED_ROWS rows at a time."""
-    with pa.memory_map(path) as source:
+    """Score chunks of a `spill` file, SCORED_ROWS rows at a time (read batch by batch, not mapped:
+    memory holds one batch, however large the file)."""
+    with pa.OSFile(path) as source:
         reader = pa.ipc.open_file(source)
         for i in range(reader.num_record_batches):
             batch = reader.get_batch(i)

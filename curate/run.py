@@ -9,8 +9,9 @@ Invariants:
 - Token data is read only where it is needed, and only the `entropies` of the shards that hold a
   selected row, at the selected rows' positions (the candidates' scan kept each row's shard and
   position): once by the token stage's kernels (pyarrow, decoded once into scores for every kernel
-  of the stage, `curate.kernels.scored_chunks`; no token list passes through DuckDB), and once more,
-  in a full run, by the materialisation's kernel `entropies`, a few shards at a time. The
+  of the stage, `curate.kernels.scored_chunks`; no token list passes through DuckDB); in a full run
+  the materialisation's kernel `entropies` takes the same rows' entropies from that read (the
+  token stage's spill file past its cache, else `column_at`'s cache of its last reads). The
   materialisation writes references (shard, row position, rollout_id) and kept runs, never token
   ids or log-probs; its kernel steps turn the entropies into kept runs and take the fallback flag
   from the shards' column statistics (reading `old_logprobs` only in row groups that may hold a

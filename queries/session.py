@@ -145,7 +145,7 @@ class Session:
                      "WHERE table_schema = 'main'").fetchall()]
         if drops:  # one script: a loop rebinds every iteration, and each statement has a fixed cost
             self.con.execute("\n".join(drops))
-        # Macros: only views.sql defines any (tests/test_session.py checks every query file), and
+        # Macros: only views.sql defines any (tests/test_storage_sql.py checks every query file), and
         # it re-creates them below; listing duckdb_functions() to find others cost ~15 ms a rebind.
         self.snapshot = snapshot
         snapshot.register_duckdb(self.con)

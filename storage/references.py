@@ -195,8 +195,7 @@ def column_at(path: str, positions: np.ndarray, column: str, source: str) -> pa.
     if hit is not None:
         have, values = hit
         at = np.searchsorted(have, positions)
-        if len(positions) == 0 or (at.max() < len(have) and np.array_equal(have[np.minimum(at, len(have) - 1)],
-                                                                            positions)):
+        if len(positions) == 0 or (at.max() < len(have) and np.array_equal(have[at], positions)):
             return values.take(pa.array(at))
     col = _rows_of(path, positions, source, (column,)).column(0)
     col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()

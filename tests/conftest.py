@@ -50,10 +50,16 @@ def pg():
     own catalog with `pg.fresh_dsn()`. Skips with one line saying what is missing."""
     import pg_server
 
-    missing = pg_server.why_missing()
+    yield from serving(pg_server, "PostgreSQL tests")
+
+
+def serving(server_module, label: str):
+    """A fixture's body for a local test server module (tests/pg_server.py, tests/s3_server.py): skip
+    with one line saying what is missing, else start it, yield it and stop it."""
+    missing = server_module.why_missing()
     if missing:
-        pytest.skip(f"PostgreSQL tests: {missing}")
-    server = pg_server.start()
+        pytest.skip(f"{label}: {missing}")
+    server = server_module.start()
     yield server
     server.stop()
 

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import s3_server
+from conftest import serving
 from multihost import check_invariants
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.descriptor import read as read_descriptor
@@ -23,12 +24,7 @@ from rollstore.builtin.synthetic import rollouts_table
 
 @pytest.fixture(scope="module")
 def s3():
-    missing = s3_server.why_missing()
-    if missing:
-        pytest.skip(f"S3 store tests: {missing}")
-    server = s3_server.start()
-    yield server
-    server.stop()
+    yield from serving(s3_server, "S3 store tests")
 
 
 @pytest.fixture

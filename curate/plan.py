@@ -294,7 +294,8 @@ def _group_steps(steps: _Steps, p: Params) -> None:
                   at=PER_PARTITION)
         steps.add("curate_difficulty", "difficulty", GROUP, ("work", "prompt_history"), ("difficulty",),
                   at=PER_PARTITION)
-    else:
+    elif p["amplify"] != "none" or p["sample"] == "pods":  # an amplify step runs (`_selection_steps`): it
+        # joins the difficulty, none here (PODS amplifies the chosen subset's advantages, even with amplify=none)
         steps.add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",), at=PER_PARTITION)
 
 
@@ -306,7 +307,7 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
     """Amplification, then the sample stage (built-in or the custom recipe's SELECT)."""
     sample = p["sample"]
     pods = sample == "pods"
-    if not pods:
+    if not pods and p["amplify"] != "none":  # without amplification curate_filter.sql's values stand (w = 1)
         steps.add("curate_no_subset", "amplify", GROUP, (), ("subset_adv",), at=PER_PARTITION)
         _amplification(steps, "amplify")
 

@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.maintenance import spill_prefix
+from rollstore.storage.schema import TABLES
 from rollstore.storage.snapshot import Snapshot, sql_string
 
 from . import load_sql
@@ -81,6 +82,14 @@ def parse_memory_limit(text: str) -> int:
     return value
 
 
+def _table_keys(snapshot: Snapshot) -> dict[str, tuple]:
+    """Per table, what its view is bound over: its files (`curated`: also the rollouts files and the
+    moves its references follow)."""
+    keys = {name: tuple(snapshot.files(name)) for name in TABLES}
+    keys["curated"] += (keys["rollouts"], tuple(sorted(snapshot.moves().items())))
+    return keys
+
+
 class Session:
     """DuckDB connection with views over `snapshot`. Close it (or use `with`) to drop its spill dir."""
 
@@ -110,9 +119,13 @@ class Session:
         self.con.execute("SET parquet_metadata_cache=true")  # shards are immutable: see the invariants
         if threads:
             self.con.execute(f"SET threads={int(threads)}")
+        self._bound: dict[str, tuple] = {}  # each table's view: what it was bound over (`_table_keys`)
+        self._own: set[tuple[str, str]] = set()  # the objects the table views and views.sql made
         if snapshot is not None:
             snapshot.register_duckdb(self.con)
             self.con.execute(load_sql("views"))
+            self._bound = _table_keys(snapshot)
+            self._own = {(c, n) for c, n, _ in self._objects()}
         elif rollouts is not None:
             self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM read_parquet({sql_string(rollouts)}, "
                              "hive_partitioning = false)")
@@ -133,24 +146,36 @@ class Session:
     def rebind(self, snapshot: Snapshot) -> "Session":
         """Point this open session at another snapshot of the same buffer, for one more job.
 
-        Every temporary table, view and macro of the previous job is dropped, then the table views
-        are re-created over the new snapshot's files: nothing of the previous job stays visible. The
-        settings (limits, sandbox) are kept. A loop pays the connection once per run this way.
+        Every temporary table and view of the previous job (and any other object that neither the
+        table views nor views.sql made) is dropped in one script; every table view whose files
+        changed is re-created over the new snapshot's files (the others read the same files
+        already): nothing of the previous job stays visible. views.sql's views and macros stay:
+        DuckDB binds a view when it is read, so they read the new table views; no SQL of rollstore
+        but views.sql creates an object outside the temp catalog (tests/test_storage_sql.py checks
+        every query file and built-in recipe), and user SQL is SELECT-only. The settings (limits,
+        sandbox) are kept. A loop pays the connection and views.sql once per run this way.
         """
         if snapshot.root != self.root:
             raise ValueError(f"a session of {self.root} cannot read {snapshot.root}")
+        keys = _table_keys(snapshot)
+        changed = [name for name, key in keys.items() if self._bound.get(name) != key]
         drops = [f'DROP {"VIEW" if kind == "VIEW" else "TABLE"} IF EXISTS "{catalog}".main."{name}";'
-                 for catalog, name, kind in self.con.execute(
-                     "SELECT table_catalog, table_name, table_type FROM information_schema.tables "
-                     "WHERE table_schema = 'main'").fetchall()]
+                 for catalog, name, kind in self._objects()
+                 if (catalog, name) not in self._own or (catalog != "temp" and name in changed)]
         if drops:  # one script: a loop rebinds every iteration, and each statement has a fixed cost
             self.con.execute("\n".join(drops))
-        # Macros: only views.sql defines any (tests/test_storage_sql.py checks every query file), and
-        # it re-creates them below; listing duckdb_functions() to find others cost ~15 ms a rebind.
         self.snapshot = snapshot
-        snapshot.register_duckdb(self.con)
-        self.con.execute(load_sql("views"))
+        self._bound = {}  # until the views are made: a failure below leaves every view to be made again
+        snapshot.check_present()
+        if changed:
+            snapshot.register_duckdb(self.con, changed, checked=True)
+        self._bound = keys
         return self
+
+    def _objects(self) -> list[tuple[str, str, str]]:
+        """(catalog, name, kind) of every table and view of the connection."""
+        return self.con.execute("SELECT table_catalog, table_name, table_type FROM information_schema.tables "
+                                "WHERE table_schema = 'main'").fetchall()
 
     def close(self) -> None:
         self.con.close()

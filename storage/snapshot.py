@@ -176,10 +176,12 @@ class Snapshot:
             verify_shards(self.root, self._table(name))
         return self
 
-    def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
+    def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None,
+                        checked: bool = False) -> None:
         """Create a view per table (named as the table) over this snapshot's files, after checking
-        that every file is there with its recorded size."""
-        self.check_present(tables)
+        that every file is there with its recorded size (unless the caller just did: `checked`)."""
+        if not checked:
+            self.check_present(tables)
         _register_duckdb(con, self.files, tables, self.root, self.moves())
 
     def frozen(self) -> "SnapshotFiles":

@@ -86,7 +86,8 @@ def _table_keys(snapshot: Snapshot) -> dict[str, tuple]:
     """Per table, what its view is bound over: its files (`curated`: also the rollouts files and the
     moves its references follow)."""
     keys = {name: tuple(snapshot.files(name)) for name in TABLES}
-    keys["curated"] += (keys["rollouts"], tuple(sorted(snapshot.moves().items())))
+    moves = snapshot.moves() if callable(snapshot.moves) else snapshot.moves  # a Snapshot's, or a SnapshotFiles'
+    keys["curated"] += (keys["rollouts"], tuple(sorted(moves.items())))
     return keys
 
 

@@ -112,10 +112,10 @@ def run_one(job: dict) -> dict:
     tokens, samples, rollouts, seconds, passes, generated = 0, 0, 0, 0.0, 0, 0
     cum = {0: (0, 0, 0, 0.0, 0, 0)}
     for rep in summary["iterations"]:
-        trained, lagged, gen_tokens = costs[rep["iteration"]]
+        trained, gen_tokens = costs[rep["iteration"]]
         tokens += rep["tokens_kept"] * summary["epochs"]
         samples += rep["samples_kept"] * summary["epochs"]
-        passes += (trained + lagged) * summary["epochs"]
+        passes += trained * summary["epochs"]
         rollouts += rep["rollouts"]
         generated += gen_tokens
         seconds += rep["seconds"]
@@ -152,25 +152,24 @@ def from_buffer(root: str, job: dict) -> dict | None:
         evals = s.execute("SELECT iteration, metric, value, epoch(created_at) FROM evaluations ORDER BY iteration").fetchall()
         if not evals or max(e[0] for e in evals) < job["iterations"]:
             return None
-        curs = s.execute("SELECT c.params, s.n, s.trained, s.lagged, c.tokens_kept FROM curations c JOIN (SELECT "
+        curs = s.execute("SELECT c.params, s.n, s.trained, c.tokens_kept FROM curations c JOIN (SELECT "
                          "curation_id, count(*) FILTER (WHERE selected) AS n, sum(tokens_total) FILTER (WHERE selected) "
-                         "AS trained, sum(tokens_total) FILTER (WHERE selected AND coalesce(age, 0) > 0) AS lagged FROM "
-                         "selections GROUP BY curation_id) s USING (curation_id)").fetchall()
+                         "AS trained FROM selections GROUP BY curation_id) s USING (curation_id)").fetchall()
         gen = {int(st): (int(n), int(t or 0)) for st, n, t in s.execute(
             "SELECT step, count(*), sum(len(response_token_ids)) FROM rollouts GROUP BY step").fetchall()}
         start = s.one("SELECT epoch(min(created_at)) FROM rollouts")[0]
         skips = s.execute("SELECT step, count(*) FILTER (WHERE decision = 'skip'), count(*) FROM prompt_selections "
                           "GROUP BY step ORDER BY step").fetchall()
     per_step = {}
-    for params, n, trained, lagged, kept in curs:
+    for params, n, trained, kept in curs:
         step = int(re.search(r"step = (\d+)", json.loads(params)["where"]).group(1))
-        per_step[step] = (int(n), int(trained or 0), int(lagged or 0), int(kept))
+        per_step[step] = (int(n), int(trained or 0), int(kept))
     mu = job["epochs"]
     cum, tot = {0: (0, 0, 0, 0, 0)}, [0, 0, 0, 0, 0]
     for it in range(job["iterations"]):
-        n, trained, lagged, kept = per_step.get(it, (0, 0, 0, 0))
+        n, trained, kept = per_step.get(it, (0, 0, 0))
         rollouts, gen_tokens = gen.get(it, (0, 0))
-        for k, v in enumerate((kept * mu, n * mu, rollouts, (trained + lagged) * mu, gen_tokens)):
+        for k, v in enumerate((kept * mu, n * mu, rollouts, trained * mu, gen_tokens)):
             tot[k] += v
         cum[it + 1] = tuple(tot)
     points: dict[int, dict] = {}
@@ -190,20 +189,20 @@ def from_buffer(root: str, job: dict) -> dict | None:
             "skip_outcomes": _skip_outcomes(root), "buffer": root, "rebuilt": True}
 
 
-def _learner_costs(root: str, summary: dict) -> dict[int, tuple[int, int, int]]:
-    """iteration → (response tokens of the rows its curation selected, of those sampled by an
-    earlier version — each also runs the π_prox forward once per pass —, response tokens generated)."""
+def _learner_costs(root: str, summary: dict) -> dict[int, tuple[int, int]]:
+    """iteration → (response tokens of the rows its curation selected, response tokens generated).
+    A selected row costs one training forward and backward per pass, lagged (replayed) rows
+    included: their π_prox is that forward's log-probs, not a forward of its own."""
     from rollstore.queries.session import Session
     from rollstore.storage.buffer import Buffer
 
     with Buffer.open(root) as buf, buf.snapshot() as snap, Session(snap) as s:
-        sel = {cid: (int(a or 0), int(b or 0)) for cid, a, b in s.execute(
-            "SELECT curation_id, sum(tokens_total) FILTER (WHERE selected), "
-            "sum(tokens_total) FILTER (WHERE selected AND coalesce(age, 0) > 0) FROM selections GROUP BY curation_id"
+        sel = {cid: int(a or 0) for cid, a in s.execute(
+            "SELECT curation_id, sum(tokens_total) FILTER (WHERE selected) FROM selections GROUP BY curation_id"
         ).fetchall()}
         gen = {int(st): int(n or 0) for st, n in s.execute(
             "SELECT step, sum(len(response_token_ids)) FROM rollouts GROUP BY step").fetchall()}
-    return {r["iteration"]: (*sel.get(r["curation_id"], (0, 0)), gen.get(r["iteration"], 0))
+    return {r["iteration"]: (sel.get(r["curation_id"], 0), gen.get(r["iteration"], 0))
             for r in summary["iterations"]}
 
 

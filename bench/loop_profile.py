@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["(between laps)", f"{unaccounted / len(rest) * 1000:.1f}", f"{unaccounted / total:.1%}", ""])
     rows.append(["iteration", f"{total / len(rest) * 1000:.1f}", "100 %", f"{first.seconds * 1000:.1f}"])
     overhead = 1 - sum(per[p] for p in CORE) / total
-    replay = (per["curation"] + per["proximal"]) / total
+    curation = per["curation"] / total
     table = md_table(["phase", "ms per iteration", "share", "first iteration, ms"], rows)
     evals = summary["evals"]
     text = (f"{head}\n\n{iterations} iterations of `{recipe}` at `LoopConfig`'s defaults (the demo: "
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             f"every {defaults.eval_every} iterations, {defaults.threads} torch thread), {model}; means over "
             f"iterations 2–{iterations}. Held-out greedy accuracy {evals[0][2]:.1%} → {evals[-1][2]:.1%}; "
             f"{wall:.1f} s for the run.\n\n{table}\n\n**Everything except generation and the optimiser steps: "
-            f"{overhead:.1%} of iteration wall time.** Curation + the off-policy correction's proximal forward: "
-            f"{replay:.1%}.\n")
+            f"{overhead:.1%} of iteration wall time.** Curation: {curation:.1%} (the off-policy correction "
+            f"runs no forward of its own: π_prox is the training forward's log-probs).\n")
     print(text)
     if not args.no_record:
         append_results(text)

@@ -9,7 +9,9 @@ Invariants:
 - The target of a (split, seed) is the final pass@1 of grpo@1 at the loop's default rate on that split
   and seed: fixed, whatever else runs. A run's cost to the target is linear between evaluations, on
   both axes: generated rollouts, and learner token-passes (response tokens of every row trained, per
-  pass, plus the π_prox forward of every lagged row, per pass).
+  pass; a lagged row's π_prox comes from its training forward, no pass of its own). Token-passes in
+  bench/RESULTS.md sections recorded up to 2026-12-03, when the trainer still ran a separate π_prox
+  forward, also count that forward of every lagged (replayed) row, per pass.
 - A configuration's point is the mean over seeds of its costs; it counts only if it reached the
   target in every seed. A recipe's best point is its configuration with the fewest rollouts to the
   target; comparisons between best points are paired by seed (geometric mean of the per-seed ratios,

@@ -125,8 +125,8 @@ def train_pending(
     `at`: the run and where its model is (see `resume`). `pending`: which shards, and the unit.
     `extra_metrics` are added to each checkpoint's metrics (e.g. the loop's iteration). Each new
     version is one more than the highest published version of the buffer. `context.timings`, when
-    given, gets the seconds spent in `optimiser` steps (reading the shards included), the decoupled
-    objective's `proximal` forward (not in `optimiser`) and checkpoint `publish`.
+    given, gets the seconds spent in `optimiser` steps (reading the shards included) and checkpoint
+    `publish`.
     `context.dist`: this rank; `model` / `optimizer` are then the wrapped ones (`parallel.wrap`).
     """
     dist, timings = context.dist, context.timings
@@ -140,16 +140,12 @@ def train_pending(
             latest = latest_checkpoint(buf)
             new_version = max(version, latest.version if latest else 0) + 1
         new_version = dist.broadcast(new_version)
-        inner: dict[str, float] = {}
         rows = train_on_curation(
             model, optimizer, scheduler, [os.path.join(buf.root, s.path) for s in unit], config,
             run_id=at.run_id, version=new_version, weights_version=version, start_step=step,
-            context=replace(context, timings=inner),
+            context=replace(context, timings=None),  # its own laps (read, collate) are within `optimiser`
         )
         clock.lap("optimiser")
-        if timings is not None:  # the off-policy correction's forward is its own phase
-            timings["optimiser"] -= inner.get("proximal", 0.0)
-            timings["proximal"] = timings.get("proximal", 0.0) + inner.get("proximal", 0.0)
         step = rows[-1]["step"] if rows else step
         metrics = {
             "steps": len(rows),

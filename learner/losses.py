@@ -23,6 +23,10 @@ Invariants:
   `_ratio_base` / `_decoupled_weight` (token losses) or their sequence-level forms (GSPO).
 - Decoupled, a row whose `prox_logp` equals its `old_logp` contributes exactly what it does without
   the correction: the ratio is against the same values, and its weight is exp(0) = 1 exactly.
+- `prox_logp` never carries gradient (it is detached here): the trainer passes `logp.detach()` for
+  its lagged rows (the training forward runs the weights at the start of the optimiser step), so
+  their ρ is 1 in value and the gradient of their PPO term is −w·A·∇log π_θ (GSPO: of the
+  sequence's mean log π_θ over its kept tokens), the clip not binding.
 - Metrics are returned as sums (`LossStats`, mergeable across micro-batches with `+`) and turned
   into means by `LossStats.metrics()`: clip fraction and approx KL are over kept tokens.
 """

@@ -19,8 +19,11 @@ Invariants:
   (`batches.iter_rank_steps`), the step's `Normalizer` and metrics are all-reduced, and every rank
   returns the same rows: the rows and the gradient are those of the single process (up to the
   order of float sums). `timings` gets the seconds spent reading the shards (`read`) and
-  collating batches (`collate`), the store's input cost, and the decoupled objective's proximal
-  forward (`proximal`).
+  collating batches (`collate`), the store's input cost.
+- The decoupled objective's π_prox (the weights at the start of the optimiser step) of a lagged
+  row is the detached log-probs of the training forward of its micro-batch: the weights change
+  only after every micro-batch's backward, so each forward of a step runs exactly those weights,
+  and a step runs no forward besides its training passes (and the reference model's).
 """
 
 from __future__ import annotations
@@ -103,36 +106,13 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = True) -> tuple[T
     return logp, entropy
 
 
-def proximal_logprobs(model, batch: Batch, current_version: int, whole: bool = False) -> Tensor:
-    """π_prox of the decoupled objective for `batch`: the model's log-probs now (no grad) for the
-    rows sampled before `current_version` (lagged), their stored old log-probs for the others (so
-    a row with no lag has exactly today's loss). Only lagged rows are run through the model, unless
-    `whole` (under torch.distributed every rank runs one forward per pass, whatever its rows)."""
-    lagged = batch.policy_version < current_version
-    prox = batch.old_logprobs.clone()
-    if whole or bool(lagged.any()):
-        with torch.no_grad():
-            logp, _ = response_logprobs(model, batch if whole else batch.rows(lagged), with_entropy=False)
-        prox[lagged] = (logp[lagged] if whole else logp).float()
-    return prox
-
-
-def _proximal(model, part, micro: list[Batch], current: int, dist: Dist, device) -> list[Tensor | None]:
-    """π_prox of each micro-batch of one optimiser step (None where no row is lagged). Under
-    torch.distributed the forwards are collectives (FSDP2 gathers the weights, DDP may broadcast
-    buffers): when any rank has a lagged row, every rank runs one forward per pass of the step,
-    the zero-loss passes included, so that the collectives line up."""
-    lagged = any(bool((b.policy_version < current).any()) for b in micro)
-    if dist.active:
-        lagged = dist.sum([float(lagged)])[0] > 0
-    if not lagged:
-        return [None] * len(micro)
-    prox = [proximal_logprobs(model, b, current, whole=dist.active) for b in micro]
-    if dist.active:
-        for _ in range(part.passes - len(micro)):
-            with torch.no_grad():
-                response_logprobs(model, part.filler.to(device), with_entropy=False)
-    return prox
+def proximal_logprobs(logp: Tensor, batch: Batch, current_version: int) -> Tensor:
+    """π_prox of the decoupled objective for `batch`, from `logp`, the training forward's log-probs
+    of it (the weights at the start of the optimiser step): detached `logp` for the rows sampled
+    before `current_version` (lagged), their stored old log-probs, as they are, for the others (so
+    a row with no lag has exactly today's loss)."""
+    lagged = (batch.policy_version < current_version)[:, None]
+    return torch.where(lagged, logp.detach().float(), batch.old_logprobs)
 
 
 def _all_reduced(stats: LossStats, total: float, dist: Dist) -> tuple[LossStats, float]:
@@ -220,12 +200,12 @@ class _Origin:
         return self.paths[int(np.searchsorted(self.ends, ids.index(rollout_id), side="right"))]
 
 
-def _first_bad_row(model, micro: list[Batch], prox: list, forward: bool) -> tuple[str, str] | None:
+def _first_bad_row(model, micro: list[Batch], forward: bool) -> tuple[str, str] | None:
     """(rollout_id, what) of the first row of `micro` whose inputs or log-probs are not finite
     (with `forward`, a no-grad forward of the weights the step ran with; not under ranks, where a
     forward is a collective that every rank would have to run alike), or None."""
     with torch.no_grad():
-        for b, px in zip(micro, prox):
+        for b in micro:
             tok = b.response_mask
             checks = [("advantage", ~torch.isfinite(b.advantage)), ("weight", ~torch.isfinite(b.weight)),
                       ("old_logprobs", (~torch.isfinite(b.old_logprobs) & tok).any(1)),
@@ -233,8 +213,6 @@ def _first_bad_row(model, micro: list[Batch], prox: list, forward: bool) -> tupl
             if forward:
                 logp, _ = response_logprobs(model, b, with_entropy=False)
                 checks.append(("the model's log-probs", (~torch.isfinite(logp.float()) & tok).any(1)))
-            if px is not None:
-                checks.append(("proximal log-probs", (~torch.isfinite(px) & tok).any(1)))
             for i in range(len(b)):
                 for what, bad in checks:
                     if bool(bad[i]):
@@ -265,11 +243,9 @@ class _Steps:
             norm = norm + Normalizer.of(b.loss_mask, b.lengths)
         norm = dist.normalizer(norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        # π_prox: the weights at the start of this optimiser step, before its first backward
-        self.clock.lap("other")
-        prox = (_proximal(model, part, micro, self.current, dist, device) if self.config.loss_config.decoupled
-                else [None] * len(micro))
-        self.clock.lap("proximal")
+        # which micro-batches hold a lagged row (read on the host: no device sync)
+        decoupled = self.config.loss_config.decoupled
+        lagged = [decoupled and bool((b.policy_version < self.current).any()) for b in part.micro]
         self.optimizer.zero_grad(set_to_none=True)
         stats, total, grad_norm = LossStats(), 0.0, 0.0
         if norm.tokens:
@@ -279,14 +255,14 @@ class _Steps:
                         logp, _ = response_logprobs(model, part.filler.to(device), with_entropy=False)
                         (logp.sum() * 0.0).backward()
                         continue
-                    res = self._loss(micro[k], norm, prox[k])
+                    res = self._loss(micro[k], norm, lagged[k])
                     # DDP / FSDP2 average over ranks; the global normaliser wants the sum
                     (res.loss * dist.world if dist.active else res.loss).backward()
                     total += float(res.loss.detach())
                     stats = stats + res.stats
             limit = math.inf if self.config.max_grad_norm is None else self.config.max_grad_norm
             grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, limit, foreach=False))
-            self._check_finite(part, micro, prox, total, grad_norm)
+            self._check_finite(part, micro, total, grad_norm)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -297,7 +273,7 @@ class _Steps:
                 "clip_fraction": m["clip_fraction"], "approx_kl": m["approx_kl"], "entropy": m["entropy"],
                 "grad_norm": grad_norm, "tokens": m["tokens"], "samples": m["samples"], "lr": lr}
 
-    def _check_finite(self, part, micro: list[Batch], prox: list, total: float, grad_norm: float) -> None:
+    def _check_finite(self, part, micro: list[Batch], total: float, grad_norm: float) -> None:
         """Stop before the optimiser step when the step's loss or gradient norm is not finite (on
         every rank: the verdict is all-reduced), naming the curation, the shard and the first row
         whose inputs or log-probs are not finite (the step's first row when none is)."""
@@ -307,7 +283,7 @@ class _Steps:
         if not bad:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        found = _first_bad_row(self.model, micro, prox, forward=not self.dist.active)
+        found = _first_bad_row(self.model, micro, forward=not self.dist.active)
         rid, what = found if found else ((micro or [part.filler])[0].rollout_ids[0], "no single row")
         shard = self.origin.shard_of(rid) if self.origin is not None else "?"
         curation = ",".join(part.curation_ids)
@@ -315,8 +291,11 @@ class _Steps:
                             f"grad norm {grad_norm}; first non-finite: {what}); the run stopped before this step, "
                             "nothing was published")
 
-    def _loss(self, b: Batch, norm: Normalizer, prox: Tensor | None):
+    def _loss(self, b: Batch, norm: Normalizer, lagged: bool):
+        """The loss of micro-batch `b`; `lagged`: it holds a row sampled before the weights' version,
+        whose π_prox is then this very forward's log-probs, detached (None otherwise: today's loss)."""
         logp, entropy = response_logprobs(self.model, b)
+        prox = proximal_logprobs(logp, b, self.current) if lagged else None
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():

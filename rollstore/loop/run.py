@@ -118,8 +118,8 @@ class IterationReport:
 
 
 # The phases of one iteration, in order, as `IterationReport.phases` and the loop profile name them.
-PHASES = ("selection", "generation", "reward", "scoring", "append", "curation", "optimiser", "proximal", "publish",
-          "evaluation", "other")
+PHASES = ("selection", "generation", "reward", "scoring", "append", "curation", "optimiser", "publish", "evaluation",
+          "other")
 
 
 def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):

@@ -54,18 +54,6 @@ class Batch:
     curation_ids: list[str]
     policy_version: Tensor | None = None  # [B] long: the version that sampled each row
 
-    def rows(self, index: Tensor) -> "Batch":
-        """The rows `index` (a [B] bool mask or indices) of this batch, same padding."""
-        picked = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor):
-                picked[f.name] = value[index]
-            else:
-                keep = index.nonzero().flatten().tolist() if index.dtype == torch.bool else index.tolist()
-                picked[f.name] = [value[i] for i in keep]
-        return Batch(**picked)
-
     def __len__(self) -> int:
         return len(self.rollout_ids)
 

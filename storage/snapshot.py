@@ -172,8 +172,9 @@ class Snapshot:
     def verify(self, tables: list[str] | None = None) -> "Snapshot":
         """Raise one line for the first shard whose file is not the manifest's (size and sha256);
         call before the data is used for anything committed. Returns the snapshot."""
+        folders: dict = {}  # each folder's real path resolved once for all tables
         for name in tables or list(TABLES):
-            verify_shards(self.root, self._table(name))
+            verify_shards(self.root, self._table(name), folders)
         return self
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None,

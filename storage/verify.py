@@ -121,16 +121,35 @@ def check_present(root: str, shards: list[Shard], folders: dict | None = None) -
         _raise(root, check_shard(root, shard, full=False, folders=folders))
 
 
-def verify_shards(root: str, shards: list[Shard]) -> None:
+def verify_shards(root: str, shards: list[Shard], folders: dict | None = None) -> None:
     """Raise for the first shard (in the given order) whose file is not the one the manifest
-    recorded. Files are hashed on one thread per core (hashlib releases the GIL)."""
-    if len(shards) > 1 and READ_THREADS > 1:
-        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(shards))) as pool:
-            problems = list(pool.map(lambda shard: check_shard(root, shard, full=True), shards))
+    recorded. Each shard's place and size are checked here (each folder resolved once: `folders`,
+    shared by the caller across calls); the files not hashed yet by this process (same path, size,
+    times and inode) are hashed on one thread per core (hashlib releases the GIL). A loop verifies
+    its inputs every iteration: only the files new since the last one are read."""
+    folders = {} if folders is None else folders
+    problems: list[Problem | None] = []
+    unhashed = []
+    for shard in shards:
+        problem = check_shard(root, shard, full=False, folders=folders)
+        problems.append(problem)
+        if problem is None and not _hashed(os.path.join(root, shard.path)):
+            unhashed.append(len(problems) - 1)
+    if len(unhashed) > 1 and READ_THREADS > 1:
+        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(unhashed))) as pool:
+            found = list(pool.map(lambda i: check_shard(root, shards[i], full=True, folders=folders), unhashed))
     else:
-        problems = [check_shard(root, shard, full=True) for shard in shards]
+        found = [check_shard(root, shards[i], full=True, folders=folders) for i in unhashed]
+    for i, problem in zip(unhashed, found):
+        problems[i] = problem
     for problem in problems:
         _raise(root, problem)
+
+
+def _hashed(path: str) -> bool:
+    """Whether this process hashed the file at `path`, as it is now, against its manifest row."""
+    st = _stat(path)
+    return st is not None and (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) in _verified
 
 
 def scan(root: str, manifest: Manifest) -> list[Problem]:

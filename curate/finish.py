@@ -68,19 +68,25 @@ class CurationResult:
 def summarise(results: dict) -> dict:
     """The record's numbers from the record steps' results (over every candidate of the run), and
     the selected rows per input shard (filename -> rows)."""
-    counts = results["counts"].to_pylist()[0]
+    counts = results["counts"].to_pylist()  # per (reason, selected, a selected row's shard): n, tokens
     values = results["variances"]
     selected = values.column("selected").to_numpy(zero_copy_only=False).astype(bool)
     after = values.column("after").to_numpy(zero_copy_only=False)[selected]
+    reasons: dict[str, int] = {}
+    files: dict[str, int] = {}
+    for r in counts:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + int(r["n"])
+        if r["selected"]:
+            files[r["filename"]] = files.get(r["filename"], 0) + int(r["n"])
     return {
-        "n_candidates": int(counts["n_candidates"]),
-        "n_selected": int(counts["n_selected"]),
-        "tokens_candidate": int(counts["tokens_candidate"]),
-        "tokens_selected": int(counts["tokens_selected"]),
+        "n_candidates": sum(int(r["n"]) for r in counts),
+        "n_selected": sum(int(r["n"]) for r in counts if r["selected"]),
+        "tokens_candidate": sum(int(r["tokens"]) for r in counts),
+        "tokens_selected": sum(int(r["tokens"]) for r in counts if r["selected"]),
         "adv_var_before": exact_var_pop(values.column("before").to_numpy(zero_copy_only=False)),
         "adv_var_after": exact_var_pop(after),
-        "reasons": {r["reason"]: int(r["n"]) for r in results["reasons"].to_pylist()},
-        "selected_files": {r["filename"]: int(r["n"]) for r in results["files"].to_pylist()},
+        "reasons": dict(sorted(reasons.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))),
+        "selected_files": files,
     }
 
 

@@ -333,12 +333,10 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
 
 
 def _record_steps(steps: _Steps) -> None:
-    steps.add("curate_record", "record", GLOBAL, ("work",), ("record",), merge="whole", result="counts", at=ONCE)
+    steps.add("curate_record", "record", GLOBAL, ("work",), ("record", "shards to open"),
+              merge="whole", result="counts", at=ONCE)
     steps.add("curate_record_values", "record", GLOBAL, ("work",), ("record",),
               merge="whole", result="variances", at=ONCE)
-    steps.add("curate_reasons", "record", GLOBAL, ("work",), ("record",), merge="whole", result="reasons", at=ONCE)
-    steps.add("curate_selected_files", "record", GLOBAL, ("work",), ("shards to open",),
-              merge="whole", result="files", at=ONCE)
 
 
 def _token_and_output_steps(steps: _Steps, p: Params) -> None:

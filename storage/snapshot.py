@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import ManifestError, UnknownName, did_you_mean
@@ -35,6 +34,7 @@ from .verify import check_present, verify_shards
 
 if TYPE_CHECKING:
     import duckdb
+    import pyarrow.dataset as ds
     import polars as pl
 
 
@@ -115,6 +115,8 @@ class Snapshot:
     def arrow(self, table: str, resolved: bool = True) -> ds.Dataset:
         """A dataset of `table`'s rows. `curated` comes resolved (schema `CURATED`: references
         joined to the rollouts rows, in memory) unless `resolved=False` (the stored references)."""
+        import pyarrow.dataset as ds  # here, not at import: it costs every process ~0.25 s to load
+
         files = self.files(table)  # an unknown table is one line
         if table == "curated" and resolved:
             return ds.dataset(self.curated())

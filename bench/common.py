@@ -87,6 +87,16 @@ def arrow_peak_mib() -> float:
     return pa.default_memory_pool().max_memory() / 2**20
 
 
+def warm_libraries() -> None:
+    """Load what the libraries load on first use, outside any measured span (like the imports): pyarrow
+    imports pandas at its first conversion from or to Python or numpy values (~0.3-0.5 s here), which
+    rollstore no longer does at import; a child would otherwise charge it to whichever run converts
+    first (the curation, not the scan floor)."""
+    import pyarrow as pa
+
+    pa.array([0]).to_numpy()
+
+
 def rss_mib() -> float:
     import psutil
 

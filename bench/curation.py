@@ -368,6 +368,8 @@ def main() -> None:
     ap.add_argument("--ids", default=None, help="copy child: the selected rows (a curate child's --out)")
     ap.add_argument("--first-shards", type=int, default=0, help="reference child: only the first K shards")
     a = ap.parse_args()
+    if a.child:
+        common.warm_libraries()
     if a.child == "floor":
         return common.child_result(child_floor(a.root, a.memory_limit, a.where))
     if a.child in ("curate", "dry"):

@@ -25,13 +25,10 @@ WITH batch AS (
     FROM {rollouts} AS rollouts
     WHERE ({where}) OR ({window})
 ),
-times_selected AS (  -- distinct committed curations that selected each rollout of the batch's id range
-    -- (audit shards are written in rollout_id order: their statistics let the scan skip the rest)
+times_selected AS (  -- distinct committed curations that selected each rollout
     SELECT rollout_id, count(DISTINCT curation_id) AS n
     FROM {selections}
-    WHERE selected
-      AND rollout_id BETWEEN (SELECT min(rollout_id) FROM batch) AND (SELECT max(rollout_id) FROM batch)
-      AND curation_id IN (SELECT curation_id FROM curations)
+    WHERE selected AND curation_id IN (SELECT curation_id FROM curations)
     GROUP BY rollout_id
 )
 SELECT

@@ -132,9 +132,11 @@ def curate(
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")
         everything = parquet(files, located=True, numbered=True)
-        version = latest_checkpoint(session)
-        params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None,
-                               version if version is not None else latest_policy(session, everything))
+        version = None
+        if params["current_version"] is None:  # its default: the newest checkpoint's, else the newest policy_version
+            version = latest_checkpoint(session)
+            version = version if version is not None else latest_policy(session, everything)
+        params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None, version)
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"])
             plan = build(params, recipe, custom_statement(session, recipe))

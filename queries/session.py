@@ -39,7 +39,7 @@ import pyarrow as pa
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.maintenance import spill_prefix
 from rollstore.storage.schema import TABLES
-from rollstore.storage.snapshot import Snapshot, sql_string
+from rollstore.storage.snapshot import MOVED_TABLE, Snapshot, sql_string
 
 from . import load_sql
 
@@ -124,12 +124,12 @@ class Session:
         if threads:
             self.con.execute(f"SET threads={int(threads)}")
         self._bound: dict[str, tuple] = {}  # each table's view: what it was bound over (`_table_keys`)
-        self._own: set[tuple[str, str]] = set()  # the objects the table views and views.sql made
+        self._own: set[str] = set()  # what the table views (their tables: MOVED_TABLE) and views.sql make
         if snapshot is not None:
             snapshot.register_duckdb(self.con)
             self.con.execute(load_sql("views"))
             self._bound = _table_keys(snapshot)
-            self._own = {(c, n) for c, n, _ in self._objects()}
+            self._own = {n for c, n, _ in self._objects() if c != "temp"} | set(TABLES) | {MOVED_TABLE}
         elif rollouts is not None:
             self.con.execute(f"CREATE VIEW rollouts AS SELECT * FROM read_parquet({sql_string(rollouts)}, "
                              "hive_partitioning = false)")
@@ -161,16 +161,16 @@ class Session:
         """
         if snapshot.root != self.root:
             raise ValueError(f"a session of {self.root} cannot read {snapshot.root}")
+        snapshot.check_present()  # before anything is dropped: a missing file leaves the session as it was
         keys = _table_keys(snapshot)
         changed = [name for name, key in keys.items() if self._bound.get(name) != key]
         drops = [f'DROP {"VIEW" if kind == "VIEW" else "TABLE"} IF EXISTS "{catalog}".main."{name}";'
                  for catalog, name, kind in self._objects()
-                 if (catalog, name) not in self._own or (catalog != "temp" and name in changed)]
+                 if catalog == "temp" or name not in self._own or name in changed]
         if drops:  # one script: a loop rebinds every iteration, and each statement has a fixed cost
             self.con.execute("\n".join(drops))
         self.snapshot = snapshot
         self._bound = {}  # until the views are made: a failure below leaves every view to be made again
-        snapshot.check_present()
         if changed:
             snapshot.register_duckdb(self.con, changed, checked=True)
         self._bound = keys

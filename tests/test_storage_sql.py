@@ -253,6 +253,37 @@ def test_rebind_reads_the_new_snapshot_everywhere(tmp_path):
             first.close()
 
 
+def test_rebind_keeps_the_moved_rows_table_of_an_unchanged_curated_view(tmp_path):
+    """The `curated` view of a buffer whose referenced rollouts shards were compacted joins the table
+    of moved rows the session made for it: a rebind that keeps the view (its files unchanged) keeps
+    that table too, and the view reads the same rows after any number of rebinds."""
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.queries.session import Session
+    from rollstore.storage import maintenance
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in (0, 1):
+            buf.append_rollouts(rollouts_table(n_groups=3, group_size=4, mean_tokens=5, step=step,
+                                               options=RowOptions(id_prefix=f"s{step}")))
+            curate(buf, load_recipe("grpo"), {"where": f"step = {step}"})
+        before = buf.snapshot()
+        s = Session(before)
+        try:
+            rows = s.one("SELECT count(*) FROM curated")[0]
+            assert rows > 0
+            maintenance.compact(buf)
+            with buf.snapshot() as after:
+                assert after.moves(), "the compaction moved no referenced rows: the test checks nothing"
+                for _ in range(3):
+                    s.rebind(after)
+                    assert s.one("SELECT count(*) FROM curated")[0] == rows
+        finally:
+            s.close()
+            before.close()
+
+
 def test_only_views_sql_defines_macros_or_lasting_objects():
     """`Session.rebind` keeps views.sql's views and macros and drops only the temp catalog's objects and
     what it did not make itself (listing duckdb_functions() cost ~15 ms a loop iteration, re-running

@@ -13,8 +13,9 @@ Invariants:
   bit-identical weights.
 - Every returned row has exactly the columns of the `training` table.
 - A step whose loss or gradient norm is not finite raises `NonFiniteStep` (one line naming the
-  curation, the shard and the first offending rollout_id) before its optimiser step: nothing
-  non-finite is ever applied, returned or published.
+  curation, the shard and the first offending rollout_id, its log-probs judged from the step's own
+  training forward, on every rank alike) before its optimiser step: nothing non-finite is ever
+  applied, returned or published.
 - Under `torch.distributed` (`dist`), each rank trains its block of every global step
   (`batches.iter_rank_steps`), the step's `Normalizer` and metrics are all-reduced, and every rank
   returns the same rows: the rows and the gradient are those of the single process (up to the
@@ -200,19 +201,17 @@ class _Origin:
         return self.paths[int(np.searchsorted(self.ends, ids.index(rollout_id), side="right"))]
 
 
-def _first_bad_row(model, micro: list[Batch], forward: bool) -> tuple[str, str] | None:
+def _first_bad_row(micro: list[Batch], logp_bad: list[Tensor]) -> tuple[str, str] | None:
     """(rollout_id, what) of the first row of `micro` whose inputs or log-probs are not finite
-    (with `forward`, a no-grad forward of the weights the step ran with; not under ranks, where a
-    forward is a collective that every rank would have to run alike), or None."""
+    (`logp_bad`: per micro-batch, which rows' log-probs were not finite in the step's own training
+    forward: the weights the step ran with, on every rank alike, no forward of its own), or None."""
     with torch.no_grad():
-        for b in micro:
+        for b, bad_logp in zip(micro, logp_bad):
             tok = b.response_mask
             checks = [("advantage", ~torch.isfinite(b.advantage)), ("weight", ~torch.isfinite(b.weight)),
                       ("old_logprobs", (~torch.isfinite(b.old_logprobs) & tok).any(1)),
-                      ("gen_logprobs", (~torch.isfinite(b.gen_logprobs) & tok).any(1))]
-            if forward:
-                logp, _ = response_logprobs(model, b, with_entropy=False)
-                checks.append(("the model's log-probs", (~torch.isfinite(logp.float()) & tok).any(1)))
+                      ("gen_logprobs", (~torch.isfinite(b.gen_logprobs) & tok).any(1)),
+                      ("the model's log-probs", bad_logp)]
             for i in range(len(b)):
                 for what, bad in checks:
                     if bool(bad[i]):
@@ -248,6 +247,7 @@ class _Steps:
         lagged = [decoupled and bool((b.policy_version < self.current).any()) for b in part.micro]
         self.optimizer.zero_grad(set_to_none=True)
         stats, total, grad_norm = LossStats(), 0.0, 0.0
+        self.logp_bad = []  # per micro-batch: rows whose training log-probs are not finite (for the error line)
         if norm.tokens:
             for k in range(part.passes):
                 with sync_gradients(model, dist, k == part.passes - 1):
@@ -283,7 +283,7 @@ class _Steps:
         if not bad:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        found = _first_bad_row(self.model, micro, forward=not self.dist.active)
+        found = _first_bad_row(micro, self.logp_bad)
         rid, what = found if found else ((micro or [part.filler])[0].rollout_ids[0], "no single row")
         shard = self.origin.shard_of(rid) if self.origin is not None else "?"
         curation = ",".join(part.curation_ids)
@@ -295,6 +295,7 @@ class _Steps:
         """The loss of micro-batch `b`; `lagged`: it holds a row sampled before the weights' version,
         whose π_prox is then this very forward's log-probs, detached (None otherwise: today's loss)."""
         logp, entropy = response_logprobs(self.model, b)
+        self.logp_bad.append((~torch.isfinite(logp.detach()) & b.response_mask).any(1))  # on the device: no sync
         prox = proximal_logprobs(logp, b, self.current) if lagged else None
         ref_logp = None
         if self.ref_model is not None:

@@ -325,6 +325,7 @@ def test_a_non_finite_step_stops_the_run_naming_curation_shard_and_rollout(buffe
                               pending=Pending(per="curation"))
     msg = str(err.value)
     assert "curation c-step" in msg and "curated/c-step/" in msg and ids[5] in msg and "\n" not in msg, msg
+    assert "first non-finite: the model's log-probs" in msg, msg  # from the step's own training forward
     assert _ledger_state(buffer_dir) == state
     # the steps before the bad one were applied in memory; none after it, and no NaN in the weights
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

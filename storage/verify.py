@@ -72,23 +72,32 @@ def check_shard(root: str, shard: Shard, full: bool = True, folders: dict | None
     """The problem of one shard, or None. `full=False` checks existence, place and size only:
     the rule every reader applies before it opens a file, and `verify` applies too. A shard is a
     regular file at its own path inside the buffer: never a symbolic link, nor reached through a
-    linked folder (whatever the bytes it leads to). `folders`: the real paths of folders resolved
-    so far by the caller's pass over many shards (each folder is resolved once per pass; the file
-    itself is checked by `lstat`, which does not follow a link)."""
+    linked folder (whatever the bytes it leads to). `folders`: the folders checked so far by the
+    caller's pass over many shards (each once per pass, `_plain_folder`; the file itself is checked
+    by `lstat`, which does not follow a link)."""
+    problem, key = _placed(root, shard, folders if folders is not None else {})
+    if problem is not None or not full or key in _verified:
+        return problem
+    return _hashed(shard, key)
+
+
+def _placed(root: str, shard: Shard, folders: dict) -> tuple[Problem | None, tuple | None]:
+    """(the problem of the shard's existence, place or size, or None; the file's identity key as it
+    is now: path, size, mtime, ctime (no utime() can set it back) and inode), from one lstat."""
     path = os.path.join(root, shard.path)
     st = _stat(path)
     if st is None:
-        return Problem(shard, "missing")
-    if not stat.S_ISREG(st.st_mode) or not _in_place(root, shard.path, folders if folders is not None else {}):
-        return Problem(shard, "link")
+        return Problem(shard, "missing"), None
+    if not stat.S_ISREG(st.st_mode) or not _in_place(root, shard.path, folders):
+        return Problem(shard, "link"), None
     if st.st_size != shard.bytes:
-        return Problem(shard, "size")
-    if not full:
-        return None
-    key = (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # ctime: no utime() can set it back
-    if key in _verified:
-        return None
-    if sha256_file(path) != shard.sha256:
+        return Problem(shard, "size"), None
+    return None, (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def _hashed(shard: Shard, key: tuple) -> Problem | None:
+    """Hash the file (`key[0]`) against the shard's sha256; a good result is kept for the process."""
+    if sha256_file(key[0]) != shard.sha256:
         return Problem(shard, "sha256")
     _verified.add(key)
     return None
@@ -130,7 +139,7 @@ def _plain_folder(root: str, folder: str, folders: dict) -> bool:
 
 def check_present(root: str, shards: list[Shard], folders: dict | None = None) -> None:
     """Raise for the first shard that is missing or has the wrong size (no hashing). `folders`: a
-    pass's resolved folders, shared by the caller across several calls (`_in_place`)."""
+    pass's checked folders, shared by the caller across several calls (`_in_place`)."""
     folders = {} if folders is None else folders
     for shard in shards:
         _raise(root, check_shard(root, shard, full=False, folders=folders))
@@ -144,27 +153,21 @@ def verify_shards(root: str, shards: list[Shard], folders: dict | None = None) -
     its inputs every iteration: only the files new since the last one are read."""
     folders = {} if folders is None else folders
     problems: list[Problem | None] = []
-    unhashed = []
+    unhashed: list[tuple[int, tuple]] = []
     for shard in shards:
-        problem = check_shard(root, shard, full=False, folders=folders)
+        problem, key = _placed(root, shard, folders)
         problems.append(problem)
-        if problem is None and not _hashed(os.path.join(root, shard.path)):
-            unhashed.append(len(problems) - 1)
+        if problem is None and key not in _verified:
+            unhashed.append((len(problems) - 1, key))
     if len(unhashed) > 1 and READ_THREADS > 1:
         with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(unhashed))) as pool:
-            found = list(pool.map(lambda i: check_shard(root, shards[i], full=True, folders=folders), unhashed))
+            found = list(pool.map(lambda item: _hashed(shards[item[0]], item[1]), unhashed))
     else:
-        found = [check_shard(root, shards[i], full=True, folders=folders) for i in unhashed]
-    for i, problem in zip(unhashed, found):
+        found = [_hashed(shards[i], key) for i, key in unhashed]
+    for (i, _key), problem in zip(unhashed, found):
         problems[i] = problem
     for problem in problems:
         _raise(root, problem)
-
-
-def _hashed(path: str) -> bool:
-    """Whether this process hashed the file at `path`, as it is now, against its manifest row."""
-    st = _stat(path)
-    return st is not None and (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) in _verified
 
 
 def scan(root: str, manifest: Manifest) -> list[Problem]:

@@ -127,6 +127,15 @@ def latest_policy(session: Session, rollouts: str) -> int | None:
 
 
 def latest_checkpoint(session: Session) -> int | None:
+    """The newest checkpoint's version (queries/curate_latest_checkpoint.sql). From the manifest when
+    it says: every checkpoint is one row in a shard of its own keyed by its version
+    (`learner.checkpoint`), so the largest key is the answer without reading a file per checkpoint
+    (a loop adds one every iteration); else (a frozen snapshot, another kind of shard) the query."""
+    shards = getattr(session.snapshot, "shards", None)
+    if shards is not None:
+        found = shards("checkpoints")
+        if all(s.rows == 1 and s.key is not None and s.key.isdigit() for s in found):
+            return max((int(s.key) for s in found), default=None)
     row = session.one(load_sql("curate_latest_checkpoint"))
     return None if row[0] is None else int(row[0])
 

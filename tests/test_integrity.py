@@ -119,6 +119,8 @@ import rollstore.storage.shardio, rollstore.storage.manifest, rollstore.storage.
 from rollstore import storage
 from typer.main import get_command
 from rollstore.cli import app
+import pyarrow
+pyarrow.array([0]).to_numpy()  # pyarrow loads pandas at its first conversion: once here, not in every child
 
 EVENTS = [(storage.shardio, "write_parquet"), (storage.shardio, "sha256_file"), (storage.shardio, "fsync_dir"),
           (storage.shardio.os, "link"), (storage.shardio.os, "replace"), (storage.shardio.os, "unlink"),

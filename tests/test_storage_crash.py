@@ -32,6 +32,8 @@ sys.path.insert(0, {root!r})
 import rollstore.storage.buffer, rollstore.storage.manifest, rollstore.storage.shardio
 from rollstore import storage
 from rollstore.builtin.synthetic import RowOptions, rollouts_table
+import pyarrow
+pyarrow.array([0]).to_numpy()  # pyarrow loads pandas at its first conversion: once here, not in every child
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)

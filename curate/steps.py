@@ -134,7 +134,7 @@ def latest_checkpoint(session: Session) -> int | None:
     shards = getattr(session.snapshot, "shards", None)
     if shards is not None:
         found = shards("checkpoints")
-        if all(s.rows == 1 and s.key is not None and s.key.isdigit() for s in found):
+        if all(s.rows == 1 and s.key is not None and s.key.isascii() and s.key.isdigit() for s in found):
             return max((int(s.key) for s in found), default=None)
     row = session.one(load_sql("curate_latest_checkpoint"))
     return None if row[0] is None else int(row[0])

@@ -232,6 +232,7 @@ class _Steps:
         self.loss_fn = get_loss(config.loss)
         self.device = next(model.parameters()).device
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.logp_bad: list[Tensor] = []  # per micro-batch of the current step: rows whose training log-probs are not finite
 
     def run(self, part) -> dict:
         """Train one step's micro-batches; return its metrics row without run_id/version/step/created_at."""
@@ -247,7 +248,7 @@ class _Steps:
         lagged = [decoupled and bool((b.policy_version < self.current).any()) for b in part.micro]
         self.optimizer.zero_grad(set_to_none=True)
         stats, total, grad_norm = LossStats(), 0.0, 0.0
-        self.logp_bad = []  # per micro-batch: rows whose training log-probs are not finite (for the error line)
+        self.logp_bad = []  # filled by `_loss`, read by `_check_finite` (the error line)
         if norm.tokens:
             for k in range(part.passes):
                 with sync_gradients(model, dist, k == part.passes - 1):

@@ -12,4 +12,4 @@ SELECT
     count(*)                                            AS n,
     coalesce(sum(tokens_total), 0)::BIGINT              AS tokens
 FROM work
-GROUP BY reason, selected, CASE WHEN selected THEN filename END;
+GROUP BY ALL;

@@ -167,14 +167,14 @@ class Snapshot:
 
     def check_present(self, tables: list[str] | None = None) -> None:
         """Raise one line for the first shard whose file is missing or of the wrong size (cheap)."""
-        folders: dict = {}  # each folder's real path resolved once for all tables
+        folders: dict = {}  # each folder checked once for all tables
         for name in tables or list(TABLES):
             check_present(self.root, self._table(name), folders)
 
     def verify(self, tables: list[str] | None = None) -> "Snapshot":
         """Raise one line for the first shard whose file is not the manifest's (size and sha256);
         call before the data is used for anything committed. Returns the snapshot."""
-        folders: dict = {}  # each folder's real path resolved once for all tables
+        folders: dict = {}  # each folder checked once for all tables
         for name in tables or list(TABLES):
             verify_shards(self.root, self._table(name), folders)
         return self

@@ -63,7 +63,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, latest_checkpoint, run_values, verifying_inputs, with_defaults
+from .steps import Runner, committed_audits, latest_checkpoint, run_values, verifying_inputs, with_defaults
 
 
 def require_dask():
@@ -168,7 +168,7 @@ def curate_dask(
         folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this client lives
         ctx = tasks.TaskContext(snap.frozen(), build(params, recipe), {}, dask.partitions or 2 * len(versions),
                                 limits.memory_limit, limits.threads or 1, folder, READ_THREADS, limits.timeout,
-                                dict(_task_hooks or {}))
+                                dict(_task_hooks or {}), committed_audits(snap))
         job = _Run(client, ctx, run)
         with holding(buf.manifest, folder):  # a catalog's intent on the folder, taken before it is made
             os.makedirs(os.path.join(buf.root, folder))

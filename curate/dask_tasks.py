@@ -37,7 +37,7 @@ from rollstore.storage.snapshot import SnapshotFiles
 from .finish import PartCounts, audit_path, curated_table, materialised, part_name, sorted_by_rollout, summarise
 from .merges import MERGES
 from .plan import ON_CLIENT, ONCE, PER_PARTITION, PER_SELECTED, PER_SHARD, Plan, Step
-from .steps import Runner, latest_policy, latest_step, parquet
+from .steps import Audits, Runner, bound_relations, latest_policy, latest_step, parquet
 
 # ---- what every task gets --------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class TaskContext:
     write_threads: int  # the client's READ_THREADS: row groups as the embedded engine would cut them
     timeout: float | None  # seconds each task that evaluates the user's `where` may run (None, 0: none)
     hooks: dict = field(default_factory=dict)  # tests: {task kind: seconds to sleep first, or "fail"}
+    audits: tuple = ()  # the committed curations' audit shards (`steps.committed_audits`): the uses step's input
 
     def shard(self, i: int) -> str:
         return self.files.listing["rollouts"][i]
@@ -141,15 +142,17 @@ def map_shard(ctx: TaskContext, i: int) -> list[dict[str, pa.Table]]:
     write, split by partition (`work` tagged with the shard). The `where` predicate sees the whole
     snapshot, as in the embedded engine."""
     _start(ctx, "map")
-    inputs = {"rollouts": parquet([ctx.shard(i)], located=True, numbered=True), "rows": parquet([ctx.shard(i)])}
+    inputs = {"rollouts": parquet([ctx.shard(i)], located=True, numbered=True), "rows": parquet([ctx.shard(i)]),
+              "selections": Audits(ctx.audits)}
     with _session(ctx, whole=True) as s, s.deadline(ctx.timeout):
         runner = Runner(s, dict(ctx.values))
         written: dict[str, pa.Table] = {}
         for step in ctx.plan.steps:
-            if step.at == PER_SHARD:
-                runner.run(step, {k: inputs[k] for k in step.relations if k in inputs})
-                for name in step.writes:
-                    written[name] = _tag(s.unload(name), i if name == "work" else None, ctx.partitions)
+            bound = bound_relations(step, inputs, s) if step.at == PER_SHARD else None
+            if bound is not None:  # None: not placed here, or nothing to read (`steps.bound_relations`)
+                runner.run(step, bound)
+                written.update((name, s.unload(name)) for name in step.writes)
+        written = {name: _tag(table, i if name == "work" else None, ctx.partitions) for name, table in written.items()}
     split = {name: _split(table, "part", ctx.partitions) for name, table in written.items()}
     return [{name: parts[j] for name, parts in split.items()} for j in range(ctx.partitions)]
 

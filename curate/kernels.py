@@ -221,7 +221,7 @@ def scored_chunks(session, relation: str, token: str, cache: dict):
     if key in cache:
         got = cache[key]
         return _replayed(got, token) if isinstance(got, str) else got
-    rows = session.con.table(relation).to_arrow_table()
+    rows = session.relation(relation).to_arrow_table()
     chunks, tokens = [], 0
     for chunk in read_scored(rows, token):
         tokens += len(chunk.score)
@@ -372,7 +372,7 @@ def run_session(step, session, values: dict, cache: dict) -> pa.Table:
     checked), which the engine loads as `into` or hands to the step's merge."""
     k = KERNELS[step.kernel]
     where = f"kernel step {k.name} (version {k.version})"
-    columns = session.con.table(k.source).columns
+    columns = session.relation(k.source).columns
     missing = [c for c in k.reads if c not in columns]
     if missing:
         raise CurationError(f"{where}: its input {k.source} has no column {missing[0]!r} "
@@ -384,7 +384,7 @@ def run_session(step, session, values: dict, cache: dict) -> pa.Table:
         if isinstance(spilled, str):  # the materialisation reads the rows' entropies from it (`_entropies`)
             values["entropies_spill"] = spilled
     else:
-        out = k.fn(session.con.table(k.source).project(", ".join(f'"{c}"' for c in k.reads)).to_arrow_table(),
+        out = k.fn(session.relation(k.source).project(", ".join(f'"{c}"' for c in k.reads)).to_arrow_table(),
                    values, args)
     want = pa.schema(list(k.adds))
     if not isinstance(out, pa.Table) or not out.schema.equals(want):

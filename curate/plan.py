@@ -259,10 +259,12 @@ def _candidate_steps(steps: _Steps, p: Params) -> None:
     """The candidates (the batch and the replay window, with their stored lengths), the history they need."""
     amplify = p["amplify"]
     replay = p["replay"] != "none"
-    steps.add("curate_candidates", "candidates", ROW, ("rollouts", "selections", "curations"), ("work",),
-              relations=("rollouts", "selections"), rollouts="rollouts", selections="selections", where=p["where"],
+    steps.add("curate_candidates", "candidates", ROW, ("rollouts",), ("work",),
+              relations=("rollouts",), rollouts="rollouts", where=p["where"],
               window=replay_window(p["where"]) if replay else "false",
               behaviour=BEHAVIOUR if replay else "true", at=PER_SHARD)
+    steps.add("curate_uses", "candidates", ROW, ("work", "selections", "curations"), ("work",),
+              relations=("selections",), selections="selections", at=PER_SHARD)
     if amplify == "da3po":  # read with the candidates: the only other read of rollouts before the tokens
         steps.add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),
                   rows=HISTORY_ROWS, out="history_parts", at=PER_SHARD)

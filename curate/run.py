@@ -59,7 +59,10 @@ from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
 from .kernels import release
 from .steps import (
+    Audits,
     Runner,
+    bound_relations,
+    committed_audits,
     latest_checkpoint,
     latest_policy,
     latest_step,
@@ -142,7 +145,8 @@ def curate(
             plan = build(params, recipe, custom_statement(session, recipe))
             runner = Runner(session, run_values(plan))
             results: dict = {}
-            _run(runner, plan, ("candidates", *SELECTION_PHASES), {"rollouts": everything}, results)
+            _run(runner, plan, ("candidates", *SELECTION_PHASES),
+                 {"rollouts": everything, "selections": Audits(committed_audits(snap))}, results)
         try:
             return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
         finally:
@@ -180,7 +184,9 @@ def _run(runner: Runner, plan: Plan, phases: tuple[str, ...], relations: dict[st
     for step in plan.steps:
         if step.phase not in phases:
             continue
-        bound = {k: relations[k] for k in step.relations if k in relations}
+        bound = bound_relations(step, relations, runner.session)
+        if bound is None:
+            continue
         if step.scope != GLOBAL:
             runner.run(step, bound)
         elif MERGES[step.merge].runs(runner.values):

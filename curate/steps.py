@@ -14,14 +14,16 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pyarrow as pa
 
 from rollstore.queries import bind, load_sql, render
-from rollstore.queries.session import Session
+from rollstore.queries.session import Session, tables_named
 
-from rollstore.storage.snapshot import rollouts_relation
+from rollstore.storage.snapshot import rollouts_relation, sql_string, string_range, union_option
 
 from .kernels import KERNELS, drop_chunks, run_session
 from .kernels import apply as apply_kernel
@@ -87,15 +89,15 @@ class Runner:
             return
         if self.wanted(step):
             sql, args = self._sql(step, bound or {}, extra)
-            self.session.execute(sql, args or None).fetchall()
+            self.session.execute(sql, args or None, reads=step_tables(step, bound or {})).fetchall()
 
     def rows(self, step: Step, bound: dict | None = None, **extra) -> list[tuple]:
         sql, args = self._sql(step, bound or {}, extra)
-        return self.session.execute(sql, args or None).fetchall()
+        return self.session.execute(sql, args or None, reads=step_tables(step, bound or {})).fetchall()
 
     def table(self, step: Step, bound: dict | None = None, **extra) -> pa.Table:
         sql, args = self._sql(step, bound or {}, extra)
-        return self.session.table(sql, args or None)
+        return self.session.table(sql, args or None, reads=step_tables(step, bound or {}))
 
     def kernel(self, step: Step, table: pa.Table) -> pa.Table:
         """A kernel step over `table` (its declared input and output checked, `curate.kernels.apply`)."""
@@ -107,6 +109,69 @@ class Runner:
             table = self._session_kernel(step)
             return table if arrow else [tuple(r.values()) for r in table.to_pylist()]
         return self.table(step, bound) if arrow else self.rows(step, bound)
+
+
+@dataclass(frozen=True)
+class Audits:
+    """The `selections` an engine binds for the uses step (queries/curate_uses.sql): the audit shards
+    of the snapshot's committed curations (`committed_audits`), narrowed in each session to those
+    whose rollout_id range (footer statistics, `storage.snapshot.string_range`) meets the range of
+    the session's `work`. A loop's batch is rows no past curation saw: no shard is left, and the
+    step is skipped instead of reading an audit per past curation."""
+
+    paths: tuple[str, ...]
+
+    def relation(self, session: Session) -> str | None:
+        """The relation over the shards left, or None when none is."""
+        if not self.paths:
+            return None
+        low, high = session.one(load_sql("curate_work_range"))
+        if low is None:
+            return None
+        files = [p for p in self.paths if _meets(string_range(p, "rollout_id"), low, high)]
+        if not files:
+            return None
+        listing = ", ".join(sql_string(p) for p in files)
+        return f"read_parquet([{listing}], hive_partitioning = false{union_option(files)})"
+
+
+def _meets(span: tuple[str, str] | None, low: str, high: str) -> bool:
+    return span is None or (span[0] <= high and low <= span[1])
+
+
+def committed_audits(snap) -> tuple[str, ...]:
+    """The audit shards of the snapshot's committed curations: those whose key (their curation id)
+    is the key of a `curations` shard. Both are written in one commit; a curation whose record
+    shard was retired (quarantined) does not count, as the spec's `curations` join says."""
+    committed = {s.key for s in snap.shards("curations")}
+    return tuple(os.path.join(snap.root, s.path) for s in snap.shards("selections") if s.key in committed)
+
+
+def bound_relations(step: Step, relations: dict, session: Session) -> dict | None:
+    """The relations `step` reads as `relations` binds them (a text, or `Audits` narrowed in this
+    session); None when one of them is left with no file: the step has nothing to read, and is
+    skipped."""
+    bound = {}
+    for name in step.relations:
+        if name in relations:
+            value = relations[name]
+            bound[name] = value.relation(session) if isinstance(value, Audits) else value
+            if bound[name] is None:
+                return None
+    return bound
+
+
+def step_tables(step: Step, bound: dict) -> set | None:
+    """The snapshot tables whose views an SQL step reads: those it declares (`reads`) but the
+    relations the engine bound to files, and those its fragments (a user's `where`) name; None (the
+    tables its text names) for the user's SELECT of a custom recipe."""
+    if step.sql == "custom":
+        return None
+    declared = {r.split(".", 1)[0] for r in step.reads} - set(bound)
+    for name, text in step.fragments:
+        if name not in bound:
+            declared |= tables_named(str(text))
+    return declared
 
 
 def parquet(paths: list[str], located: bool = False, numbered: bool = False) -> str:

@@ -1,6 +1,6 @@
 -- Eligibility (docs/curation.md §Eligibility). The batch is every snapshot row matched by the
 -- `where` predicate; each candidate gets the first reason that applies, in this order: invalid,
--- truncated, stale, reused. NULL reason = eligible. Per-token arrays stay in the rollouts shards;
+-- truncated, stale, reused (`reused` is set by curate_uses.sql). NULL reason = eligible. Per-token arrays stay in the rollouts shards;
 -- `work` holds one narrow row per candidate, with the shard (`filename`) it lives in and its
 -- position there (`rollouts_row`, DuckDB's `file_row_number`): what a curated row refers to, so
 -- materialisation reads no Parquet, and the token stage opens only the shards with a selected row.
@@ -9,7 +9,8 @@
 -- Replay (docs/replay.md): with {window} not `false`, the batch also holds the replay window — rows
 -- of the batch's own run sampled 1..$replay_window policy versions before $current_version and not
 -- matched by `where` (`replayed`); a row already selected $replay_max_uses times is `reused`.
--- `age` = current_version − policy_version; `uses` = committed curations that selected it before.
+-- `age` = current_version − policy_version; `uses` (committed curations that selected it before) is
+-- 0 until curate_uses.sql counts them.
 -- `has_behaviour`: the row carries its sampling policy's log-probs ({behaviour}; always true without replay).
 -- `work` is created here with every column a later step sets (NULL, false or 1 until then): the later
 -- steps UPDATE the columns they decide and never rewrite the table (a rewrite of `work` cost 20-40 ms
@@ -24,12 +25,6 @@ WITH batch AS (
            ({behaviour}) AS has_behaviour
     FROM {rollouts} AS rollouts
     WHERE ({where}) OR ({window})
-),
-times_selected AS (  -- distinct committed curations that selected each rollout
-    SELECT rollout_id, count(DISTINCT curation_id) AS n
-    FROM {selections}
-    WHERE selected AND curation_id IN (SELECT curation_id FROM curations)
-    GROUP BY rollout_id
 )
 SELECT
     -- verify_error and finish_reason are read for `reason` only
@@ -39,11 +34,9 @@ SELECT
         WHEN $drop_truncated AND b.finish_reason IN ('length', 'abort') THEN 'truncated'
         WHEN $max_policy_lag IS NOT NULL
              AND b.policy_version < $current_version - $max_policy_lag THEN 'stale'
-        WHEN $max_reuse IS NOT NULL AND coalesce(t.n, 0) >= $max_reuse THEN 'reused'
-        WHEN $replay_on AND coalesce(t.n, 0) >= $replay_max_uses THEN 'reused'
     END AS reason,
     ($current_version - b.policy_version)::BIGINT AS age,
-    coalesce(t.n, 0)::INTEGER AS uses,
+    0::INTEGER AS uses,
     false AS replay_dropped,  -- set by curate_replay_apply.sql: a window row replay did not choose
     false AS selected,                      -- set by the apply step (curate_apply_selection.sql, ...)
     NULL::INTEGER AS sample_rank,
@@ -56,5 +49,4 @@ SELECT
     NULL::FLOAT   AS amplification,
     NULL::FLOAT   AS advantage_final
 FROM batch b
-LEFT JOIN times_selected t USING (rollout_id)
 ORDER BY b.rollout_id;

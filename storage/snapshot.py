@@ -222,6 +222,35 @@ def file_schema(path: str) -> pa.Schema:
     return _schema(path, st.st_size, st.st_mtime_ns)
 
 
+@functools.lru_cache(maxsize=65536)
+def _string_range(path: str, size: int, mtime_ns: int, column: str) -> tuple[str, str] | None:
+    meta = pq.read_metadata(path)
+    if not str(meta.created_by or "").startswith("parquet-cpp"):  # other writers may truncate string statistics
+        return None
+    names = meta.schema.names
+    if column not in names:
+        return None
+    low = high = None
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(names.index(column)).statistics
+        if meta.row_group(g).num_rows == 0:
+            continue
+        if stats is None or not stats.has_min_max or not isinstance(stats.min, str) or stats.null_count:
+            return None
+        low = stats.min if low is None else min(low, stats.min)
+        high = stats.max if high is None else max(high, stats.max)
+    return (low, high) if low is not None else ("", "")
+
+
+def string_range(path: str, column: str) -> tuple[str, str] | None:
+    """(smallest, largest) value of the string `column` in the Parquet file at `path`, from its
+    row groups' statistics, read once per process and file (as `file_schema`); None when the
+    footer cannot tell (no statistics, nulls, a writer other than Arrow's, which may truncate
+    them): the caller must then assume any value. A file without rows gives ("", "")."""
+    st = os.stat(path)
+    return _string_range(path, st.st_size, st.st_mtime_ns, column)
+
+
 def stores_response_length(path: str) -> bool:
     """Whether the rollouts shard at `path` stores `response_length` (schema version 3)."""
     return RESPONSE_LENGTH in file_schema(path).names

@@ -7,6 +7,7 @@ import datetime as dt
 import json
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -252,3 +253,65 @@ def test_replay_refuses_rows_without_behaviour_log_probs():
             curate(buf, load_recipe("replay-window"), {"where": "step = 1"})
         assert buf.manifest.latest_seq() == seq
         assert curate(buf, load_recipe("grpo"), {"where": "step = 1"}).record["n_selected"] == 4
+
+
+def test_uses_read_only_the_audits_that_meet_the_batch_and_count_them_all(tmp_path, monkeypatch):
+    """The uses step reads the committed audits whose rollout_id range (footer statistics) meets the
+    batch's, and is skipped when none does: a new step's batch reads no audit of the steps before it,
+    yet a batch spanning every step counts every use (checked against a count over `selections`)."""
+    from rollstore.builtin.synthetic import RowOptions, rollouts_table
+
+    from rollstore.curate import steps as steps_mod
+    from rollstore.queries.session import Session
+
+    read: list[tuple[str, ...]] = []
+    relation = steps_mod.Audits.relation
+
+    def spy(self, session):
+        got = relation(self, session)
+        read.append(tuple(p for p in self.paths if got is not None and p in got))
+        return got
+
+    monkeypatch.setattr(steps_mod.Audits, "relation", spy)
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(3):
+            buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, mean_tokens=5, step=step,
+                                               options=RowOptions(id_prefix=f"s{step}")))
+            read.clear()
+            cur = curate(buf, load_recipe("grpo"), {"where": f"step = {step}"})
+            assert read == [()], read  # the audits of steps before it do not meet this step's rows
+            assert all(r["uses"] == 0 for r in cur.audit.to_pylist())
+        read.clear()
+        again = curate(buf, load_recipe("grpo"), {"where": "step <= 1", "max_reuse": "1"})
+        assert len(read) == 1 and len(read[0]) == 2, read  # steps 0 and 1's audits, not step 2's
+        with buf.snapshot() as snap, Session(snap) as s:
+            before = dict(s.execute("SELECT rollout_id, count(DISTINCT curation_id) FROM selections "
+                                    "WHERE selected AND curation_id <> $c GROUP BY ALL",
+                                    {"c": again.curation_id}).fetchall())
+        audit = again.audit.to_pylist()
+        assert sum(before.values()) > 0
+        assert {r["rollout_id"]: r["uses"] for r in audit} == {r["rollout_id"]: before.get(r["rollout_id"], 0)
+                                                                for r in audit}
+        assert all((r["reason"] == "reused") == (before.get(r["rollout_id"], 0) >= 1 and r["reason"] != "invalid")
+                   for r in audit if r["reason"] not in ("truncated", "stale"))
+
+
+def test_string_range_reads_arrow_statistics_and_gives_up_on_anything_else(tmp_path):
+    """The range of a string column from the footer: exact for Arrow's writer; None (any value) without
+    statistics, with nulls, or from another writer (which may truncate string statistics)."""
+    import duckdb
+    import pyarrow as pa
+
+    from rollstore.storage.snapshot import string_range
+
+    t = pa.table({"rollout_id": ["b", "a", "d", "c"]})
+    pq.write_table(t, tmp_path / "a.parquet", row_group_size=2)
+    assert string_range(str(tmp_path / "a.parquet"), "rollout_id") == ("a", "d")
+    pq.write_table(t, tmp_path / "n.parquet", write_statistics=False)
+    assert string_range(str(tmp_path / "n.parquet"), "rollout_id") is None
+    pq.write_table(pa.table({"rollout_id": ["a", None]}), tmp_path / "z.parquet")
+    assert string_range(str(tmp_path / "z.parquet"), "rollout_id") is None
+    duckdb.sql(f"COPY (SELECT 'a' AS rollout_id) TO '{tmp_path / 'd.parquet'}' (FORMAT parquet)")
+    assert string_range(str(tmp_path / "d.parquet"), "rollout_id") is None
+    assert string_range(str(tmp_path / "a.parquet"), "other") is None

@@ -310,3 +310,53 @@ def test_only_views_sql_defines_macros_or_lasting_objects():
             continue
         for step in build(resolve(recipe, {}), recipe, None).steps:
             assert not macro.search(step.text) and not lasting.search(step.text), (name, step.sql)
+
+
+def test_a_rebound_session_makes_a_changed_tables_view_when_a_statement_first_names_it(tmp_path):
+    """`rebind` drops the views of tables whose files changed and makes each again only when a statement
+    names it (a loop's curation reads 3 of the 8 tables): until then the view is absent — a statement that
+    reaches it without naming it fails, it never reads the previous snapshot's files — and `Session.con`
+    (the connection handed out) has every view made."""
+    import duckdb
+
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.queries.session import Session
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        buf.append_rollouts(rollouts_table(n_groups=3, group_size=4, mean_tokens=5, step=0,
+                                           options=RowOptions(id_prefix="s0")))
+        first = buf.snapshot()
+        s = Session(first)
+        try:
+            curate(buf, load_recipe("grpo"), {"where": "step = 0"})
+            with buf.snapshot() as second:
+                s.rebind(second)
+                raw = s._con
+                s.execute("SELECT count(*) FROM selections", reads={"selections"})
+                made = {n for (n,) in raw.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+                assert "selections" in made and "curated" not in made and "curations" not in made, made
+                with pytest.raises(duckdb.CatalogException):
+                    raw.execute("SELECT count(*) FROM curated")  # absent, not the first snapshot's (empty) table
+                assert s.one("SELECT count(*) FROM curated -- named, so made")[0] == s.one(
+                    "SELECT n_selected FROM curations")[0] > 0
+                s.rebind(first)
+                assert s.con.execute("SELECT count(*) FROM curations").fetchone()[0] == 0  # `con`: all made
+        finally:
+            s.close()
+            first.close()
+
+
+def test_tables_named_finds_every_word_that_names_a_table():
+    """A name too many makes a view for nothing; one too few would fail the statement: any word naming a
+    table counts, in strings and comments too, quoted or in any case; views.sql's objects read every table."""
+    from rollstore.queries.session import tables_named
+    from rollstore.storage.schema import TABLES
+
+    assert tables_named("SELECT * FROM curated c JOIN \"Selections\" USING (x) -- the curations") == {
+        "curated", "selections", "curations"}
+    assert tables_named("SELECT '/buf/rollouts/x.parquet', curated_rows, $training, training_x") == {"rollouts"}
+    assert tables_named("SELECT * FROM groups") == set(TABLES)
+    assert tables_named("SELECT accuracy_band_key(0.5)") == set(TABLES)
+    assert tables_named("SELECT 1") == set()

@@ -263,7 +263,7 @@ def _candidate_steps(steps: _Steps, p: Params) -> None:
               relations=("rollouts",), rollouts="rollouts", where=p["where"],
               window=replay_window(p["where"]) if replay else "false",
               behaviour=BEHAVIOUR if replay else "true", at=PER_SHARD)
-    steps.add("curate_uses", "candidates", ROW, ("work", "selections", "curations"), ("work",),
+    steps.add("curate_uses", "candidates", ROW, ("work", "selections"), ("work",),
               relations=("selections",), selections="selections", at=PER_SHARD)
     if amplify == "da3po":  # read with the candidates: the only other read of rollouts before the tokens
         steps.add("curate_history", "candidates", PROMPT, ("rollouts",), ("history_parts",), relations=("rows",),

@@ -14,8 +14,10 @@ Invariants:
 - Errors of DuckDB in rollstore's own statements surface as one-line RollstoreErrors.
 - The spill directory is `tmp/duckdb-<host>-<pid>-<random>`: `gc` removes those whose process is gone.
 - A rebound session (`rebind`) shows its new snapshot only: the previous job's temp objects are
-  gone, every table view reads the new snapshot's files (re-created where they changed), and
-  views.sql's views, made once, read those views.
+  gone, every table view reads the new snapshot's files, and views.sql's views, made once, read
+  those views. The view of a table whose files changed is dropped and made again over the new
+  files when a statement first names it (`bind`): until then it is absent, never the old one.
+  The connection handed out (`con`) has every view made.
 - Parquet footers are cached per session (`parquet_metadata_cache`: a loop's session rebinds to a new
   snapshot every iteration and scans the same immutable shards again). DuckDB re-reads a footer whose
   file changed since; a same-size change that also set the modification time back is the sha256

@@ -128,9 +128,12 @@ def curate(
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
-    with buf.snapshot(snapshot_seq, pin=True) as snap, verifying_inputs(snap, dry_run) as verified, (
+    # The session is bound before the inputs' hashing starts: its presence check of every shard
+    # then runs alone (beside the hashing thread it took 4 ms of a loop's curation instead of 1).
+    with buf.snapshot(snapshot_seq, pin=True) as snap, (
             contextlib.nullcontext(session.rebind(snap)) if session is not None
-            else Session(snap, limits.memory_limit, limits.threads)) as session:
+            else Session(snap, limits.memory_limit, limits.threads)) as session, \
+            verifying_inputs(snap, dry_run) as verified:
         files = snap.files("rollouts")
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")
@@ -141,7 +144,7 @@ def curate(
             version = version if version is not None else latest_policy(session, everything)
         params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None, version)
         with session.deadline(limits.timeout):
-            session.check_predicate(params["where"])
+            session.check_predicate(params["where"], rollouts=parquet(files))
             plan = build(params, recipe, custom_statement(session, recipe))
             runner = Runner(session, run_values(plan))
             results: dict = {}

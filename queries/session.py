@@ -278,8 +278,10 @@ class Session:
         except duckdb.Error as exc:
             raise RollstoreError(f"SQL error: {_first_line(exc)}") from None
 
-    def check_predicate(self, text: str, name: str = "where") -> None:
-        """Refuse `text` unless it is exactly one expression that binds to BOOLEAN over `rollouts`."""
+    def check_predicate(self, text: str, name: str = "where", rollouts: str = "rollouts") -> None:
+        """Refuse `text` unless it is exactly one expression that binds to BOOLEAN over `rollouts` (the
+        view, or a relation over the same files: a curation's, so that its session makes no view of
+        `rollouts`, which costs a footer check per shard)."""
         for candidate in (text, f"({text})"):
             try:
                 duckdb.SQLExpression(candidate)
@@ -287,8 +289,9 @@ class Session:
                 raise SqlRefused(f"{name}: not one SQL expression ({_first_line(exc)})") from None
         self.check_user_sql(f"SELECT * FROM rollouts WHERE ({text})")
         try:
-            self.bind_named(f"rollouts {text}")
-            kind = self._con.sql(f"SELECT ({text}) AS predicate FROM rollouts LIMIT 0").types[0]
+            self.bind_named(text)
+            self.bind({rollouts})  # nothing when a relation is given
+            kind = self._con.sql(f"SELECT ({text}) AS predicate FROM {rollouts} AS rollouts LIMIT 0").types[0]
         except duckdb.PermissionException as exc:
             raise SqlRefused(explain_permission(str(exc), self.root)) from None
         except duckdb.Error as exc:

@@ -128,12 +128,13 @@ def curate(
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
-    # The session is bound before the inputs' hashing starts: its presence check of every shard
-    # then runs alone (beside the hashing thread it took 4 ms of a loop's curation instead of 1).
-    with buf.snapshot(snapshot_seq, pin=True) as snap, (
-            contextlib.nullcontext(session.rebind(snap)) if session is not None
-            else Session(snap, limits.memory_limit, limits.threads)) as session, \
-            verifying_inputs(snap, dry_run) as verified:
+    with buf.snapshot(snapshot_seq, pin=True) as snap, contextlib.ExitStack() as stack:
+        if session is not None:  # rebound before the inputs' hashing starts: its presence check of every
+            session.rebind(snap)  # shard runs alone (beside the hashing thread: 4 ms of a loop's curation, not 1)
+            verified = stack.enter_context(verifying_inputs(snap, dry_run))
+        else:  # a new session: the hashing runs beside its making (~70 ms)
+            verified = stack.enter_context(verifying_inputs(snap, dry_run))
+            session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
         files = snap.files("rollouts")
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")

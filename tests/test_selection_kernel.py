@@ -55,5 +55,5 @@ def test_the_kernel_picks_what_the_sql_picks(pool):
     want = con.execute("SELECT rollout_id, selected, sample_rank FROM picked ORDER BY rollout_id").fetchall()
     step = Step("max_variance", "select", "global", (), (), kernel="max_variance",
                 args=(("value", "advantage_final"),))
-    got = kernels.run_session(step, SimpleNamespace(con=con), values, {})
+    got = kernels.run_session(step, SimpleNamespace(con=con, relation=con.table), values, {})
     assert [tuple(r.values()) for r in got.to_pylist()] == want

@@ -74,7 +74,7 @@ def _session(rows: list[dict]) -> SimpleNamespace:
         "rollouts_row": pa.array([n - i for i in range(n)], pa.int64()),
     }))
     con.execute("CREATE TEMP TABLE selected_rows AS SELECT * FROM _sel")
-    return SimpleNamespace(con=con, spill_dir=os.path.join(_SHARDS.name, f"spill-{uuid.uuid4().hex}"))
+    return SimpleNamespace(con=con, relation=con.table, spill_dir=os.path.join(_SHARDS.name, f"spill-{uuid.uuid4().hex}"))
 
 
 def _step(name: str, token: str) -> Step:

@@ -63,7 +63,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, committed_audits, latest_checkpoint, run_values, verifying_inputs, with_defaults
+from .steps import Runner, committed_audits, latest_checkpoint, parquet, run_values, verifying_inputs, with_defaults
 
 
 def require_dask():
@@ -198,7 +198,7 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
             dry_run: bool, verified) -> CurationResult:
     params = _resolve(job, session, params)
     with session.deadline(job.ctx.timeout):
-        session.check_predicate(params["where"])
+        session.check_predicate(params["where"], rollouts=parquet(snap.files("rollouts")))  # as the embedded engine
     plan = build(params, recipe)
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):

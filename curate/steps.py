@@ -167,7 +167,7 @@ def step_tables(step: Step, bound: dict) -> set | None:
     tables its text names) for the user's SELECT of a custom recipe."""
     if step.sql == "custom":
         return None
-    declared = {r.split(".", 1)[0] for r in step.reads} - set(bound)
+    declared = tables_named(" ".join({r.split(".", 1)[0] for r in step.reads} - set(bound)))
     for name, text in step.fragments:
         if name not in bound:
             declared |= tables_named(str(text))
@@ -183,11 +183,11 @@ def parquet(paths: list[str], located: bool = False, numbered: bool = False) -> 
 
 def latest_step(session: Session, rollouts: str) -> tuple | None:
     """(created_at, run_id, step) of the newest rollout of `rollouts`, or None."""
-    return session.one(render("curate_latest_step", {"rollouts": rollouts}))
+    return session.one(render("curate_latest_step", {"rollouts": rollouts}), reads=())  # a relation over files
 
 
 def latest_policy(session: Session, rollouts: str) -> int | None:
-    row = session.one(render("curate_latest_policy", {"rollouts": rollouts}))
+    row = session.one(render("curate_latest_policy", {"rollouts": rollouts}), reads=())  # a relation over files
     return None if row is None or row[0] is None else int(row[0])
 
 

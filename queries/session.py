@@ -103,12 +103,21 @@ _NAMES = re.compile(r"(?<![\w$])(" + "|".join(sorted(set(TABLES) | _VIEWS_SQL_OB
                     + r")(?!\w)", re.I)
 
 
+# What may reach a table without naming it as a word: a name built at run time (`query_table`,
+# `query`), a dollar-quoted string, the catalog's listings.
+_INDIRECT = re.compile(r"query_table|\bquery\s*\(|\$\$|information_schema|duckdb_|\bshow\b|\bdescribe\b|"
+                       r"\bpragma\b|\bsummarize\b", re.I)
+
+
 def tables_named(text: str) -> set[str]:
     """The tables `text` (SQL) may read: each table whose name appears in it as a word (in comments
     and strings too: a name too many costs a view made for nothing, one too few would fail the
-    statement), and every table when it names one of views.sql's objects."""
+    statement), and every table when it names one of views.sql's objects or may reach a table
+    without naming it (`_INDIRECT`)."""
     named = {m.lower() for m in _NAMES.findall(text)}
-    return set(TABLES) if named & _VIEWS_SQL_OBJECTS else named & set(TABLES)
+    if named & _VIEWS_SQL_OBJECTS or _INDIRECT.search(text):
+        return set(TABLES)
+    return named & set(TABLES)
 
 
 class Session:
@@ -169,9 +178,10 @@ class Session:
         """Point this open session at another snapshot of the same buffer, for one more job.
 
         Every temporary table and view of the previous job (and any other object that neither the
-        table views nor views.sql made) is dropped in one script; every table view whose files
-        changed is re-created over the new snapshot's files (the others read the same files
-        already): nothing of the previous job stays visible. views.sql's views and macros stay:
+        table views nor views.sql made) is dropped in one script, and so is every table view whose
+        files changed: it is made again over the new snapshot's files when a statement first names
+        it (`bind`); the others read the same files already. Nothing of the previous job stays
+        visible. views.sql's views and macros stay:
         DuckDB binds a view when it is read, so they read the new table views; no SQL of rollstore
         but views.sql creates an object outside the temp catalog (tests/test_storage_sql.py checks
         every query file and built-in recipe), and user SQL is SELECT-only. The settings (limits,
@@ -184,7 +194,8 @@ class Session:
         changed = [name for name, key in keys.items() if self._bound.get(name) != key]
         drops = [f'DROP {"VIEW" if kind == "VIEW" else "TABLE"} IF EXISTS "{catalog}".main."{name}";'
                  for catalog, name, kind in self._objects()
-                 if catalog == "temp" or name not in self._own or name in changed]
+                 if catalog == "temp" or name not in self._own or name in changed
+                 or (name == MOVED_TABLE and "curated" in changed)]  # the curated view's table goes with it
         if drops:  # one script: a loop rebinds every iteration, and each statement has a fixed cost
             self._con.execute("\n".join(drops))
         self.snapshot = snapshot
@@ -328,9 +339,9 @@ class Session:
         self.bind_named(name)
         return self._con.table(name)
 
-    def one(self, sql: str, params: dict | list | None = None) -> tuple | None:
+    def one(self, sql: str, params: dict | list | None = None, reads=None) -> tuple | None:
         """First row of a query (fully consumed, so the connection is free for the next one)."""
-        rows = self.execute(sql, params).fetchall()
+        rows = self.execute(sql, params, reads).fetchall()
         return rows[0] if rows else None
 
     def threads(self) -> int:

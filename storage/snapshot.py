@@ -227,12 +227,12 @@ def _string_range(path: str, size: int, mtime_ns: int, column: str) -> tuple[str
     meta = pq.read_metadata(path)
     if not str(meta.created_by or "").startswith("parquet-cpp"):  # other writers may truncate string statistics
         return None
-    names = meta.schema.names
-    if column not in names:
+    index = [i for i in range(meta.num_columns) if meta.schema.column(i).path == column]  # a top-level column
+    if not index:
         return None
     low = high = None
     for g in range(meta.num_row_groups):
-        stats = meta.row_group(g).column(names.index(column)).statistics
+        stats = meta.row_group(g).column(index[0]).statistics
         if meta.row_group(g).num_rows == 0:
             continue
         if stats is None or not stats.has_min_max or not isinstance(stats.min, str) or stats.null_count:

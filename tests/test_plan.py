@@ -395,3 +395,60 @@ def test_a_kernel_with_the_wrong_relation_stops_a_dask_run_with_the_same_line(st
     text = str(err.value)
     assert "\n" not in text and text.startswith("kernel step fallback (version 1): column 'fallback': returned "), text
     assert "values of bool, declared" in text and "nothing was committed" in text, text
+
+
+@pytest.mark.parametrize("name", builtin_recipes())
+@pytest.mark.parametrize("sets", [{}, {"replay": "window", "amplify": "da3po", "max_reuse": "1"}])
+def test_every_sql_step_declares_the_tables_its_text_names(name, sets):
+    """A reused session makes a changed table's view only for the steps that declare the table
+    (`steps.step_tables`): every table a step's SQL names (comments left out) must be declared, or the
+    statement would fail on a rebound session (a new session has every view, so only the loop would
+    show it)."""
+    from rollstore.curate.steps import step_tables
+    from rollstore.storage.schema import TABLES
+
+    import duckdb
+
+    def identifiers(sql: str) -> set[str]:  # names as DuckDB's tokenizer reads them: no comment, no string
+        raw = sql.encode()
+        tokens = duckdb.tokenize(sql)
+        ends = [start for start, _ in tokens[1:]] + [len(raw)]
+        return {raw[a:b].decode().strip().strip('"').lower() for (a, kind), b in zip(tokens, ends)
+                if kind == duckdb.token_type.identifier}
+
+    recipe = load_recipe(name)
+    if recipe.sql is not None:
+        pytest.skip("a custom recipe's SELECT makes every view (step_tables: None)")
+    plan = plan_module.build(resolve(recipe, {"where": "step = 1", **sets}), recipe, None)
+    checked = 0
+    for step in plan.steps:
+        if step.kind != "sql":
+            continue
+        named = identifiers(step.render()) & set(TABLES)
+        assert named <= step_tables(step, {}), (step.sql, named - step_tables(step, {}))
+        checked += 1
+    assert checked > 5
+
+
+def test_a_loop_curation_of_a_new_step_makes_no_table_view(tmp_path):
+    """Through a session reused step after step (as the loop does), a d3s curation of the newest step
+    makes no view of the tables whose files changed (rollouts, curated, selections, curations): it
+    reads the rollouts shards as a relation, the record and audit of earlier steps not at all (their
+    ids meet no audit: the uses step is skipped), and checks its `where` over its own relation."""
+    from rollstore.builtin.synthetic import RowOptions
+    from rollstore.queries.session import Session
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        session = Session(buf.snapshot())
+        try:
+            for step in range(3):
+                buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, mean_tokens=5, step=step,
+                                                   options=RowOptions(id_prefix=f"s{step}")))
+                got = curate(buf, load_recipe("d3s"), {"where": f"step = {step}", "progress": "0.5"},
+                             session=session)
+                assert got.record["n_selected"] > 0
+                assert {"rollouts", "curated"} <= session._stale
+            assert {"selections", "curations"} <= session._stale
+        finally:
+            session.close()

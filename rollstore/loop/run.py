@@ -82,7 +82,7 @@ class LoopConfig:
     eval_ks: tuple[int, ...] = (1, 8)
     seed: int = 0
     run_id: str | None = None
-    threads: int | None = 1  # torch intra-op threads during the run (None: leave torch's setting)
+    threads: int | None = 1  # torch intra-op threads and the curations' DuckDB threads (None: either's default)
     epochs: int | None = None  # μ, passes per curated batch (None: the recipe's `epochs`, else train.epochs)
     lr: float | None = None  # None: the recipe's `lr`, else train.lr
 
@@ -269,7 +269,9 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     # loaded once; later versions are synced in memory
     backend = get_backend(cfg.generation.backend, ck.dir if ck else base_dir)
     pool = RewardPool()
-    session = Session(buf.snapshot())  # one DuckDB connection for the run's curations
+    # One DuckDB connection for the run's curations, with the run's thread count: at a demo batch (1k rows)
+    # DuckDB's second thread only schedules, ~5 ms of a 70 ms curation (bench/RESULTS.md, issue 37's fifth session).
+    session = Session(buf.snapshot(), threads=cfg.threads)
     run.session = session
     generation = dataclasses.replace(cfg.generation, score_batch_size=run.train_config.micro_batch_size)
     run.writer = StepWriter(buf, backend, pool, generation, run.run_id, recipe=cfg.recipe, sets=run.sets,

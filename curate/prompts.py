@@ -99,7 +99,7 @@ class SkipState:
 def state(session, run_id: str, step: int, p: Params) -> SkipState:
     """This step's state, its rates adapted from the run's previous selection (or the start rate)."""
     recorded, last_position, last_step, easy, hard, groups, all_correct, all_wrong = session.one(
-        render("prompt_skip_state"), {"run": run_id, "step": int(step)})
+        render("prompt_skip_state"), {"run": run_id, "step": int(step)}, reads={"prompt_selections", "rollouts"})
     start = float(p["skip_explore_start"])
     if last_step is None:
         r = Rates(start, start)
@@ -113,7 +113,7 @@ def history(session, run_id: str, step: int, prompt_ids: Sequence[str], window: 
     """prompt_id → (groups_seen, z, kind) for the candidates that have history in the run."""
     session.load("skip_candidates", pa.table({"prompt_id": pa.array(sorted(set(prompt_ids)), pa.string())}))
     sql = render("prompt_history", {"candidates": "skip_candidates"})
-    t = session.table(sql, {"run": run_id, "step": int(step), "window": int(window)})
+    t = session.table(sql, {"run": run_id, "step": int(step), "window": int(window)}, reads={"rollouts"})
     return {pid: (int(n), int(z), kind) for pid, n, z, kind in zip(*(t.column(c).to_pylist() for c in
                                                                        ("prompt_id", "groups_seen", "z", "kind")))}
 

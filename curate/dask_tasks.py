@@ -146,13 +146,13 @@ def map_shard(ctx: TaskContext, i: int) -> list[dict[str, pa.Table]]:
               "selections": Audits(ctx.audits)}
     with _session(ctx, whole=True) as s, s.deadline(ctx.timeout):
         runner = Runner(s, dict(ctx.values))
-        written: dict[str, pa.Table] = {}
+        names: dict[str, None] = {}  # the tables the steps wrote, each unloaded once, after the last step
         for step in ctx.plan.steps:
             bound = bound_relations(step, inputs, s) if step.at == PER_SHARD else None
             if bound is not None:  # None: not placed here, or nothing to read (`steps.bound_relations`)
                 runner.run(step, bound)
-                written.update((name, s.unload(name)) for name in step.writes)
-        written = {name: _tag(table, i if name == "work" else None, ctx.partitions) for name, table in written.items()}
+                names.update(dict.fromkeys(step.writes))
+        written = {name: _tag(s.unload(name), i if name == "work" else None, ctx.partitions) for name in names}
     split = {name: _split(table, "part", ctx.partitions) for name, table in written.items()}
     return [{name: parts[j] for name, parts in split.items()} for j in range(ctx.partitions)]
 

@@ -205,7 +205,7 @@ class Session:
 
     def bind(self, tables=None) -> None:
         """Make the views of `tables` (names; None: every table) that a `rebind` left to make. A
-        loop's curation reads three of the eight tables: the others' views are made by the first
+        loop's curation of a new step reads none of the eight tables' views: they are made by the first
         statement that names them, or never (the `curated` view, over every rollouts shard, cost
         3-4 ms to make at 20 iterations)."""
         wanted = self._stale if tables is None else self._stale.intersection(tables)

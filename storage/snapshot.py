@@ -246,9 +246,14 @@ def string_range(path: str, column: str) -> tuple[str, str] | None:
     """(smallest, largest) value of the string `column` in the Parquet file at `path`, from its
     row groups' statistics, read once per process and file (as `file_schema`); None when the
     footer cannot tell (no statistics, nulls, a writer other than Arrow's, which may truncate
-    them): the caller must then assume any value. A file without rows gives ("", "")."""
-    st = os.stat(path)
-    return _string_range(path, st.st_size, st.st_mtime_ns, column)
+    them) or cannot be read (whoever reads the file then meets the problem and says so in one line,
+    and the inputs' sha256 check names the file): the caller must then assume any value. A file
+    without rows gives ("", "")."""
+    try:
+        st = os.stat(path)
+        return _string_range(path, st.st_size, st.st_mtime_ns, column)
+    except (OSError, pa.ArrowException):
+        return None
 
 
 def stores_response_length(path: str) -> bool:

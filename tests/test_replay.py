@@ -315,3 +315,6 @@ def test_string_range_reads_arrow_statistics_and_gives_up_on_anything_else(tmp_p
     duckdb.sql(f"COPY (SELECT 'a' AS rollout_id) TO '{tmp_path / 'd.parquet'}' (FORMAT parquet)")
     assert string_range(str(tmp_path / "d.parquet"), "rollout_id") is None
     assert string_range(str(tmp_path / "a.parquet"), "other") is None
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")  # unreadable: any value, no traceback
+    assert string_range(str(tmp_path / "bad.parquet"), "rollout_id") is None
+    assert string_range(str(tmp_path / "gone.parquet"), "rollout_id") is None

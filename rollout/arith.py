@@ -40,6 +40,7 @@ from .prompts import Prompt, prompt_hash, task_levels
 SOURCE = "builtin:arith"
 HELDOUT_SEED = "heldout-v2"  # fixed: the held-out list never depends on a caller's seed
 HELDOUT_PERCENT = 20
+MAX_NEW_TOKENS = 8  # sampling budget of a response: the answer is a few digits
 TEACHER_SLIP = 0.7  # how often the warm-start teacher forgets every carry
 OPERANDS = range(10, 100)
 _MAX_TRIES = 200  # draws spent looking for an unseen expression before accepting a repeat
@@ -191,3 +192,8 @@ def warmup_examples(
         a, b = (int(x) for x in p.prompt.rstrip("=").split("+"))
         out.append((p.prompt, str(carry_free_sum(a, b)) if rng.random() < slip else p.gold_answer))
     return out
+
+
+def final_answer(text: str) -> str:
+    """The result a response states: the whole response, stripped."""
+    return text.strip()

@@ -39,6 +39,7 @@ from .prompts import Prompt, prompt_hash, task_levels
 
 SOURCE = "builtin:carries"
 HELDOUT_PERCENT = 20
+MAX_NEW_TOKENS = 8  # sampling budget of a response: the answer is a few digits
 TEACHER_SLIP = 0.5  # how often the warm-start teacher forgets each carry, independently
 OPERANDS = range(100, 1000)
 _MAX_TRIES = 1000  # draws spent looking for an unseen training expression before accepting a repeat
@@ -156,3 +157,8 @@ def warmup_examples(n: int, seed: int = 0, split: str = "train", levels: tuple[i
 def teacher_accuracy(level: int, slip: float = TEACHER_SLIP) -> float:
     """How often the weak teacher is right on a prompt of `level`."""
     return (1 - slip) ** level
+
+
+def final_answer(text: str) -> str:
+    """The result a response states: the whole response, stripped."""
+    return text.strip()

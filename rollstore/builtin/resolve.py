@@ -43,15 +43,20 @@ from rollstore.storage.errors import RollstoreError
 TINY_REF = "builtin:tiny"
 ARITH_REF = "builtin:arith"
 CARRIES_REF = "builtin:carries"
+CHAINS_REF = "builtin:chains"
 # built-in policies and prompt sources, by the task (a module of rollout/) they belong to
-TINY_MODELS = {TINY_REF: "arith", "builtin:tiny-carries": "carries"}
-TASK_PROMPTS = {ARITH_REF: "arith", CARRIES_REF: "carries"}
+TINY_MODELS = {TINY_REF: "arith", "builtin:tiny-carries": "carries", "builtin:tiny-chains": "chains"}
+TASK_PROMPTS = {ARITH_REF: "arith", CARRIES_REF: "carries", CHAINS_REF: "chains"}
 TINY_INFO = "rollstore_tiny.json"
 TINY_BUILD_VERSION = 3  # bump when build_tiny or the arithmetic task changes what a key produces
 DEFAULT_WARMUP_EXAMPLES = 20000
 HELDOUT_EVAL = 500
 WARM_TARGET = 0.20  # builtin:arith: every level's sampled dev accuracy at which the warm start stops
 WARM_FRACTION = 2 / 3  # builtin:carries: the same, as a fraction of the teacher's accuracy on the level
+# builtin:chains: the working must be learnt nearly exactly before RL, so the warm start stops later, and
+# only on the levels the teacher mostly gets right (a level right 1 % of the time gives no usable check)
+WARM_FRACTION_CHAINS = 0.9
+WARM_CHAINS_MIN_TEACHER = 0.3
 WARM_CHECK_EVERY = 100
 WARM_DEV_PROMPTS = 240  # held-out prompts after the evaluation's first HELDOUT_EVAL
 WARM_DEV_SAMPLES = 4
@@ -62,10 +67,10 @@ def cache_root() -> str:
 
 
 def task_module(task: str):
-    """The rollout module of a built-in task (`arith`, `carries`)."""
-    from rollstore.rollout import arith, carries
+    """The rollout module of a built-in task (`arith`, `carries`, `chains`)."""
+    from rollstore.rollout import arith, carries, chains
 
-    return {"arith": arith, "carries": carries}[task]
+    return {"arith": arith, "carries": carries, "chains": chains}[task]
 
 
 def warm_targets(task: str) -> dict[int, float]:
@@ -73,6 +78,9 @@ def warm_targets(task: str) -> dict[int, float]:
     mod = task_module(task)
     if task == "arith":
         return {level: WARM_TARGET for level in mod.LEVELS}
+    if task == "chains":
+        accs = {level: mod.teacher_accuracy(level) for level in mod.LEVELS}
+        return {level: round(WARM_FRACTION_CHAINS * a, 4) for level, a in accs.items() if a >= WARM_CHAINS_MIN_TEACHER}
     return {level: round(WARM_FRACTION * mod.teacher_accuracy(level), 4) for level in mod.LEVELS}
 
 
@@ -82,6 +90,12 @@ def task_model(prompts_ref: str) -> str | None:
     if base is None:
         return None
     return next(ref for ref, task in TINY_MODELS.items() if task == TASK_PROMPTS[base])
+
+
+def task_max_new_tokens(prompts_ref: str, default: int = 8) -> int:
+    """The sampling budget a built-in task's responses need (`builtin:chains`: 40), else `default`."""
+    base = next((b for b in TASK_PROMPTS if prompts_ref == b or prompts_ref.startswith(b + ":")), None)
+    return default if base is None else task_module(TASK_PROMPTS[base]).MAX_NEW_TOKENS
 
 
 def tiny_spec(steps: int | None = None, seed: int = 0, examples: int = DEFAULT_WARMUP_EXAMPLES,
@@ -119,25 +133,31 @@ def _complete(path: str) -> bool:
     return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json", TINY_INFO))
 
 
-def _per_level(prompts, gens) -> dict[str, float]:
+def _right(task: str, text: str, gold: str) -> bool:
+    """Whether a response states the gold result (the task's own reading of its result)."""
+    return task_module(task).final_answer(text) == gold
+
+
+def _per_level(prompts, gens, task: str = "arith") -> dict[str, float]:
     per: dict[int, list[bool]] = {}
     for p, group in zip(prompts, gens):
-        per.setdefault(p.difficulty, []).extend(g.text.strip() == p.gold_answer for g in group)
+        per.setdefault(p.difficulty, []).extend(_right(task, g.text, p.gold_answer) for g in group)
     return {str(k): sum(v) / len(v) for k, v in sorted(per.items())}
 
 
-def level_accuracy(backend, prompts, samples: int = 0, seed: int = 0) -> dict:
-    """Greedy (and, with `samples`, sampled at T=1) exact-match accuracy per level on arithmetic prompts."""
+def level_accuracy(backend, prompts, samples: int = 0, seed: int = 0, task: str = "arith") -> dict:
+    """Greedy (and, with `samples`, sampled at T=1) exact-match accuracy per level on a built-in task's prompts."""
     texts = [p.prompt for p in prompts]
-    greedy = backend.generate(texts, 1, 8, temperature=0.0)
-    hits = sum(g[0].text.strip() == p.gold_answer for p, g in zip(prompts, greedy))
-    per_level = _per_level(prompts, greedy)
+    budget = task_module(task).MAX_NEW_TOKENS
+    greedy = backend.generate(texts, 1, budget, temperature=0.0)
+    hits = sum(_right(task, g[0].text, p.gold_answer) for p, g in zip(prompts, greedy))
+    per_level = _per_level(prompts, greedy, task)
     out = {"accuracy": hits / len(prompts), "level_mean": sum(per_level.values()) / len(per_level),
            "per_level": per_level, "n": len(prompts)}
     if samples:
-        sampled = backend.generate(texts, samples, 8, temperature=1.0, seed=seed)
-        out["sampled_per_level"] = _per_level(prompts, sampled)
-        out["sampled"] = sum(g.text.strip() == p.gold_answer for p, gs in zip(prompts, sampled) for g in gs) / (
+        sampled = backend.generate(texts, samples, budget, temperature=1.0, seed=seed)
+        out["sampled_per_level"] = _per_level(prompts, sampled, task)
+        out["sampled"] = sum(_right(task, g.text, p.gold_answer) for p, gs in zip(prompts, sampled) for g in gs) / (
             samples * len(prompts))
     return out
 
@@ -151,7 +171,7 @@ def heldout_accuracy(model_dir: str, n: int = HELDOUT_EVAL, split: str = "train"
     """
     from rollstore.rollout.backends.hf import HFBackend
 
-    return level_accuracy(HFBackend(model_dir), task_module(task).heldout_prompts(n, split=split), samples)
+    return level_accuracy(HFBackend(model_dir), task_module(task).heldout_prompts(n, split=split), samples, task=task)
 
 
 def _target_check(checks: list[dict], task: str = "arith"):
@@ -167,9 +187,10 @@ def _target_check(checks: list[dict], task: str = "arith"):
         if step % WARM_CHECK_EVERY:
             return False
         texts = [p.prompt for p in dev]
-        gens = HFBackend.from_model(model, tokenizer).generate(texts, WARM_DEV_SAMPLES, 8, seed=step)
+        gens = HFBackend.from_model(model, tokenizer).generate(texts, WARM_DEV_SAMPLES,
+                                                                task_module(task).MAX_NEW_TOKENS, seed=step)
         model.train()
-        per_level = _per_level(dev, gens)
+        per_level = _per_level(dev, gens, task)
         checks.append({"step": step, "sampled_per_level": per_level})
         return all(per_level[str(level)] >= t for level, t in targets.items())
 

@@ -502,7 +502,7 @@ def loop(
         return {k: v for k, v in kw.items() if v is not None}
 
     Buffer.init(buffer).close()
-    defaults = LoopConfig(buffer=buffer)
+    defaults = LoopConfig(buffer=buffer, **given(prompts=prompts))  # a built-in task's token budget
     if model is None and prompts is not None:
         from rollstore.builtin.resolve import task_model
 

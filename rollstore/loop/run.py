@@ -47,8 +47,11 @@ from rollstore.storage.buffer import Buffer
 from rollstore.storage.timing import Stopwatch
 
 
-def _loop_generation() -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=8)
+def _loop_generation(prompts: str) -> GenerationConfig:
+    """The loop's sampling: up to 8 new tokens, or what a built-in task's responses need (builtin:chains: 40)."""
+    from rollstore.builtin.resolve import task_max_new_tokens
+
+    return GenerationConfig(max_new_tokens=task_max_new_tokens(prompts, 8))
 
 
 def _loop_training() -> TrainConfig:
@@ -68,7 +71,7 @@ class LoopConfig:
     iterations: int = 40
     recipe: str = "d3s"
     sets: dict = field(default_factory=dict)
-    generation: GenerationConfig = field(default_factory=_loop_generation)
+    generation: GenerationConfig | None = None  # None: _loop_generation(prompts)
     train: TrainConfig = field(default_factory=_loop_training)
     prompts_per_iter: int = 128
     pool_size: int = 2048  # > 0: train on a fixed pool of this many prompts, in epochs (see _batch_prompts)
@@ -85,6 +88,10 @@ class LoopConfig:
     threads: int | None = 1  # torch intra-op threads and the curations' DuckDB threads (None: either's default)
     epochs: int | None = None  # μ, passes per curated batch (None: the recipe's `epochs`, else train.epochs)
     lr: float | None = None  # None: the recipe's `lr`, else train.lr
+
+    def __post_init__(self):
+        if self.generation is None:
+            self.generation = _loop_generation(self.prompts)
 
     def effective_train(self) -> TrainConfig:
         """`train` with μ and the learning rate this run uses: the caller's, else the recipe's."""

@@ -70,6 +70,7 @@ SPLITS = {
     "train": ("builtin:arith", "heldout", "builtin:tiny"),
     "harder": ("builtin:arith:harder", "heldout-harder", "builtin:tiny"),
     "carries": ("builtin:carries", "heldout", "builtin:tiny-carries"),  # three digits, levels 0–3 carries
+    "chains": ("builtin:chains", "heldout", "builtin:tiny-chains"),  # the working written out, 29–33 tokens
 }
 
 
@@ -79,6 +80,7 @@ def run_one(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from rollstore.builtin.resolve import task_max_new_tokens
     from rollstore.learner.config import TrainConfig
     from rollstore.loop.generate import GenerationConfig
     from rollstore.loop import LoopConfig, run_loop
@@ -97,7 +99,7 @@ def run_one(job: dict) -> dict:
     cfg = LoopConfig(
         buffer=root, model=job["model"], prompts=SPLITS[job["split"]][0], recipe=job["recipe"],
         sets=dict(job["sets"]), iterations=job["iterations"], prompts_per_iter=job["prompts"],
-        generation=GenerationConfig(group_size=job["group_size"], max_new_tokens=8),
+        generation=GenerationConfig(group_size=job["group_size"], max_new_tokens=task_max_new_tokens(SPLITS[job["split"]][0])),
         train=TrainConfig(lr=job["lr"], micro_batch_size=job["micro_batch"], grad_accum=job["grad_accum"],
                           warmup_steps=job["warmup"]),
         eval_every=job["eval_every"], eval_prompts=job["eval_prompts"],

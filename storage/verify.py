@@ -248,17 +248,24 @@ def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -
     verify_shards(root, sorted(wanted.values(), key=lambda s: s.shard_id))
 
 
-def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
-    """Retire the shards of `problems` in one manifest commit (their rollout and group ids are
-    released) and move their files, when present, to `quarantine/<path>`. Returns the commit seq."""
-    ids = [p.shard.shard_id for p in problems]
+def retire(manifest: Manifest, shards: list[Shard], kind: str, detail: dict | None = None) -> int:
+    """Retire `shards` in one manifest commit of `kind` (their rollout and group ids are released;
+    their files are left where they are). Returns the commit seq."""
+    ids = [s.shard_id for s in shards]
     marks = ",".join("?" * len(ids))
     with manifest.transaction() as con:
-        seq = manifest.new_commit(con, "quarantine", {"shards": ids, "paths": [p.shard.path for p in problems]})
+        seq = manifest.new_commit(con, kind, {"shards": ids, "paths": [s.path for s in shards], **(detail or {})})
         con.execute(f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND shard_id IN ({marks})",
                     [seq, *ids])
         con.execute(f"DELETE FROM rollout_ids WHERE shard_id IN ({marks})", ids)
         con.execute(f"DELETE FROM group_ids WHERE shard_id IN ({marks})", ids)
+    return seq
+
+
+def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
+    """Retire the shards of `problems` in one manifest commit (their rollout and group ids are
+    released) and move their files, when present, to `quarantine/<path>`. Returns the commit seq."""
+    seq = retire(manifest, [p.shard for p in problems], "quarantine")
     for p in problems:
         src = os.path.join(root, p.shard.path)
         if os.path.exists(src):

@@ -262,12 +262,23 @@ def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an 
 @guarded
 def verify(
     buffer: str,
-    quarantine: bool = typer.Option(False, "--quarantine", help="Retire every bad shard (moved to BUFFER/quarantine/)."),
+    quarantine: bool = typer.Option(False, "--quarantine", help="Retire every shard whose bytes were read and found "
+                                    "wrong (moved to BUFFER/quarantine/); refused on a host that does not see the data."),
+    restore: bool = typer.Option(False, "--restore", help="Un-retire every quarantined shard whose bytes verify again."),
 ):
     """Check every live shard against the manifest (exists, size, sha256); name each bad file."""
     from rollstore.storage import verify as v
 
+    if quarantine and restore:
+        fail("--quarantine and --restore go one at a time")
     with open_buffer(buffer) as buf:
+        if restore:
+            restored, left = v.restore(buf.root, buf.manifest)
+            for line in left:
+                err.print(line, highlight=False, markup=False)
+            out.print(f"restored {len(restored)} quarantined shard(s); {len(left)} left quarantined", highlight=False,
+                      markup=False)
+            return
         shards = buf.manifest.shards()
         problems = v.scan(buf.root, buf.manifest)
         for p in problems:
@@ -283,9 +294,18 @@ def verify(
             fail(f"{len(dangling)} curated shards refer to rollouts rows that do not resolve; curate again "
                  "(their curations cannot be trained)")
         if quarantine:
-            seq = v.quarantine(buf.root, buf.manifest, problems)
-            out.print(f"quarantined {len(problems)} of {len(shards)} shards (commit {seq}); "
-                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}", highlight=False, markup=False)
+            chosen = v.quarantinable(buf.root, buf.manifest, shards, problems)
+            if not chosen:
+                fail(f"none of the {len(problems)} bad shards was read here (missing files of a buffer whose data folder "
+                     "has no identity marker): nothing was quarantined; restore the files")
+            seq = v.quarantine(buf.root, buf.manifest, chosen)
+            out.print(f"quarantined {len(chosen)} of {len(shards)} shards (commit {seq}); "
+                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}; "
+                      f"`rollstore verify {buf.root} --restore` brings back those that verify again",
+                      highlight=False, markup=False)
+            if len(chosen) < len(problems):
+                fail(f"{len(problems) - len(chosen)} missing shard(s) left live: this folder has no identity marker "
+                     "to tell a missing file from one this host cannot see; restore them")
             return
     fail(f"{len(problems)} of {len(shards)} shards do not match the manifest; {v.advice(os.path.abspath(buffer))}")
 

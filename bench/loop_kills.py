@@ -10,9 +10,17 @@ would publish):
 - `curation`: the step's curation was committed (StepWriter.curate returned);
 - `train`:    the learner trained the curation in memory, nothing published yet;
 - `publish`:  the checkpoint (ledger, training rows, lease acks) was committed;
-- `ack`:      the publish transaction acked the consumed shards' leases (a learner that leases,
-              `rollstore train --follow`), killed before that transaction commits; in the loop, which
-              leases nothing, the point is the moment its sampler loaded the published weights.
+- `synced`:   the sampler loaded the published weights (the iteration's last line before the next).
+
+The loop leases nothing; the lease ack is the two-process mode's (`rollstore generate --follow`
+beside `rollstore train --follow`, which leases each curation and acks it in the transaction that
+publishes its checkpoint). Its trials run both processes; the learner is SIGKILLed at
+
+- `ack`:      its publish transaction acked the leases, before that transaction commits;
+- `publish`:  that transaction committed;
+
+then a new learner of the same run takes over (the dead one's leases expire: the trial sets a 2 s
+TTL) and the generator finishes its steps. The same checker reads the learner's run.
 
 The checker's violations (each trial must have none):
 - `step-twice`:   two curations of one step's rows (same `where`) trained into the run;
@@ -49,7 +57,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-POINTS = ("rollouts", "curation", "train", "publish", "ack")
+POINTS = ("rollouts", "curation", "train", "publish", "synced")
+LEASE_POINTS = ("ack", "publish")
 RECIPES = ("grpo", "greso", "d3s", "replay-d3s")
 REPLAYING = {"replay-d3s"}  # recipes whose curations select stored rows of earlier steps again
 
@@ -92,9 +101,10 @@ def arm(point: str, nth: int) -> None:
         die_after(consume, "save_checkpoint")
     elif point == "ack":
         die_after(Manifest, "ack_paths")  # inside the publish transaction of a leasing learner
+    elif point == "synced":
         real_train = run._Run.train
 
-        def train_then_die(self, *a, **k):  # the loop leases nothing: after its weights are loaded
+        def train_then_die(self, *a, **k):
             out = real_train(self, *a, **k)
             seen[0] += 1
             if seen[0] == nth:
@@ -108,6 +118,11 @@ def arm(point: str, nth: int) -> None:
 
 def in_child(fn, *args) -> tuple[str, object]:
     """Run fn(*args) in a forked child; ("killed" | "ok" | "error", its JSON result or the error)."""
+    return reap(*spawn(fn, *args))
+
+
+def spawn(fn, *args) -> tuple[int, int]:
+    """Start fn(*args) in a forked child; (its pid, the read end of its result pipe)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -125,6 +140,11 @@ def in_child(fn, *args) -> tuple[str, object]:
             fh.write(json.dumps(out, default=str))
         os._exit(code)
     os.close(w)
+    return pid, r
+
+
+def reap(pid: int, r: int) -> tuple[str, object]:
+    """Wait for a child of `spawn`; as `in_child`."""
     with os.fdopen(r) as fh:
         text = fh.read()
     _, status = os.waitpid(pid, 0)
@@ -157,8 +177,75 @@ def _train(root: str, run_id: str) -> int:
     return len(run_train(root, "builtin:tiny", train_config(), run_id, [], Console(file=io.StringIO())))
 
 
-def check(root: str, run_id: str, replaying: bool) -> list[str]:
-    """The exactly-once violations of `run_id` in the buffer at `root` (see the module docstring)."""
+def _generate_follow(root: str, recipe: str, steps: int) -> int:
+    """The generator of the two-process mode: `steps` steps of run `gen`, each curated."""
+    import io
+
+    from rich.console import Console
+
+    from rollstore.loop.generate import GenerationConfig
+    from rollstore.loop.generator import Follow, PromptSource, run_generate
+
+    return len(run_generate(root, "builtin:tiny", PromptSource("builtin:arith", 4),
+                            GenerationConfig(max_new_tokens=8, group_size=4), "gen", steps,
+                            Console(file=io.StringIO()), follow=Follow(0, recipe)))
+
+
+def _learn(root: str, point: str | None, nth: int, max_idle: float) -> int:
+    """The learner of the two-process mode (run `learner`, leases of 2 s), armed at `point`."""
+    import io
+
+    from rich.console import Console
+
+    from rollstore.cli.defaults import train_config
+    from rollstore.loop.trainer import run_train
+    from rollstore.storage.buffer import Buffer
+
+    real = Buffer.lease
+    Buffer.lease = lambda self, table, n, consumer, group="default", ttl=600.0: real(self, table, n, consumer,
+                                                                                      group, 2.0)
+    if point is not None:
+        arm(point, nth)
+    return len(run_train(root, "builtin:tiny", train_config(), "learner", [], Console(file=io.StringIO()),
+                         follow=True, poll=0.1, max_idle=max_idle))
+
+
+def lease_trial(recipe: str, point: str, nth: int, steps: int) -> dict:
+    """One trial of the two-process mode in a fresh buffer (see the module docstring)."""
+    from rollstore.storage.buffer import Buffer
+
+    tmp = tempfile.mkdtemp(prefix="lease-kill-")
+    root = os.path.join(tmp, "buf")
+    try:
+        Buffer.init(root).close()
+        gen = spawn(_generate_follow, root, recipe, steps)
+        first, _ = reap(*spawn(_learn, root, point, nth, 60.0))
+        violations: list[str] = []
+        second = spawn(_learn, root, None, 0, 4.0)
+        state, out = reap(*gen)
+        if state != "ok":
+            violations.append(f"generator failed: {state} {out}")
+        state, out = reap(*second)
+        if state != "ok":
+            violations.append(f"resume-failed: {state} {out}")
+        state, late = in_child(_train, root, "learner")
+        if state == "ok" and late:
+            violations.append(f"late-train: {late} checkpoint(s)")
+        elif state != "ok" and "nothing to train" not in str(late):
+            violations.append(f"late-train failed: {late}")
+        state, found = in_child(check, root, "learner", recipe in REPLAYING, "gen", steps)
+        violations += found if state == "ok" else [f"check failed: {found}"]
+        return {"recipe": recipe, "point": f"{point} (train --follow)", "nth": nth, "iterations": steps,
+                "killed": first == "killed", "violations": violations}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check(root: str, run_id: str, replaying: bool, data_run: str | None = None,
+          steps: int | None = None) -> list[str]:
+    """The exactly-once violations of `run_id` in the buffer at `root` (see the module docstring);
+    `data_run`: the run whose steps were curated (the loop's own; the generator's in the two-process
+    mode), `steps`: how many of its steps must have been trained (the two-process mode)."""
     from rollstore.learner.checkpoint import list_checkpoints
     from rollstore.learner.consume import shard_curation_id
     from rollstore.queries.session import Session
@@ -172,9 +259,11 @@ def check(root: str, run_id: str, replaying: bool) -> list[str]:
         with buf.snapshot() as snap, Session(snap) as s:
             rows = s.execute("SELECT curation_id, json_extract_string(params, '$.where') FROM curations").fetchall()
             where = dict(rows)
-            prefix = f"run_id = '{run_id}' AND step = "
+            prefix = f"run_id = '{data_run or run_id}' AND step = "
             by_step = collections.Counter(where.get(c) for c in trained)
             bad += [f"step-twice: {w}" for w, n in by_step.items() if n > 1]
+            if steps is not None and len([w for w in by_step if w and w.startswith(prefix)]) != steps:
+                bad.append(f"steps-trained: {len(by_step)} of {steps}")
             for cid, w in rows:
                 if w and w.startswith(prefix) and cid not in trained and cid in live_curated:
                     bad.append(f"left-pending: {cid} ({w})")
@@ -227,8 +316,10 @@ def warm() -> None:
     run._prompt_pool("builtin:arith", 64, 0)
 
 
-def plan(trials: int, seed: int, recipes=RECIPES, points=POINTS) -> list[tuple[str, str, int, int]]:
-    """`trials` (recipe, point, nth, iterations), every recipe × point about equally often."""
+def plan(trials: int, seed: int, recipes=RECIPES, points=POINTS + tuple(f"lease-{p}" for p in LEASE_POINTS)
+         ) -> list[tuple[str, str, int, int]]:
+    """`trials` (recipe, point, nth, iterations), every recipe × point about equally often (a
+    `lease-` point: the two-process mode's trial)."""
     rng = random.Random(seed)
     cells = [(r, p) for r in recipes for p in points]
     out = []
@@ -244,7 +335,8 @@ def table(results: list[dict]) -> str:
     for r in results:
         cells[(r["point"], r["recipe"])].append(r)
     lines = ["| kill point | recipe | trials | killed there | violations |", "|---|---|---:|---:|---:|"]
-    for (point, recipe), rs in sorted(cells.items(), key=lambda kv: (POINTS.index(kv[0][0]), kv[0][1])):
+    order = list(POINTS) + [f"{p} (train --follow)" for p in LEASE_POINTS]
+    for (point, recipe), rs in sorted(cells.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
         lines.append(f"| {point} | {recipe} | {len(rs)} | {sum(r['killed'] for r in rs)} | "
                      f"{sum(bool(r['violations']) for r in rs)} |")
     total = len(results)
@@ -258,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=47)
     ap.add_argument("--recipes", default=",".join(RECIPES))
-    ap.add_argument("--points", default=",".join(POINTS))
+    ap.add_argument("--points", default=",".join(POINTS + tuple(f"lease-{p}" for p in LEASE_POINTS)))
     ap.add_argument("--without-fix", action="store_true", help="the loop before issue 47 (curates a step again)")
     ap.add_argument("--results", action="store_true", help="append the table to bench/RESULTS.md")
     args = ap.parse_args(argv)
@@ -268,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n, (recipe, point, nth, iterations) in enumerate(plan(args.trials, args.seed, args.recipes.split(","),
                                                                args.points.split(","))):
-        r = trial(recipe, point, nth, iterations, fixed=not args.without_fix)
+        if point.startswith("lease-"):
+            r = lease_trial(recipe, point[len("lease-"):], nth, iterations)
+        else:
+            r = trial(recipe, point, nth, iterations, fixed=not args.without_fix)
         results.append(r)
         if r["violations"]:
             print(f"trial {n}: {recipe} {point} #{nth}/{iterations}: {r['violations']}", flush=True)

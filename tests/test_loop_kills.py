@@ -17,7 +17,8 @@ def warmed():
 
 @pytest.mark.parametrize("recipe,point,nth", [("grpo", "curation", 1), ("greso", "curation", 2),
                                                ("replay-d3s", "curation", 2), ("d3s", "train", 1),
-                                               ("grpo", "publish", 1), ("greso", "rollouts", 1)])
+                                               ("grpo", "publish", 1), ("greso", "rollouts", 1),
+                                               ("d3s", "synced", 1)])
 def test_killed_loop_resumes_exactly_once(warmed, recipe, point, nth):
     r = loop_kills.trial(recipe, point, nth, iterations=2)
     assert r["killed"], r
@@ -29,3 +30,11 @@ def test_checker_catches_a_step_curated_again(warmed):
     assert r["killed"]
     assert any(v.startswith("late-train") for v in r["violations"]), r
     assert any(v.startswith("step-twice") for v in r["violations"]), r
+
+
+def test_leasing_learner_killed_after_its_ack_resumes_exactly_once(warmed):
+    """The two-process mode: `train --follow` SIGKILLed after its publish transaction acked the
+    leases (before it commits); a new learner of the run takes over beside the generator."""
+    r = loop_kills.lease_trial("grpo", "ack", 2, steps=2)
+    assert r["killed"], r
+    assert r["violations"] == [], r

@@ -243,7 +243,7 @@ class Buffer:
             schema={"version": pl.Int64, "curation_ids": pl.List(pl.Utf8), "loss": pl.Float64,
                     "tokens": pl.Int64, "path": pl.Utf8})
 
-    def _curation_id(self, curation) -> str:
+    def _curation_id(self, curation, command: str = "train", name: str = "curation") -> str:
         from rollstore.curation import Curation
 
         if isinstance(curation, Curation):
@@ -251,7 +251,7 @@ class Buffer:
                 raise RollstoreError(f"curation {curation.id} belongs to the buffer {curation.buffer.root}, "
                                      f"not {self.root}")
             return curation.id
-        return rules.text("train", "curation", curation)
+        return rules.text(command, name, curation)
 
 
 __all__ = ["Buffer", "open"]

@@ -48,11 +48,19 @@ HOSTILE = {
               "loss": NOT_TEXT + ["nope"], "lr": POSITIVE, "epochs": COUNT, "micro_batch_size": COUNT,
               "grad_accum": COUNT, "run_id": NOT_TEXT},
 }
+# the curation handle's methods (rs.Curation), called on the buffer's latest curation
+ON_CURATION = {
+    "batches": {"batch_size": COUNT, "shuffle_seed": [-1, 2**32, NAN, True, "0", 1.5],
+                "pad_id": [-1, NAN, 10**30, "x", None, 1.5]},
+    "compare": {"other": [None, 3, b"x", "cur-nope", "a\x00b"]},
+    "why": {"rollout_id": [None, 3, b"x", ["x"], "no-such-rollout"]},
+}
+HOSTILE.update(ON_CURATION)
 # a recipe parameter passed as a keyword of `curate` (**params): hostile values of a few
 RECIPE_PARAMS = {"sample_fraction": [NAN, INF, -1, 2, True, "x"], "skip_explore_min": [NAN, -1, 2],
                  "max_policy_lag": [-1, NAN, 2.5, 10**30], "where": [3, "no_such_column > 1", "1; DROP TABLE x"],
                  "no_such_parameter": [1]}
-VALID = {"sql": {"query": "SELECT 1"}, "curate": {"recipe": "grpo"}}
+VALID = {"sql": {"query": "SELECT 1"}, "curate": {"recipe": "grpo"}, "batches": {"batch_size": 4}}
 
 
 def _calls():
@@ -90,9 +98,12 @@ def state(root: str) -> tuple:
 
 
 def test_every_keyword_of_every_public_method_has_hostile_values():
-    methods = {"open": rs.open, **{m: getattr(rs.Buffer, m) for m in HOSTILE if m != "open"}}
-    public = {n for n, v in vars(rs.Buffer).items() if callable(v) and not n.startswith("_")}
-    assert public <= set(HOSTILE), f"public methods of rs.Buffer without hostile values: {public - set(HOSTILE)}"
+    methods = {"open": rs.open, **{m: getattr(rs.Curation if m in ON_CURATION else rs.Buffer, m)
+                                   for m in HOSTILE if m != "open"}}
+    for cls in (rs.Buffer, rs.Curation):
+        public = {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")
+                  and [p for p in inspect.signature(v).parameters if p != "self"]}  # (those with keywords)
+        assert public <= set(HOSTILE), f"public methods of {cls.__name__} without hostile values: {public - set(HOSTILE)}"
     for name, fn in methods.items():
         params = [p for p in inspect.signature(fn).parameters.values()
                   if p.name != "self" and p.kind is not p.VAR_KEYWORD]
@@ -107,7 +118,8 @@ def refused(root: str, tmp_path_factory, method: str, kwargs: dict) -> str:
         if method == "open":
             rs.open(**{"path": str(tmp_path_factory.mktemp("open") / "new"), **kwargs})
         else:
-            getattr(rs.open(root), method)(**{**VALID.get(method, {}), **kwargs})
+            target = rs.open(root).curation() if method in ON_CURATION else rs.open(root)
+            getattr(target, method)(**{**VALID.get(method, {}), **kwargs})
     text = str(exc.value)
     assert text and "\n" not in text, (method, kwargs, text)
     assert state(root) == before, f"{method}({kwargs!r}) wrote something"

@@ -92,6 +92,7 @@ GENERATE = {"group_size": COUNT, "num_prompts": COUNT, "policy_version": VERSION
             "max_new_tokens": COUNT, "temperature": TEMPERATURE, "top_p": FRACTION}
 CURATE = {"snapshot": SEQ, "timeout": CURATE_TIMEOUT}
 SQL = {"snapshot": SEQ, "timeout": SQL_TIMEOUT}
+BATCHES = {"batch_size": COUNT, "shuffle_seed": SEED, "pad_id": VERSION}  # Curation.batches (no command)
 
 
 def check(command: str, table: Mapping[str, Rule], values: Mapping[str, Any], optional=()) -> None:

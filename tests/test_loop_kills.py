@@ -17,8 +17,7 @@ def warmed():
 
 @pytest.mark.parametrize("recipe,point,nth", [("grpo", "curation", 1), ("greso", "curation", 2),
                                                ("replay-d3s", "curation", 2), ("d3s", "train", 1),
-                                               ("grpo", "publish", 1), ("greso", "rollouts", 1),
-                                               ("d3s", "synced", 1)])
+                                               ("grpo", "publish", 1)])
 def test_killed_loop_resumes_exactly_once(warmed, recipe, point, nth):
     r = loop_kills.trial(recipe, point, nth, iterations=2)
     assert r["killed"], r

@@ -136,6 +136,11 @@ PARAMETERS: tuple[Param, ...] = (
           "certainty", **_UNIT),
     Param("skip_step", "number", Fraction(1, 20), "how far a rate moves per step", **_UNIT),
 )
+# Rules between two parameters, checked on the resolved values (presets and settings together):
+# (floor, value) — `value` must be ≥ `floor`.
+ORDERED = (
+    ("skip_explore_min", "skip_explore_start"),  # the rates start at or above their floor
+)
 PARAMS_BY_NAME = {p.name: p for p in PARAMETERS}
 DEFAULTS: dict[str, object] = {p.name: p.default for p in PARAMETERS}
 ENUMS = {p.name: p.values for p in PARAMETERS if p.kind == "enum"}
@@ -398,7 +403,15 @@ def resolve(recipe: Recipe, sets: dict[str, object]) -> Params:
                 f"parameter {name} belongs to the {'linear' if schedule == 'static' else 'static'} "
                 f"schedule, but schedule={schedule}"
             )
+    for floor, name in ORDERED:
+        if values[floor] is not None and values[name] is not None and values[name] < values[floor]:
+            raise ParamError(f"parameter {name}={_shown(values[name])} is below {floor}={_shown(values[floor])}: "
+                             f"{name} must be ≥ {floor}")
     return Params(values, frozenset(sets))
+
+
+def _shown(v) -> str:
+    return f"{float(v):g}" if isinstance(v, Fraction) else str(v)
 
 
 def round_half_up(x: Fraction) -> int:

@@ -4,7 +4,8 @@ The one session type of the project: a Dask task's session is the same class wit
 
 Invariants:
 - Every table and user view (`groups`, `prompts`) reads the snapshot's file list, never a directory.
-- After `lock()`: only files inside the buffer are readable, extensions cannot be installed or loaded
+- After `lock()`: only files inside the buffer's data folders are readable (never the descriptor
+  or the manifest at its root), extensions cannot be installed or loaded
   (autoload off), settings cannot change, and `run_user_sql` runs only statements that DuckDB itself
   types as SELECT — a `COPY`, `ATTACH`, `SET` or `PRAGMA` anywhere in the text refuses the whole text.
 - Every refusal names the rule that refused it; a query past its timeout is interrupted.
@@ -38,6 +39,7 @@ from typing import Iterator
 import duckdb
 import pyarrow as pa
 
+from rollstore.storage.buffer import SUBDIRS
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.maintenance import spill_prefix
 from rollstore.storage.schema import TABLES
@@ -169,7 +171,10 @@ class Session:
         con = self._con
         con.execute("SET autoinstall_known_extensions=false")
         con.execute("SET autoload_known_extensions=false")
-        con.execute(f"SET allowed_directories=[{sql_string(self.root + os.sep)}]")
+        # the data folders only: the buffer's own files at its root (the catalog descriptor, whose DSN
+        # may hold a password; the manifest) are never readable by user SQL (docs/integrity.md)
+        folders = ", ".join(sql_string(os.path.join(self.root, d) + os.sep) for d in SUBDIRS)
+        con.execute(f"SET allowed_directories=[{folders}]")
         con.execute("SET enable_external_access=false")
         con.execute("SET lock_configuration=true")
         self.locked = True
@@ -397,7 +402,8 @@ def explain_permission(message: str, root: str) -> str:
     text = message.splitlines()[0]
     if "extension" in text.lower():
         return f"refused by the extension rule: extensions cannot be installed or loaded ({text})"
-    return f"refused by the file rule: only files inside the buffer {root} may be read ({text})"
+    return (f"refused by the file rule: only files inside the buffer {root}'s data folders ({', '.join(SUBDIRS)}) "
+            f"may be read ({text})")
 
 
 def _first_line(exc: BaseException) -> str:

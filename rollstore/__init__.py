@@ -29,6 +29,8 @@ _PUBLIC = {
     "SqlResult": "rollstore.sqlresult",
     "RollstoreError": "rollstore.storage.errors",
     "NotABuffer": "rollstore.storage.errors",
+    "ManifestError": "rollstore.storage.errors",
+    "OptionError": "rollstore.rules",
     "UnknownName": "rollstore.storage.errors",
     "UnknownCuration": "rollstore.storage.errors",
     "ValidationError": "rollstore.storage.errors",

@@ -234,10 +234,15 @@ class Curation:
         short): `learner.batches.Batch` (input_ids, attention_mask, positions, response_ids,
         loss_mask, old_logprobs, gen_logprobs, advantage, weight, ...), the learner's own collation.
         `shuffle_seed`: a seeded permutation, the same on every machine."""
+        from rollstore import rules
+
+        rules.check("batches", rules.BATCHES, {"batch_size": batch_size, "shuffle_seed": shuffle_seed,
+                                               "pad_id": pad_id}, optional={"shuffle_seed"})
+        return self._batches(batch_size, shuffle_seed, pad_id)  # checked now, not at the first next()
+
+    def _batches(self, batch_size: int, shuffle_seed: int | None, pad_id: int) -> Iterator["Batch"]:
         from rollstore.learner.batches import collate, row_order
 
-        if batch_size < 1:
-            raise RollstoreError(f"batch_size must be ≥ 1, not {batch_size}")
         rows = self.curated_arrow()
         order = row_order(rows.num_rows, shuffle_seed)
         for start in range(0, rows.num_rows, batch_size):
@@ -262,7 +267,7 @@ class Curation:
 
         from rollstore.report.audit import compare_views
 
-        other_id = self.buffer._curation_id(other)
+        other_id = self.buffer._curation_id(other, "compare", "other")
         self._require_committed("comparison")
         if other_id not in {s for s in self.buffer.curations()["curation_id"].to_list()}:
             self.buffer.curation(other_id)  # raises UnknownCuration
@@ -277,8 +282,10 @@ class Curation:
         answer (the data of `rollstore audit ID --rollout R`)."""
         import polars as pl
 
+        from rollstore import rules
         from rollstore.report.audit import why_views
 
+        rollout_id = rules.text("why", "rollout_id", rollout_id)
         self._require_committed("audit to question")
         stack, session = self._session()
         with stack:

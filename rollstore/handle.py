@@ -9,8 +9,11 @@ Invariants:
 - Nothing prints to stdout; every method returns a value (Polars / Arrow, or a handle). The first
   build of `builtin:tiny` writes one progress line to stderr (as the command line does).
 - Every failure is one typed `RollstoreError` (`NotABuffer`, `UnknownRecipe`, `UnknownParameter`,
-  `UnknownCuration`, `SqlRefused`, ...) whose text is the command line's line for the same mistake,
-  with a did-you-mean where a known name is close.
+  `UnknownCuration`, `SqlRefused`, `OptionError`, ...) whose text is the command line's line for the
+  same mistake, with a did-you-mean where a known name is close.
+- Every keyword the command line checks is checked here by the same rule object
+  (`rollstore.rules`: ranges, types, NaN, zero) before a buffer is opened: a refused value writes
+  nothing (`buf.train(cur, epochs=0)` is an `OptionError`, not a checkpoint trained 0 steps).
 - The handle holds no open connection between calls: each call opens the manifest, reads or
   commits, and closes it, so a handle can live in a notebook for hours beside other writers.
 - `sql` runs in this process under the command line's sandbox (read-only, the buffer's files only),
@@ -24,6 +27,7 @@ import os
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
+from rollstore import rules
 from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
 from rollstore.storage.buffer import Buffer as _StorageBuffer
 from rollstore.storage.errors import RollstoreError, unknown_curation
@@ -38,9 +42,12 @@ if TYPE_CHECKING:
 def open(path: str | os.PathLike, create: bool = False) -> "Buffer":  # noqa: A001 - the front door's verb
     """The buffer at `path` as a handle; with `create=True` the buffer is created when missing.
 
-    A path without a buffer raises `NotABuffer` (one line, the command line's)."""
-    path = os.fspath(path)
-    if create:
+    A path without a buffer raises `NotABuffer` (one line, the command line's); `create=True` on a
+    file or on a folder of other files is refused as `rollstore init` refuses it."""
+    path = rules.text("open", "path", path)
+    if not path:
+        raise rules.OptionError("open: path: an empty path names no folder")
+    if rules.flag("open", "create", create):
         _StorageBuffer.init(path).close()
     with _StorageBuffer.open(path) as buf:
         return Buffer(buf.root)
@@ -95,9 +102,12 @@ class Buffer:
         `rollstore sql` (docs/usage.md): `rollouts`, `curated`, `selections`, `curations`, `groups`,
         `prompts`, ... and the macros of queries/views.sql. Returns a `SqlResult` (`.pl()`,
         `.arrow()`, `.df()`). A refused or mistyped query raises one line (`SqlRefused`, ...)."""
-        from rollstore.queries.session import Session
+        from rollstore.queries.session import Session, parse_memory_limit
         from rollstore.sqlresult import SqlResult
 
+        query = rules.text("sql", "query", query)
+        rules.check("sql", rules.SQL, {"snapshot": snapshot, "timeout": timeout}, optional={"snapshot"})
+        parse_memory_limit(rules.text("sql", "memory_limit", memory_limit))
         with self._open() as buf, buf.snapshot(snapshot, pin=True) as snap:
             snap.check_present()
             with Session(snap, memory_limit) as session:
@@ -114,6 +124,7 @@ class Buffer:
         hold raises `UnknownCuration` (with a did-you-mean when one is close)."""
         from rollstore.curation import Curation
 
+        curation_id = rules.text("curation", "curation_id", curation_id, optional=True)
         with self._open() as buf:
             shards = buf.manifest.shards("curations")
             known = [s.key for s in shards]
@@ -144,6 +155,16 @@ class Buffer:
         from rollstore.cli.defaults import generation_config
         from rollstore.loop.generator import PromptSource, run_generate
 
+        rules.check("generate", rules.GENERATE, {
+            "num_prompts": num_prompts, "group_size": group_size, "steps": steps, "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "top_p": top_p, "seed": seed, "policy_version": policy_version},
+            optional={"num_prompts", "policy_version"})
+        for name, value in (("prompts", prompts), ("model", model), ("run_id", run_id)):
+            rules.text("generate", name, value)
+        rules.text("generate", "template", template, optional=True)
+        rules.one_of("generate", "backend", backend, ("hf", "vllm"))
+        rules.flag("generate", "compact_entropies", compact_entropies)
+        prompts, model = os.fspath(prompts), os.fspath(model)
         config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed)
         paths = run_generate(self.root, model, PromptSource(prompts, num_prompts, template), config, run_id, steps,
@@ -173,7 +194,13 @@ class Buffer:
         from rollstore.curate.params import load_recipe
         from rollstore.curate.run import curate
         from rollstore.curation import Curation
+        from rollstore.queries.session import parse_memory_limit
 
+        recipe = rules.text("curate", "recipe", recipe)
+        rules.check("curate", rules.CURATE, {"snapshot": snapshot, "timeout": timeout}, optional={"snapshot"})
+        rules.flag("curate", "dry_run", dry_run)
+        parse_memory_limit(rules.text("curate", "memory_limit", memory_limit))
+        rules.one_of("curate", "engine", engine, ("embedded", "dask"))
         values = {k: ("none" if v is None else v) for k, v in params.items()}
         if progress is not None:
             values["progress"] = progress
@@ -194,8 +221,14 @@ class Buffer:
         import polars as pl
 
         from rollstore.cli.defaults import train_config
+        from rollstore.learner.losses import LOSSES
         from rollstore.loop.trainer import check_curations, run_train
 
+        rules.check("train", rules.TRAIN, {"lr": lr, "epochs": epochs, "micro_batch_size": micro_batch_size,
+                                           "grad_accum": grad_accum})
+        rules.one_of("train", "loss", loss, sorted(LOSSES))
+        rules.text("train", "model", model)
+        rules.text("train", "run_id", run_id)
         ids = [self._curation_id(c) for c in (curation if isinstance(curation, (list, tuple)) else
                                               ([] if curation is None else [curation]))]
         if ids:
@@ -210,7 +243,7 @@ class Buffer:
             schema={"version": pl.Int64, "curation_ids": pl.List(pl.Utf8), "loss": pl.Float64,
                     "tokens": pl.Int64, "path": pl.Utf8})
 
-    def _curation_id(self, curation) -> str:
+    def _curation_id(self, curation, command: str = "train", name: str = "curation") -> str:
         from rollstore.curation import Curation
 
         if isinstance(curation, Curation):
@@ -218,7 +251,7 @@ class Buffer:
                 raise RollstoreError(f"curation {curation.id} belongs to the buffer {curation.buffer.root}, "
                                      f"not {self.root}")
             return curation.id
-        return str(curation)
+        return rules.text(command, name, curation)
 
 
 __all__ = ["Buffer", "open"]

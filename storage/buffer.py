@@ -31,10 +31,10 @@ from typing import Callable, Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import RollstoreError, ValidationError
+from .errors import ManifestError, RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
-from .manifest import Manifest, NewShard, Shard
+from .manifest import MANIFEST, Manifest, NewShard, Shard
 from .owners import owned_name
 from .schema import RESPONSE_LENGTH, stored_schema
 from .shardio import Durable, compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
@@ -158,6 +158,32 @@ def token_count(table: pa.Table) -> int:
     return int(pc.sum(pc.list_value_length(table.column("response_token_ids"))).as_py() or 0)
 
 
+def _check_new_root(root: str) -> None:
+    """Refuse (one line) to make a buffer at `root` unless it is a new or empty folder, or already a
+    buffer's: never a file, a link that leads nowhere (or to itself), or a folder of other files."""
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        if os.path.lexists(root):  # a dangling link
+            raise ManifestError(f"{root}: a link to nothing, not a folder: choose a new or empty folder") from None
+        return
+    except NotADirectoryError:
+        raise ManifestError(f"{root}: a file, not a folder: a buffer is a folder (choose a new or empty one)") from None
+    except OSError as exc:
+        raise ManifestError(f"{root}: cannot be used as a buffer's folder ({exc.strerror or exc})") from None
+    if entries and MANIFEST not in entries and DESCRIPTOR not in entries:
+        raise ManifestError(f"{root}: a folder of other files ({sorted(entries)[0]!r}, ...) that holds no buffer; "
+                            "a buffer is made in a new or empty folder")
+
+
+def _make_folders(root: str) -> None:
+    try:
+        for sub in SUBDIRS:
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+    except OSError as exc:
+        raise ManifestError(f"{root}: cannot make the buffer's folders ({exc.strerror or exc})") from None
+
+
 class Buffer:
     def __init__(self, root: str, manifest: Manifest):
         self.root = root
@@ -169,13 +195,12 @@ class Buffer:
         a PostgreSQL DSN the new buffer is cataloged at instead (`storage/catalog.py`); a folder with
         a descriptor opens its catalog."""
         root = os.path.abspath(root)
+        _check_new_root(root)
         if catalog is not None or data is not None or is_cataloged(root):
             manifest = open_manifest(root, create=True, catalog=catalog, data=data)  # checks all before writing
-            for sub in SUBDIRS:
-                os.makedirs(os.path.join(root, sub), exist_ok=True)
+            _make_folders(root)
             return cls(root, manifest)
-        for sub in SUBDIRS:
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        _make_folders(root)
         return cls(root, Manifest(root, create=True))
 
     @classmethod

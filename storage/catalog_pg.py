@@ -386,7 +386,13 @@ def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descripto
                 con.execute("INSERT INTO meta VALUES ('created_at', ?)", (repr(time.time()),))
                 if data is not None:
                     con.execute("INSERT INTO meta VALUES ('data', ?)", (data,))
+                marker = uuidlib.uuid4().hex  # the data folder's identity (storage/verify.py), never in the descriptor
+                con.execute("INSERT INTO meta VALUES ('data_marker', ?)", (marker,))
             os.makedirs(root, exist_ok=True)
+            if not present:
+                from .verify import write_marker
+
+                write_marker(root, data, marker)  # inside the catalog's transaction, as the descriptor
             if existing is None:
                 descriptor.write(root, desc)  # inside the catalog's transaction: a failure here rolls it back
     finally:

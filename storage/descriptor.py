@@ -14,7 +14,8 @@ Invariants:
 - `buffer_uuid` is also stored in the catalog (`meta.buffer_uuid`); opening checks that the two are
   equal, so a descriptor never reads or writes another buffer's catalog.
 - The DSN is stored as given. A password belongs in libpq's own places (PGPASSWORD, a
-  ~/.pgpass file, PGSERVICEFILE), not here: `redact` removes one from every message.
+  ~/.pgpass file, PGSERVICEFILE), not here: `redact` removes one from every message, and the SQL
+  sandbox never reads this file (only the buffer's data folders: queries/session.py).
 """
 
 from __future__ import annotations

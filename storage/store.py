@@ -39,6 +39,20 @@ class ObjectDamaged(ManifestError):
     """An object whose bytes are not the ones the catalog records (size or sha256): never cached."""
 
 
+class ObjectMissing(ManifestError):
+    """An object the catalog records that the store says it does not hold (NoSuchKey): deleted."""
+
+
+MARKER = "buffer.id"  # the data folder's (or the store prefix's) identity marker: see storage/verify.py
+
+
+def _missing(exc) -> bool:
+    """Whether a botocore ClientError is the store saying the key does not exist."""
+    err = getattr(exc, "response", {}) or {}
+    code = str(err.get("Error", {}).get("Code", ""))
+    return code in ("NoSuchKey", "404", "NotFound") or err.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404
+
+
 def check_url(url: str) -> tuple[str, str]:
     """(bucket, prefix) of `s3://bucket[/prefix]`, else one line."""
     parsed = urlparse(url) if isinstance(url, str) else None
@@ -140,18 +154,37 @@ class S3Store:
                         out.write(block)
                     out.flush()
                     os.fsync(out.fileno())
-            except (BotoCoreError, ClientError) as exc:
+            except ClientError as exc:
+                if _missing(exc):
+                    raise ObjectMissing(f"{self.url}/{rel}: the object is missing from the store (deleted); restore it, "
+                                        f"or run `rollstore verify {root} --quarantine` to retire its shard") from None
+                raise self._fail(f"cannot read {rel}", exc) from None
+            except BotoCoreError as exc:
                 raise self._fail(f"cannot read {rel}", exc) from None
             if size != nbytes or h.hexdigest() != sha256:
                 raise ObjectDamaged(f"{self.url}/{rel}: {size} bytes with sha256 {h.hexdigest()[:12]}…, the catalog "
                                     f"records {nbytes} bytes with {sha256[:12]}…; not cached (the object was "
-                                    "changed or damaged)")
+                                    f"changed or damaged); restore it, or run `rollstore verify {root} --quarantine` "
+                                    "to retire its shard")
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return final
+
+    def read_small(self, rel: str) -> bytes | None:
+        """The bytes of a small object (a marker), or None when the store does not hold it."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(rel))["Body"].read(4096)
+        except ClientError as exc:
+            if _missing(exc):
+                return None
+            raise self._fail(f"cannot read {rel}", exc) from None
+        except BotoCoreError as exc:
+            raise self._fail(f"cannot read {rel}", exc) from None
 
     def check_conditional_writes(self) -> None:
         """One line unless the bucket is reachable and refuses a second put-if-absent of one key."""

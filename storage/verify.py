@@ -16,11 +16,20 @@ Invariants:
   position it names (there), the rollout_id it names.
 - A bad shard raises one `ShardError` line naming the file and what to do about it; nothing here
   writes, except `quarantine`, which retires bad shards in ONE manifest commit and moves their
-  files (when present) under `quarantine/` — never deleting them.
+  files (when present) under `quarantine/` — never deleting them, and `restore`, which un-retires
+  quarantined shards whose bytes verify again in ONE commit.
+- A host never retires what it merely cannot see (`quarantinable`): a shard is quarantined when its
+  bytes were read and found wrong (size, sha256, a link, a store object changed or one the store
+  says it does not hold); a missing local file only when this folder is the buffer's data folder
+  (its identity marker, `buffer.id`, holds the token the catalog recorded when the buffer was made,
+  which the descriptor does not hold, so a copied descriptor cannot fake it) and at least one shard
+  was read here. A data folder that is absent, a marker that is missing or different, or a scan
+  that read none of the shards refuses the whole quarantine with one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +39,7 @@ from .errors import RollstoreError
 from .manifest import Manifest, Shard
 from .references import check_references, locate, read_references, referenced_shards
 from .shardio import READ_THREADS, fsync_dir, sha256_file
-from .store import cache_shards
+from .store import MARKER, ObjectDamaged, ObjectMissing, cache_shards
 
 QUARANTINE_DIR = "quarantine"
 
@@ -53,6 +62,8 @@ class Problem:
             "link": "not a regular file inside the buffer (a symbolic link, or under a linked folder)",
             "size": "size differs from the manifest (truncated or changed)",
             "sha256": "sha256 differs from the manifest (corrupted)",
+            "changed": "object in the store differs from the catalog (size or sha256: changed or damaged)",
+            "gone": "object missing from the store (deleted)",
         }[self.reason]
         return f"{path}: shard {what}"
 
@@ -176,12 +187,14 @@ def scan(root: str, manifest: Manifest) -> list[Problem]:
     store = getattr(manifest, "store", None)  # shards in object storage: checked through this host's cache
     for shard in manifest.shards():
         if store is not None:
-            from .store import ObjectDamaged
-
             try:
                 store.fetch(root, shard.path, shard.sha256, shard.bytes, getattr(manifest, "holding", None))
-            except ObjectDamaged:
-                pass  # not cached: reported below as missing (an unreachable store raises instead)
+            except ObjectDamaged:  # read, and wrong: never cached (an unreachable store raises instead)
+                problems.append(Problem(shard, "changed"))
+                continue
+            except ObjectMissing:  # the store answered that it holds no such object
+                problems.append(Problem(shard, "gone"))
+                continue
         problem = check_shard(root, shard, full=True)
         if problem is not None:
             problems.append(problem)
@@ -248,17 +261,24 @@ def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -
     verify_shards(root, sorted(wanted.values(), key=lambda s: s.shard_id))
 
 
-def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
-    """Retire the shards of `problems` in one manifest commit (their rollout and group ids are
-    released) and move their files, when present, to `quarantine/<path>`. Returns the commit seq."""
-    ids = [p.shard.shard_id for p in problems]
+def retire(manifest: Manifest, shards: list[Shard], kind: str, detail: dict | None = None) -> int:
+    """Retire `shards` in one manifest commit of `kind` (their rollout and group ids are released;
+    their files are left where they are). Returns the commit seq."""
+    ids = [s.shard_id for s in shards]
     marks = ",".join("?" * len(ids))
     with manifest.transaction() as con:
-        seq = manifest.new_commit(con, "quarantine", {"shards": ids, "paths": [p.shard.path for p in problems]})
+        seq = manifest.new_commit(con, kind, {"shards": ids, "paths": [s.path for s in shards], **(detail or {})})
         con.execute(f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND shard_id IN ({marks})",
                     [seq, *ids])
         con.execute(f"DELETE FROM rollout_ids WHERE shard_id IN ({marks})", ids)
         con.execute(f"DELETE FROM group_ids WHERE shard_id IN ({marks})", ids)
+    return seq
+
+
+def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
+    """Retire the shards of `problems` in one manifest commit (their rollout and group ids are
+    released) and move their files, when present, to `quarantine/<path>`. Returns the commit seq."""
+    seq = retire(manifest, [p.shard for p in problems], "quarantine")
     for p in problems:
         src = os.path.join(root, p.shard.path)
         if os.path.exists(src):
@@ -267,3 +287,146 @@ def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
             os.replace(src, dst)
             fsync_dir(os.path.dirname(dst))
     return seq
+
+
+# ---- a host never retires what it cannot see; and the way back ----------------------------------
+
+READ_AND_WRONG = ("size", "sha256", "link", "changed", "gone")
+
+
+def write_marker(root: str, data: str | None, token: str) -> None:
+    """Write the data folder's identity marker (`buffer.id`, holding `token`) where the shards live:
+    `root` (a shared folder) or the store at `data`. Called once, when the buffer is made."""
+    body = (token + "\n").encode()
+    if data is not None:
+        from .store import S3Store
+
+        store = S3Store(data)
+        try:
+            store.client.put_object(Bucket=store.bucket, Key=store.key(MARKER), Body=body)
+        except Exception as exc:  # noqa: BLE001 - botocore's errors, as one line
+            raise store._fail(f"cannot write {MARKER}", exc) from None
+        return
+    path = os.path.join(root, MARKER)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(body)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(root)
+
+
+def recorded_marker(manifest: Manifest) -> str | None:
+    """The marker token the catalog recorded when the buffer was made (None: an embedded manifest,
+    which lives in its data folder, or a catalog made before markers)."""
+    if not hasattr(manifest, "store"):  # the embedded manifest: the folder that holds it is the data folder
+        return None
+    row = manifest.con.execute("SELECT value FROM meta WHERE key = 'data_marker'").fetchone()
+    return None if row is None else row[0]
+
+
+def _found_marker(root: str, manifest: Manifest) -> str | None:
+    store = getattr(manifest, "store", None)
+    if store is not None:
+        body = store.read_small(MARKER)
+    else:
+        try:
+            with open(os.path.join(root, MARKER), "rb") as fh:
+                body = fh.read(4096)
+        except OSError:
+            return None
+    return None if body is None else body.decode(errors="replace").strip()
+
+
+def quarantinable(root: str, manifest: Manifest, shards: list[Shard], problems: list[Problem]) -> list[Problem]:
+    """The problems `verify --quarantine` retires, or one `ShardError` line refusing them all: when
+    this host does not see the buffer's data (its folder absent, its identity marker missing or not
+    the catalog's, no shard read at all). A missing local file is retired only beside a marker that
+    matches (a buffer made before markers: only shards read and found wrong are retired)."""
+    store = getattr(manifest, "store", None)
+    where = store.url if store is not None else root
+    if store is None and not all(os.path.isdir(os.path.join(root, d)) for d in ("rollouts", "curated")):
+        raise ShardError(f"{root}: the buffer's data folders (rollouts/, curated/) are absent here: this host does not "
+                         "see the shards (a shared folder not mounted, or a descriptor copied elsewhere); nothing "
+                         "was quarantined")
+    token = recorded_marker(manifest)
+    if token is not None and _found_marker(root, manifest) != token:
+        raise ShardError(f"{where}: its identity marker ({MARKER}) is missing or is not this buffer's: this host does "
+                         "not see the buffer's data (a shared folder not mounted, or a descriptor copied "
+                         "elsewhere); nothing was quarantined")
+    unseen = [p for p in problems if p.reason == "missing"]
+    if unseen and len(unseen) == len(shards):
+        raise ShardError(f"{where}: none of the {len(shards)} shards could be read here: this host does not see the "
+                         "buffer's data, or every file is gone; nothing was quarantined (restore the files, or "
+                         "mount the folder)")
+    if token is None and hasattr(manifest, "store"):  # a catalog made before markers
+        return [p for p in problems if p.reason in READ_AND_WRONG]
+    return problems
+
+
+def quarantined(manifest: Manifest) -> list[tuple[Shard, int]]:
+    """(shard, the seq of the quarantine that retired it) of every shard retired by a quarantine."""
+    rows = manifest.con.execute(
+        "SELECT s.shard_id, s.removed_seq FROM shards s JOIN commits c ON c.seq = s.removed_seq "
+        "WHERE c.kind = 'quarantine' ORDER BY s.shard_id").fetchall()
+    seqs = {int(r[0]): int(r[1]) for r in rows}
+    return [(s, seqs[s.shard_id]) for s in manifest.shards_by_id(list(seqs))]
+
+
+def restore(root: str, manifest: Manifest) -> tuple[list[Shard], list[str]]:
+    """Un-retire, in ONE manifest commit, every quarantined shard whose bytes verify again (size and
+    sha256; its file back in place from `quarantine/`, or again at its own path; a store's object
+    downloaded and checked) and whose rollout and group ids no live shard took meanwhile. Returns
+    (the shards restored, one line per shard left retired and why). Snapshots taken since the
+    quarantine see a restored shard again, as if it had never been retired."""
+    good: list[tuple[Shard, int]] = []
+    left: list[str] = []
+    store = getattr(manifest, "store", None)
+    for shard, seq in quarantined(manifest):
+        path = os.path.join(root, shard.path)
+        moved = os.path.join(root, QUARANTINE_DIR, shard.path)
+        try:
+            if store is not None:
+                store.fetch(root, shard.path, shard.sha256, shard.bytes)
+            elif _stat(path) is None and _stat(moved) is not None:
+                aside = dataclasses.replace(shard, path=os.path.join(QUARANTINE_DIR, shard.path))
+                if _placed(root, aside, {})[0] is None and sha256_file(moved) == shard.sha256:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.replace(moved, path)
+                    fsync_dir(os.path.dirname(path))
+        except ObjectMissing:
+            left.append(f"{store.url}/{shard.path}: the object is still missing from the store; left quarantined")
+            continue
+        except ObjectDamaged:
+            left.append(f"{store.url}/{shard.path}: the object still differs from the catalog; left quarantined")
+            continue
+        problem = check_shard(root, shard, full=True)
+        if problem is not None:
+            left.append(problem.describe(root) + "; left quarantined")
+            continue
+        good.append((shard, seq))
+    if not good:
+        return [], left
+    restored: list[Shard] = []
+    with manifest.transaction() as con:
+        manifest.new_commit(con, "restore", {"shards": [s.shard_id for s, _ in good],
+                                                   "paths": [s.path for s, _ in good]})
+        for shard, seq in good:
+            if shard.table_name == "rollouts":
+                import pyarrow.parquet as pq
+
+                t = pq.read_table(os.path.join(root, shard.path), columns=["rollout_id", "group_id"])
+                pairs = list(zip(t.column("rollout_id").to_pylist(), t.column("group_id").to_pylist()))
+                try:
+                    manifest.register_rollouts(con, shard.shard_id, pairs, sorted({g for _r, g in pairs}))
+                except Exception as exc:  # noqa: BLE001 - an id taken meanwhile (either catalog's integrity error)
+                    left.append(f"{os.path.join(root, shard.path)}: its rollout or group ids were taken by a shard "
+                                f"appended since the quarantine ({type(exc).__name__}); left quarantined")
+                    continue
+            con.execute("UPDATE shards SET removed_seq = NULL WHERE shard_id = ? AND removed_seq = ?",
+                        (shard.shard_id, seq))
+            restored.append(shard)
+        if not restored:
+            raise ShardError("; ".join(left))  # rolls the empty commit back
+    return restored, left

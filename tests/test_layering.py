@@ -9,8 +9,8 @@ functions and inside `if TYPE_CHECKING:` blocks.
 Inside the application the same rule holds between its rooms (`rollstore/<room>/`, `ROOMS`): the
 front door (the modules directly in `rollstore/`: `__init__`, `handle`, `curation`, `sqlresult`)
 on top, then the command line (`cli`), then orchestration (`loop`), the report (`report`) and the
-TRL plug-in (`trl`), then what they share (`output`, `builtin`, `importers`). No room imports the
-front door; a room imports only the rooms it lists.
+TRL plug-in (`trl`), then what they share (`output`, `builtin`, `importers`, and `rules`: the option
+rules both doors apply). No room imports the front door; a room imports only the rooms it lists.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ ALLOWED = {
 }
 # The application's rooms and the rooms each may import (the front door may import every room).
 ROOMS = {
-    "cli": {"loop", "report", "trl", "output", "builtin", "importers"},
+    "cli": {"loop", "report", "trl", "output", "builtin", "importers", "rules"},
     "loop": {"output", "builtin"},
     "report": {"output", "builtin"},
     "trl": {"builtin"},
     "output": set(),
     "builtin": set(),
     "importers": set(),
+    "rules": set(),
 }
 FRONT = "front door"
 FRONT_DOOR = ["__init__.py", "__main__.py", "curation.py", "handle.py", "sqlresult.py"]

@@ -18,7 +18,8 @@ import typer
 from rich.console import Console
 
 from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
-from rollstore.cli.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real,
+from rollstore import rules
+from rollstore.cli.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real, ruled,
                                seconds, seed as seed_, seq)
 from rollstore.storage.errors import RollstoreError
 
@@ -196,9 +197,9 @@ def sql(
     query: str = typer.Argument(..., help="SELECT statement(s) over the buffer's tables and views."),
     format: str = typer.Option("table", "--format", "-f", help="table|csv|json|parquet"),
     out_file: Optional[str] = typer.Option(None, "--out", "-o", help="Write the result to this file."),
-    timeout: float = seconds(SQL.timeout, "--timeout", zero="no limit", help="Seconds before the query is stopped (0: no limit)."),
+    timeout: float = ruled(SQL.timeout, "--timeout", rule=rules.SQL["timeout"], help="Seconds before the query is stopped (0: no limit)."),
     memory_limit: str = memory(SQL.memory_limit, "--memory-limit"),
-    seq: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
+    seq: Optional[int] = ruled(None, "--snapshot", rule=rules.SQL["snapshot"], help="Manifest sequence number to read (default: latest)."),
 ):
     """Run sandboxed, read-only SQL over a snapshot of the buffer (in a worker process whose memory
     and time are bounded by --memory-limit and --timeout)."""
@@ -261,12 +262,23 @@ def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an 
 @guarded
 def verify(
     buffer: str,
-    quarantine: bool = typer.Option(False, "--quarantine", help="Retire every bad shard (moved to BUFFER/quarantine/)."),
+    quarantine: bool = typer.Option(False, "--quarantine", help="Retire every shard whose bytes were read and found "
+                                    "wrong (moved to BUFFER/quarantine/); refused on a host that does not see the data."),
+    restore: bool = typer.Option(False, "--restore", help="Un-retire every quarantined shard whose bytes verify again."),
 ):
     """Check every live shard against the manifest (exists, size, sha256); name each bad file."""
     from rollstore.storage import verify as v
 
+    if quarantine and restore:
+        fail("--quarantine and --restore go one at a time")
     with open_buffer(buffer) as buf:
+        if restore:
+            restored, left = v.restore(buf.root, buf.manifest)
+            for line in left:
+                err.print(line, highlight=False, markup=False)
+            out.print(f"restored {len(restored)} quarantined shard(s); {len(left)} left quarantined", highlight=False,
+                      markup=False)
+            return
         shards = buf.manifest.shards()
         problems = v.scan(buf.root, buf.manifest)
         for p in problems:
@@ -282,9 +294,18 @@ def verify(
             fail(f"{len(dangling)} curated shards refer to rollouts rows that do not resolve; curate again "
                  "(their curations cannot be trained)")
         if quarantine:
-            seq = v.quarantine(buf.root, buf.manifest, problems)
-            out.print(f"quarantined {len(problems)} of {len(shards)} shards (commit {seq}); "
-                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}", highlight=False, markup=False)
+            chosen = v.quarantinable(buf.root, buf.manifest, shards, problems)
+            if not chosen:
+                fail(f"none of the {len(problems)} bad shards was read here (missing files of a buffer whose data folder "
+                     "has no identity marker): nothing was quarantined; restore the files")
+            seq = v.quarantine(buf.root, buf.manifest, chosen)
+            out.print(f"quarantined {len(chosen)} of {len(shards)} shards (commit {seq}); "
+                      f"their files are under {os.path.join(buf.root, v.QUARANTINE_DIR)}; "
+                      f"`rollstore verify {buf.root} --restore` brings back those that verify again",
+                      highlight=False, markup=False)
+            if len(chosen) < len(problems):
+                fail(f"{len(problems) - len(chosen)} missing shard(s) left live: this folder has no identity marker "
+                     "to tell a missing file from one this host cannot see; restore them")
             return
     fail(f"{len(problems)} of {len(shards)} shards do not match the manifest; {v.advice(os.path.abspath(buffer))}")
 
@@ -327,13 +348,13 @@ def curate_(
     recipe: str = typer.Option(..., "--recipe", "-r", help="Built-in recipe, a .toml recipe file, or a .sql custom recipe."),
     set_: List[str] = typer.Option([], "--set", help="Override a parameter: name=value (repeatable)."),
     progress: Optional[str] = typer.Option(None, "--progress", help="Schedule position t in [0, 1] (= --set progress=T)."),
-    snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to curate (default: latest)."),
+    snapshot: Optional[int] = ruled(None, "--snapshot", rule=rules.CURATE["snapshot"], help="Manifest sequence number to curate (default: latest)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print, commit nothing."),
     memory_limit: str = memory(CURATE.memory_limit, "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
     engine: str = typer.Option(CURATE.engine, "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
     partitions: Optional[int] = count(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
-    timeout: float = seconds(CURATE.timeout, "--timeout", zero="no limit", help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
+    timeout: float = ruled(CURATE.timeout, "--timeout", rule=rules.CURATE["timeout"], help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
     from rollstore.curate.options import Limits, engine_option
@@ -393,15 +414,15 @@ def generate(
     prompts: str = typer.Option(GENERATE.prompts, "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),
     model: str = typer.Option(GENERATE.model, "--model", help="A local transformers model directory, builtin:tiny, or checkpoint:latest | checkpoint:N (a checkpoint of this buffer)."),
     backend: str = typer.Option(GENERATE.backend, "--backend", help="hf | vllm"),
-    group_size: int = count(GENERATE.group_size, "--group-size", "-G"),
-    num_prompts: Optional[int] = count(GENERATE.num_prompts, "--num-prompts", "-n"),
-    policy_version: Optional[int] = count(None, "--policy-version", low=0, help="Default: the checkpoint's version, else 0."),
-    seed: int = seed_(GENERATE.seed, "--seed"),
-    steps: int = count(GENERATE.steps, "--steps", help="Generation steps to run (one shard each)."),
+    group_size: int = ruled(GENERATE.group_size, "--group-size", "-G", rule=rules.GENERATE["group_size"]),
+    num_prompts: Optional[int] = ruled(GENERATE.num_prompts, "--num-prompts", "-n", rule=rules.GENERATE["num_prompts"]),
+    policy_version: Optional[int] = ruled(None, "--policy-version", rule=rules.GENERATE["policy_version"], help="Default: the checkpoint's version, else 0."),
+    seed: int = ruled(GENERATE.seed, "--seed", rule=rules.GENERATE["seed"]),
+    steps: int = ruled(GENERATE.steps, "--steps", rule=rules.GENERATE["steps"], help="Generation steps to run (one shard each)."),
     run_id: str = typer.Option(GENERATE.run_id, "--run-id"),
-    max_new_tokens: int = count(GENERATE.max_new_tokens, "--max-new-tokens"),
-    temperature: float = positive(GENERATE.temperature, "--temperature"),
-    top_p: float = fraction(GENERATE.top_p, "--top-p"),
+    max_new_tokens: int = ruled(GENERATE.max_new_tokens, "--max-new-tokens", rule=rules.GENERATE["max_new_tokens"]),
+    temperature: float = ruled(GENERATE.temperature, "--temperature", rule=rules.GENERATE["temperature"]),
+    top_p: float = ruled(GENERATE.top_p, "--top-p", rule=rules.GENERATE["top_p"]),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: a format string with {prompt}."),
     follow: bool = typer.Option(False, "--follow", help="Keep generating; load each newly published checkpoint."),
     max_policy_lag: int = count(1, "--max-policy-lag", low=0, help="With --follow: wait while the learner is this many versions behind."),
@@ -428,10 +449,10 @@ def train(
     curation: List[str] = typer.Option([], "--curation", help="Curation id(s) to train on (default: all pending)."),
     model: str = typer.Option(TRAIN.model, "--model"),
     loss: str = choice(TRAIN.loss, "--loss", choices=_losses, help="grpo | dapo | gspo | dr_grpo"),
-    lr: float = positive(TRAIN.lr, "--lr"),
-    epochs: int = count(TRAIN.epochs, "--epochs"),
-    micro_batch_size: int = count(TRAIN.micro_batch_size, "--micro-batch-size"),
-    grad_accum: int = count(TRAIN.grad_accum, "--grad-accum"),
+    lr: float = ruled(TRAIN.lr, "--lr", rule=rules.TRAIN["lr"]),
+    epochs: int = ruled(TRAIN.epochs, "--epochs", rule=rules.TRAIN["epochs"]),
+    micro_batch_size: int = ruled(TRAIN.micro_batch_size, "--micro-batch-size", rule=rules.TRAIN["micro_batch_size"]),
+    grad_accum: int = ruled(TRAIN.grad_accum, "--grad-accum", rule=rules.TRAIN["grad_accum"]),
     run_id: str = typer.Option(TRAIN.run_id, "--run-id"),
     follow: bool = typer.Option(False, "--follow", help="Keep leasing curations as they appear."),
     poll: float = interval(1.0, "--poll", help="Seconds between polls with --follow."),
@@ -471,12 +492,12 @@ def loop(
     group_size: Optional[int] = count(None, "--group-size", "-G"),
     max_new_tokens: Optional[int] = count(None, "--max-new-tokens"),
     loss: Optional[str] = choice(None, "--loss", choices=_losses),
-    lr: Optional[float] = positive(None, "--lr", help="Learning rate (default: the recipe's `lr`, else 5e-5)."),
-    epochs: Optional[int] = count(None, "--epochs", help="Passes over each curated batch, μ (default: the recipe's "
+    lr: Optional[float] = ruled(None, "--lr", rule=rules.TRAIN["lr"], help="Learning rate (default: the recipe's `lr`, else 5e-5)."),
+    epochs: Optional[int] = ruled(None, "--epochs", rule=rules.TRAIN["epochs"], help="Passes over each curated batch, μ (default: the recipe's "
                                   "`epochs`, else 1)."),
     warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0),
-    micro_batch_size: Optional[int] = count(None, "--micro-batch-size"),
-    grad_accum: Optional[int] = count(None, "--grad-accum", help="Micro-batches per optimiser step."),
+    micro_batch_size: Optional[int] = ruled(None, "--micro-batch-size", rule=rules.TRAIN["micro_batch_size"]),
+    grad_accum: Optional[int] = ruled(None, "--grad-accum", rule=rules.TRAIN["grad_accum"], help="Micro-batches per optimiser step."),
     max_policy_lag: Optional[int] = count(None, "--max-policy-lag", low=0),
     max_gen_batches: Optional[int] = count(None, "--max-gen-batches"),
     eval_every: Optional[int] = count(None, "--eval-every", low=0, help="Held-out evaluation every N iterations (0 = never)."),

@@ -1,7 +1,8 @@
 """Checked options of the command line: one rule per kind of number, and one-line usage errors.
 
 Every `int` or `float` option of every command is declared through one of the constructors here
-(`count`, `seconds`, `positive`, `seq`, ...). Each attaches a `Rule` as the option's callback,
+(`count`, `seconds`, `positive`, `seq`, `ruled`, ...). Each attaches a `Rule` of the library
+(`rollstore.rules`, which the Python front door applies too) as the option's callback,
 which click runs while it parses the command line, before the command's body: a refused value
 never opens a buffer, leases a shard or commits anything.
 
@@ -16,8 +17,6 @@ Invariants:
 - `tests/test_cli_options.py` checks that every numeric option of every command has a rule.
 """
 
-import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import click
@@ -25,94 +24,75 @@ import typer
 from typer._click import exceptions as _typer_click  # typer >= 0.26 vendors its own click
 from typer.core import TyperGroup
 
+from rollstore import rules as _rules
+from rollstore.rules import INT64_MAX, MAX_SECONDS, Rule  # noqa: F401 - the rules live in the library
+
 # Usage errors come from typer's own click (missing arguments, values that are not numbers, our
 # rules) or, from code written against click, from click itself: both are rendered as one line.
 USAGE_ERRORS = (_typer_click.UsageError, click.UsageError)
 HELP_ERRORS = (_typer_click.NoArgsIsHelpError, click.exceptions.NoArgsIsHelpError)
 
-INT64_MAX = 2**63 - 1
-MAX_SECONDS = 1e9  # about 31 years: beyond it a timer or a sleep overflows (threading.TIMEOUT_MAX)
 
+def _callback(rule: Rule):
+    """`rule` as a click callback: click runs it while it parses, before the command's body."""
 
-@dataclass(frozen=True)
-class Rule:
-    """The values a numeric option accepts: finite, within [low, high] (open ends when asked)."""
-
-    low: Optional[float] = None
-    high: Optional[float] = None
-    low_open: bool = False
-    high_open: bool = False
-    note: str = ""  # appended to the message (what 0 means, ...)
-
-    def problem(self, value: Any) -> Optional[str]:
-        """Why `value` is refused, or None when it is fine."""
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{value} is not a finite number"
-        if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX - 1 <= value <= INT64_MAX:
-            return f"{value} does not fit a 64-bit integer"
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return f"{value:g} is not {'>' if self.low_open else '≥'} {self.low:g}{self.note}"
-        if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
-            return f"{value:g} is not {'<' if self.high_open else '≤'} {self.high:g}{self.note}"
-        return None
-
-    def callback(self):
-        def check(ctx: typer.Context, param: typer.CallbackParam, value: Any):
-            if value is None or ctx.resilient_parsing:
-                return value
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                why = self.problem(v)
-                if why is not None:
-                    raise typer.BadParameter(why, ctx=ctx, param=param)
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: Any):
+        if value is None or ctx.resilient_parsing:
             return value
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            why = rule.problem(v)
+            if why is not None:
+                raise typer.BadParameter(why, ctx=ctx, param=param)
+        return value
 
-        check.rule = self  # the test of "every numeric option has a rule" looks for it
-        return check
+    check.rule = rule  # the test of "every numeric option has a rule" looks for it
+    return check
 
 
-def _option(default: Any, names: tuple, rule: Rule, **kw) -> Any:
-    return typer.Option(default, *names, callback=rule.callback(), **kw)
+def ruled(default: Any, *names: str, rule: Rule, **kw) -> Any:
+    """An option checked by `rule`: one of the library's tables (rollstore.rules.TRAIN, ...) where
+    the front door takes the same keyword, so both doors apply the same object."""
+    return typer.Option(default, *names, callback=_callback(rule), **kw)
 
 
 def count(default: Any, *names: str, low: int = 1, **kw) -> Any:
     """An integer ≥ `low` (default 1): epochs, sizes, iterations, ranks."""
-    return _option(default, names, Rule(low=low), **kw)
+    return ruled(default, *names, rule=_rules.count(low), **kw)
 
 
 def seq(default: Any, *names: str, **kw) -> Any:
     """A manifest sequence number (a snapshot): an integer ≥ 0 that fits SQLite."""
-    return _option(default, names, Rule(low=0), **kw)
+    return ruled(default, *names, rule=_rules.SEQ, **kw)
 
 
 def seed(default: Any, *names: str, **kw) -> Any:
     """A random seed: 0 ≤ seed < 2^32 (what numpy accepts)."""
-    return _option(default, names, Rule(low=0, high=2**32 - 1), **kw)
+    return ruled(default, *names, rule=_rules.SEED, **kw)
 
 
 def seconds(default: Any, *names: str, zero: str = "", **kw) -> Any:
     """A duration: finite, 0 ≤ s ≤ 1e9 (`zero`: what 0 means, e.g. "no limit")."""
-    note = f" (seconds; 0: {zero})" if zero else " (seconds)"
-    return _option(default, names, Rule(low=0, high=MAX_SECONDS, note=note), **kw)
+    return ruled(default, *names, rule=_rules.seconds(zero), **kw)
 
 
 def interval(default: Any, *names: str, **kw) -> Any:
     """A positive duration: finite, 0 < s ≤ 1e9 (a polling interval)."""
-    return _option(default, names, Rule(low=0, low_open=True, high=MAX_SECONDS, note=" (seconds)"), **kw)
+    return ruled(default, *names, rule=Rule(low=0, low_open=True, high=MAX_SECONDS, note=" (seconds)"), **kw)
 
 
 def positive(default: Any, *names: str, high: Optional[float] = None, **kw) -> Any:
     """A finite number > 0 (a learning rate, a temperature, a size), at most `high` when given."""
-    return _option(default, names, Rule(low=0, low_open=True, high=high), **kw)
+    return ruled(default, *names, rule=_rules.positive(high), **kw)
 
 
 def fraction(default: Any, *names: str, **kw) -> Any:
     """A finite number in (0, 1] (top-p)."""
-    return _option(default, names, Rule(low=0, low_open=True, high=1), **kw)
+    return ruled(default, *names, rule=_rules.FRACTION, **kw)
 
 
 def real(default: Any, *names: str, **kw) -> Any:
     """Any finite number (a reward threshold may be negative)."""
-    return _option(default, names, Rule(), **kw)
+    return ruled(default, *names, rule=Rule(), **kw)
 
 
 def choice(default: Any, *names: str, choices, **kw) -> Any:

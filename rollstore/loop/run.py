@@ -23,7 +23,8 @@ Invariants:
 - Each curated batch is trained `train.epochs` passes (μ); the recipe's `epochs` and `lr` apply
   unless the caller set them (`LoopConfig.epochs`, `LoopConfig.lr`).
 - Rerunning an interrupted loop resumes from the run's latest checkpoint (learner.consume):
-  no curated shard is trained twice.
+  no curated shard is trained twice, and a step whose curation was committed before the
+  interruption trains that curation, never a second one of the same rows (StepWriter.committed).
 """
 
 from __future__ import annotations
@@ -406,6 +407,16 @@ class _Run:
         clock.lap("other")
         return ck.metrics.get("loss")
 
+    def resumed_curation(self, it: int) -> CurationResult | None:
+        """Step `it`'s curation committed before an interruption and not yet trained into the run
+        (StepWriter.committed): trained as it is, never curated again."""
+        from rollstore.learner.checkpoint import consumed_ledger, latest_checkpoint
+
+        buf = self.writer.buf
+        ck = latest_checkpoint(buf, self.run_id)
+        trained = {e["shard"] for e in consumed_ledger(buf, ck.version)} if ck else set()
+        return self.writer.committed(it, trained)
+
     def iteration(self, it: int, resumed: bool) -> None:
         cfg, buf = self.cfg, self.writer.buf
         t0 = time.perf_counter()
@@ -414,7 +425,9 @@ class _Run:
         # Only the first iteration of a resumed run can find its rollouts already appended.
         if not resumed or _step_rollouts(buf, self.run_id, it) == 0:
             generated, note = self.generate(it, phases)
-        cur = self.writer.curate(it, it / cfg.iterations, phases)
+        cur = self.resumed_curation(it) if resumed else None
+        if cur is None:
+            cur = self.writer.curate(it, it / cfg.iterations, phases)
         loss = self.train(it, cur, phases)
         clock = Stopwatch(phases)
         batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)

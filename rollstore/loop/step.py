@@ -7,6 +7,11 @@ Invariants:
   as one shard, before it returns; the rows are stamped (run, step, policy version, prompt offset).
 - `curate` commits one curation of exactly that step's rows (`where run_id = … AND step = i`) at
   schedule position `progress`, with the recipe and parameter overrides given once.
+- `committed` finds what a process killed after a step's curation commit and before the checkpoint
+  that trains it left: the step's live curation (same `where`) that the run has not trained. A
+  resumed step trains that one instead of curating again, and any other untrained curation of the
+  step (another recipe's, an older one) is retired first, so a step is trained into its run at most
+  once, whichever line the kill landed on — also by a later `rollstore train --run-id` of the run.
 - Nothing here loads a model or starts a verifier pool: the caller owns them, and closes them.
 """
 
@@ -18,12 +23,15 @@ import pyarrow as pa
 
 from rollstore.curate.params import load_recipe, step_where
 from rollstore.curate.run import CurationResult, curate
+from rollstore.queries import load_sql
+from rollstore.queries.session import Session
 from rollstore.rollout.backends import Backend
 from rollstore.rollout.prompts import Prompt
 from rollstore.rollout.reward import RewardPool
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.manifest import Shard
 from rollstore.storage.timing import Stopwatch
+from rollstore.storage.verify import retire
 
 from .generate import GenerationConfig, StepStamp, generate_step
 
@@ -59,3 +67,30 @@ class StepWriter:
                                              "progress": str(progress)}, session=self.session)
         clock.lap("curation")
         return cur
+
+    def committed(self, step: int, trained: set[str]) -> CurationResult | None:
+        """The step's committed curation that the run has not trained (none of its curated shards in
+        `trained`, the run's consumed shard paths), to be trained instead of a new one: the newest of
+        this writer's recipe. Every other untrained curation of the step is retired (one commit), so
+        nothing of the step is left pending for the run. None when the step has no such curation."""
+        from rollstore.learner.consume import shard_curation_id
+
+        buf = self.buf
+        with buf.snapshot() as snap, Session(snap) as s:
+            rel = s.execute(load_sql("loop_step_curations"), {"where": step_where(self.run_id, step)})
+            names = [d[0] for d in rel.description]
+            records = [dict(zip(names, row)) for row in rel.fetchall()]
+        curated: dict[str, list[Shard]] = {}
+        for shard in buf.manifest.shards("curated"):
+            curated.setdefault(shard_curation_id(shard), []).append(shard)
+        pending = [r for r in records if not any(sh.path in trained for sh in curated.get(r["curation_id"], []))]
+        keep = next((r for r in pending if r["recipe"] == self.recipe.name), None)
+        stale = [r["curation_id"] for r in pending if r is not keep]
+        if stale:
+            shards = [sh for sh in buf.manifest.shards("curations") if sh.key in stale]
+            shards += [sh for cid in stale for sh in curated.get(cid, [])]
+            retire(buf.manifest, shards, "retire", {"curations": stale, "why": f"{self.run_id} step {step} resumed"})
+        if keep is None:
+            return None
+        return CurationResult(keep["curation_id"], keep, {}, int(keep["snapshot_seq"]), committed=True,
+                              already_existed=True)

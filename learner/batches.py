@@ -14,8 +14,9 @@ Invariants:
   split across ranks (`iter_rank_steps`), every such row of a step goes to exactly one rank. A row
   with no kept token is counted in its step (the step's longest response) but never forwarded.
 - Packed (`iter_rank_steps(pack=True)`, the learner's default), a row is trained on its prefix up to
-  its last kept token (`collate(trim=True)`), and a step's rows go into micro-batches of similar
-  lengths (sorted by trained length), so what is forwarded is the kept prefixes with little padding.
+  its last kept token (`collate(trim=True)`), and a step's rows, sorted by trained length, are cut
+  into micro-batches of at most `micro_batch_size` rows whose padding is at most `PAD_SHARE` of
+  their positions (`length_buckets`), so what is forwarded is the kept prefixes, little else.
   Exact for a causal model: the log-prob of a kept token depends only on the tokens before it, and
   a token after the last kept one adds nothing to the loss; `Batch.lengths` stays the full response
   length (the step's longest response, dr_grpo's normaliser, reads it).
@@ -45,6 +46,7 @@ from .losses import Normalizer
 from .parallel import passes, rank_micro
 
 TOKEN_COLUMNS = ("old_logprobs", "gen_logprobs", "loss_mask")
+PAD_SHARE = 0.125  # a packed micro-batch's padding: at most this share of its positions (or one row)
 
 
 @dataclass
@@ -244,6 +246,23 @@ def row_order(n: int, shuffle_seed: int | None = None, epoch: int = 0) -> np.nda
     return np.random.Generator(np.random.PCG64([shuffle_seed, epoch])).permutation(n)
 
 
+def length_buckets(rows: np.ndarray, lengths: np.ndarray, most: int, pad_share: float = PAD_SHARE) -> list[np.ndarray]:
+    """`rows` (sorted by `lengths`, ascending) cut into consecutive micro-batches of at most `most`
+    rows, a new one started when adding a row would make padding (width × rows − Σ lengths, the
+    width being the newest row's length) more than `pad_share` of the micro-batch's positions.
+    Deterministic: depends only on the lengths."""
+    out, start, total = [], 0, 0
+    for k in range(len(rows)):
+        n, width = k - start + 1, int(lengths[k])
+        if n > 1 and (n > most or n * width - (total + width) > pad_share * n * width):
+            out.append(rows[start:k])
+            start, total = k, 0
+        total += width
+    if len(rows):
+        out.append(rows[start:])
+    return out
+
+
 @dataclass
 class RankStep:
     """One global optimiser step as one rank sees it."""
@@ -268,8 +287,9 @@ def iter_rank_steps(
 ) -> Iterator[RankStep]:
     """Global steps of `micro_batch_size × grad_accum` rows of the loader's order. Packed (`pack`),
     a step's rows with a kept token, trimmed after their last kept token and sorted by trained
-    length, form micro-batches of `micro_batch_size` rows of similar lengths; else every row of
-    the step, whole, in the loader's order (the learner before packing). Rank `rank` of `world` gets micro-batches
+    length, form micro-batches of at most `micro_batch_size` rows of similar lengths
+    (`length_buckets`); else every row of the step, whole, in the loader's order, `micro_batch_size`
+    at a time (the learner before packing). Rank `rank` of `world` gets micro-batches
     `rank, rank + world, ...` (`parallel.rank_micro`). Every rank computes the same split from
     the same table; nothing depends on timing."""
     if micro_batch_size < 1 or grad_accum < 1:
@@ -289,7 +309,10 @@ def iter_rank_steps(
         if pack:
             live = idx[kept[idx] > 0]
             live = live[np.argsort(prompt[live] + ends[live], kind="stable")]
-        chunks = [live[m : m + micro_batch_size] for m in range(0, len(live), micro_batch_size)]
+        if pack:
+            chunks = length_buckets(live, prompt[live] + ends[live], micro_batch_size)
+        else:
+            chunks = [live[m : m + micro_batch_size] for m in range(0, len(live), micro_batch_size)]
         micro = [collate(rows.take(pa.array(chunks[k])), pad_id, trim=pack) for k in rank_micro(len(chunks), rank, world)]
         n = passes(len(chunks), world)
         filler = collate(rows.take(pa.array(chunks[0][:1])), pad_id, trim=pack) if len(micro) < n else None

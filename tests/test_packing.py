@@ -135,6 +135,18 @@ def test_collate_trim_cuts_each_row_after_its_last_kept_token():
         assert b.old_logprobs[i, :e].tolist() == pytest.approx(row["old_logprobs"][:e])
 
 
+def test_length_buckets_bound_the_padding():
+    from rollstore.learner.batches import length_buckets
+
+    lengths = np.array([5, 5, 6, 6, 6, 7, 12, 12, 13, 30])
+    chunks = length_buckets(np.arange(10), lengths, most=4)
+    assert [c.tolist() for c in chunks] == [[0, 1, 2, 3], [4, 5], [6, 7, 8], [9]]
+    for c in chunks:  # padding at most 1/8 of a micro-batch's positions
+        assert len(c) * lengths[c].max() - lengths[c].sum() <= 0.125 * len(c) * lengths[c].max()
+    assert [c.tolist() for c in length_buckets(np.arange(4), np.array([3, 3, 3, 3]), most=3)] == [[0, 1, 2], [3]]
+    assert length_buckets(np.arange(0), np.array([], dtype=np.int64), most=3) == []
+
+
 def test_a_step_is_micro_batched_by_length_and_dealt_to_ranks():
     table = tailed(n=16, seed=3)
     kept, ends = kept_extent(table)

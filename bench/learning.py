@@ -203,12 +203,15 @@ def from_buffer(root: str, job: dict) -> dict | None:
         skips = s.execute("SELECT step, count(*) FILTER (WHERE decision = 'skip'), count(*) FROM prompt_selections "
                           "GROUP BY step ORDER BY step").fetchall()
         # learner positions per curation (null: training rows written before the column)
-        pos = {cid: (None if p is None else int(p)) for cid, p in s.execute(
-            "SELECT curation_id, sum(positions) FROM training GROUP BY curation_id").fetchall()}
+        try:
+            pos = {cid: (None if p is None else int(p)) for cid, p in s.execute(
+                "SELECT curation_id, sum(positions) FROM training GROUP BY curation_id").fetchall()}
+        except Exception:  # noqa: BLE001  (every training shard written before the column: no such column)
+            pos = {}
     per_step = {}
     for params, n, trained, kept, cid in curs:
         step = int(re.search(r"step = (\d+)", json.loads(params)["where"]).group(1))
-        per_step[step] = (int(n), int(trained or 0), int(kept), pos.get(cid, 0))
+        per_step[step] = (int(n), int(trained or 0), int(kept), pos.get(cid, 0) if pos else None)
     mu = job["epochs"]
     cum, tot = {0: (0, 0, 0, 0, 0, 0)}, [0, 0, 0, 0, 0, 0]
     for it in range(job["iterations"]):

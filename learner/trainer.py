@@ -10,7 +10,7 @@ Invariants:
 - Packed (`TrainConfig.pack`, the default), each row is forwarded only up to its last kept token,
   in micro-batches of rows of similar lengths, and a row with no kept token not at all
   (`batches.iter_rank_steps`): the loss and gradient are those of the whole rows with the tail
-  masked (exact for a causal model; tests/test_trainer.py checks it to float tolerance).
+  masked (exact for a causal model; tests/test_packing.py checks it to float tolerance).
 - `positions` of a step row: the positions its passes forwarded and backwarded, as run — each
   pass's padded width × rows, zero-loss passes of a rank with fewer micro-batches included, summed
   over ranks; the reference model's no-grad forward is not counted.

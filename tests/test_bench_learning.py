@@ -34,12 +34,16 @@ def test_quick_learning_bench(tmp_path, default_tiny):  # noqa: F811
         parts = [last[k] for k in learning.SECONDS_PARTS]
         assert all(x > 0 for x in parts) and sum(parts) <= last["seconds"]
     assert "<polyline" in (out / "pareto.svg").read_text()
-    # --reuse takes every finished run from its folder: the same results, nothing run again
+    # --reuse takes every finished run from its folder (its bench-run.json; without one, rebuilt from
+    # its buffer): the same results, nothing run again
+    (tmp_path / "runs" / "harder-dapo-s0" / learning.RUN_FILE).unlink()
     assert learning.main(["--quick", "--splits", "harder", "--jobs", "1", "--model", default_tiny, "--reuse",
                           "--out", str(tmp_path / "again"), "--root", str(tmp_path / "runs")]) == 0
-    again = json.loads((tmp_path / "again" / "learning-harder.json").read_text())
-    assert all(a.get("reused") for a in again)
-    assert [a["curve"] for a in again] == [r["curve"] for r in runs]
+    again = {a["name"]: a for a in json.loads((tmp_path / "again" / "learning-harder.json").read_text())}
+    assert again["grpo"].get("reused") and again["grpo"]["curve"] == grpo["curve"]
+    assert again["dapo"].get("rebuilt")
+    for key in ("pass@1", "rollouts", "learner_tokens", "token_passes", "learner_positions"):
+        assert [p[key] for p in again["dapo"]["curve"]] == [p[key] for p in dapo["curve"]], key
 
 
 def test_rollouts_to_reach_and_the_paired_ratio():

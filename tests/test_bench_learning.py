@@ -123,10 +123,8 @@ def test_a_root_holds_the_runs_of_one_configuration(tmp_path, capsys):
     assert sorted(p.name for p in root.iterdir()) == [learning.CONFIG_FILE]
 
 
-def test_split_budgets_and_targets():
-    assert learning.max_new_tokens("train") == learning.DEFAULT_MAX_NEW_TOKENS == 8
-    assert learning.max_new_tokens("train", {"train": 40}) == 40
-    from bench import tuned
+def _grid_runs() -> list[dict]:
+    """Two seeds of three configurations with hand-made curves (evaluations every 100 rollouts)."""
 
     def run(name, seed, finals, lr=1e-4, epochs=1):
         curve = [{"iteration": i, "pass@1": f, "rollouts": 100 * i, "learner_positions": 1000 * i * epochs,
@@ -136,9 +134,17 @@ def test_split_budgets_and_targets():
 
     runs = [run("grpo", s, [0.1, 0.2, 0.3]) for s in (0, 1)]
     runs += [run("grpo@2,lr=0.0002", s, [0.1, 0.3, 0.5], 2e-4, 2) for s in (0, 1)]
-    runs += [run("d3s@1,lr=0.0002", s, [0.1, 0.4, 0.45], 2e-4) for s in (0, 1)]
+    return runs + [run("d3s@1,lr=0.0002", s, [0.1, 0.4, 0.45], 2e-4) for s in (0, 1)]
+
+
+def test_split_budgets_and_targets():
+    assert learning.max_new_tokens("train") == learning.DEFAULT_MAX_NEW_TOKENS == 8
+    assert learning.max_new_tokens("train", {"train": 40}) == 40
+    from bench import tuned
+
+    runs = _grid_runs()
     pts = tuned.points(runs, 1e-4)
-    assert tuned.best(pts, "train", "grpo")[0] == "grpo@2,lr=0.0002"  # reaches 0.3 at 150 rollouts
+    assert tuned.best(pts, "train", "grpo")[0] == "grpo@2,lr=0.0002"  # reaches 0.3 at 100 rollouts, grpo at 200
     t97 = tuned.share_targets(pts)
     assert t97 == {("train", 0): pytest.approx(0.485), ("train", 1): pytest.approx(0.485)}
     pts97 = tuned.points(runs, 1e-4, t97)
@@ -147,4 +153,13 @@ def test_split_budgets_and_targets():
     assert pts[("train", "d3s@1,lr=0.0002")]["learner_positions"] == pytest.approx(666.67, rel=1e-4)
     rows = tuned.best_rows(pts, pts97, "train")
     assert [r[0] for r in rows] == ["d3s", "grpo"] and all(len(r) == len(tuned.BEST_HEADER) for r in rows)
-    assert rows[0][5].startswith("0.67×")  # d3s: 100 rollouts to 0.3 against grpo@2's 150
+    assert rows[0][5].startswith("0.67×")  # d3s: 66.7 rollouts to 0.3 against grpo@2's 100
+    assert rows[0][6].startswith("0.33×")  # learner positions: 667 against grpo@2's 2,000 (μ 2)
+
+
+def test_best_points_of_a_grid_are_what_best_runs(tmp_path):
+    (tmp_path / "learning-train.json").write_text(json.dumps(_grid_runs()))
+    assert learning.best_specs(str(tmp_path), ["train"], 1e-4, "grpo1") == {
+        "train": ["grpo", "grpo@2,lr=0.0002", "d3s@1,lr=0.0002"]}
+    # to 97 % of the best grpo's final only grpo@2 gets: d3s has no best point there
+    assert learning.best_specs(str(tmp_path), ["train"], 1e-4, "97") == {"train": ["grpo", "grpo@2,lr=0.0002"]}

@@ -13,7 +13,8 @@ Invariants:
   evaluations, on every axis (`COSTS`): generated rollouts; learner token-passes (response tokens of
   every row trained, per pass; a lagged row's π_prox comes from its training forward, no pass of
   its own); learner positions (what the learner forwarded and backwarded, as run: `training.positions`);
-  loop seconds, and their generate / curate / train parts. Token-passes in bench/RESULTS.md sections
+  loop seconds (whole iterations, held-out evaluations included), and their generate / curate / train
+  parts (bench.learning.SECONDS_PARTS: evaluation and the rest are in none of them). Token-passes in bench/RESULTS.md sections
   recorded up to 2026-12-03, when the trainer still ran a separate π_prox forward, also count that
   forward of every lagged (replayed) row, per pass.
 - A configuration's point is the mean over seeds of its costs; it counts only if it reached the

@@ -173,3 +173,17 @@ def test_a_step_is_micro_batched_by_length_and_dealt_to_ranks():
     assert {s.passes for s in shares} == {passes(n, 2)} and {s.norm for s in shares} == {step.norm}
     assert [list(rank_micro(5, r, 2)) for r in range(2)] == [[0, 2, 4], [1, 3]]
     assert passes(5, 2) == 3 and passes(4, 2) == 2 and passes(0, 3) == 0
+
+
+def test_the_packing_bench_trains_the_same_loss_with_fewer_positions(capsys):
+    import re
+
+    from bench import learner_packing
+
+    assert learner_packing.main(["--rows", "24", "--hidden", "64", "--layers", "1", "--micro-batch", "4",
+                                 "--repeat", "1"]) == 0
+    runs = re.findall(r"pack=(\w+): \d+ steps, learner positions ([\d,]+), kept tokens ([\d,]+), [\d.]+ s, "
+                      r"last loss (\S+)", capsys.readouterr().out)
+    (_, whole, kept_w, loss_w), (_, packed, kept_p, loss_p) = runs
+    assert kept_w == kept_p and abs(float(loss_w) - float(loss_p)) <= 1e-5 * max(1.0, abs(float(loss_w)))
+    assert int(packed.replace(",", "")) < 0.8 * int(whole.replace(",", ""))

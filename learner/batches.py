@@ -12,7 +12,8 @@ Invariants:
   loss or gradient (its denominators are the whole step's), so the learner reorders freely.
 - Every row with a kept token is trained exactly once per epoch (the last step may be short);
   split across ranks (`iter_rank_steps`), every such row of a step goes to exactly one rank. A row
-  with no kept token is counted in its step (the step's longest response) but never forwarded.
+  with no kept token is counted in its step (the step's longest response) but, packed, never
+  forwarded.
 - Packed (`iter_rank_steps(pack=True)`, the learner's default), a row is trained on its prefix up to
   its last kept token (`collate(trim=True)`), and a step's rows, sorted by trained length, are cut
   into micro-batches of at most `micro_batch_size` rows whose padding is at most `PAD_SHARE` of
@@ -305,14 +306,12 @@ def iter_rank_steps(
     for start in range(0, len(order), per_step):
         idx = order[start : start + per_step]
         norm = Normalizer(int((kept[idx] > 0).sum()), int(kept[idx].sum()), int(full[idx].max(initial=0)))
-        live = idx
         if pack:
             live = idx[kept[idx] > 0]
             live = live[np.argsort(prompt[live] + ends[live], kind="stable")]
-        if pack:
             chunks = length_buckets(live, prompt[live] + ends[live], micro_batch_size)
         else:
-            chunks = [live[m : m + micro_batch_size] for m in range(0, len(live), micro_batch_size)]
+            chunks = [idx[m : m + micro_batch_size] for m in range(0, len(idx), micro_batch_size)]
         micro = [collate(rows.take(pa.array(chunks[k])), pad_id, trim=pack) for k in rank_micro(len(chunks), rank, world)]
         n = passes(len(chunks), world)
         filler = collate(rows.take(pa.array(chunks[0][:1])), pad_id, trim=pack) if len(micro) < n else None

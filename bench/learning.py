@@ -22,7 +22,8 @@ Invariants (what makes the comparison fair):
 - Runs execute in a pool of `--jobs` spawned processes with one torch thread each; a run is a pure
   function of its configuration, so the pool size changes wall time, not results.
 - A `--root` folder holds runs of one configuration: its `bench-config.json` (the fingerprint:
-  everything but the recipe, μ, lr and seed, which name each run's folder) is written by the first
+  everything but the recipe, μ, lr and seed, which name each run's folder; a built-in start policy
+  by its cache key, so a policy whose build changed is another configuration) is written by the first
   invocation and checked by every later one; a mismatch is refused before anything runs. A
   finished run leaves `bench-run.json` (its whole result, phase seconds included) in its folder, so
   `--reuse` resumes a grid interrupted or run in parts (`--part I/N`) without rerunning a finished run.
@@ -522,7 +523,7 @@ def _parser() -> _Parser:
     return ap
 
 
-def _budgets(items: list[str], splits: list[str]) -> dict[str, int]:
+def _budgets(items: list[str]) -> dict[str, int]:
     out = {}
     for item in items:
         split, eq, n = item.partition("=")
@@ -560,9 +561,19 @@ def fingerprint(args, lr: float, defaults, splits: list[str], budgets: dict[str,
         "max_gen_batches": args.max_gen_batches, "eval_every": args.eval_every, "eval_prompts": args.eval_prompts,
         "eval_samples": args.eval_samples, "default_lr": lr, "micro_batch": defaults.train.micro_batch_size,
         "grad_accum": defaults.train.grad_accum, "warmup": defaults.train.warmup_steps, "pack": not args.no_pack,
-        "splits": {s: {"task": list(SPLITS[s][:2]), "model": args.model or SPLITS[s][2],
+        "splits": {s: {"task": list(SPLITS[s][:2]), "model": model_key(args.model or SPLITS[s][2]),
                        "max_new_tokens": max_new_tokens(s, budgets)} for s in splits},
     }
+
+
+def model_key(ref: str) -> str:
+    """A start model as the fingerprint names it: a built-in policy with its cache key (which hashes
+    everything that determines its weights; computed, not built), a directory by its absolute path."""
+    from rollstore.builtin.resolve import TINY_MODELS, tiny_dir, tiny_spec
+
+    if ref in TINY_MODELS:
+        return f"{ref} ({os.path.basename(tiny_dir(tiny_spec(task=TINY_MODELS[ref])))})"
+    return os.path.abspath(ref)
 
 
 def claim_root(root: str, fp: dict) -> None:
@@ -638,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise BenchError(f"--part {args.part!r}: expected I/N with 1 ≤ I ≤ N")
             if not args.root:
                 raise BenchError("--part needs --root (the folder the parts share)")
-        budgets = _budgets(args.max_new_tokens, args.splits)
+        budgets = _budgets(args.max_new_tokens)
         known = set(named) | set(builtin_recipes())
         for name in (args.grid or []) + ([] if args.grid is not None else list(args.recipes)):
             base = name.split(",")[0].split("@")[0]

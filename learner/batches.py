@@ -23,9 +23,12 @@ Invariants:
   length (the step's longest response, dr_grpo's normaliser, reads it).
 - `input_ids` is prompt + response, right-padded with `pad_id`; response token t of row i sits at
   `input_ids[i, positions[i, t]]` with `positions[i, t] = len(prompt_i) + t`, so the logits that
-  predict it are at `positions[i, t] − 1`. Every prompt has at least one token.
+  predict it are at `positions[i, t] − 1`. Every prompt has at least one token. Trimmed, a row's
+  input stops before its last (kept) token: nothing reads the logits that token's own position
+  would give, so it is never an input (`positions` still says where it would sit).
 - Padded response positions have `response_mask` and `loss_mask` false, log-probs 0 and
-  `positions` equal to the row's last real position (a valid index, never read by the loss).
+  `positions` equal to the row's last real position (`positions − 1` is a valid index of the
+  logits, never read by the loss).
 """
 
 from __future__ import annotations
@@ -201,7 +204,9 @@ def collate(rows: pa.Table, pad_id: int = 0, trim: bool = False) -> Batch:
     full_len = np.diff(r_off)
     r_len = kept_extent(rows)[1] if trim else full_len
     width_t = max(1, int(r_len.max(initial=0)))
-    width_l = max(1, int((p_len + r_len).max(initial=0)))
+    # trimmed, the last token is not an input (what predicts it is the position before it)
+    in_len = np.maximum(p_len + r_len - 1, np.maximum(p_len, 1)) if trim else p_len + r_len
+    width_l = max(1, int(in_len.max(initial=0)))
 
     input_ids = np.full((b, width_l), pad_id, np.int64)
     attention = np.zeros((b, width_l), np.int64)
@@ -213,9 +218,10 @@ def collate(rows: pa.Table, pad_id: int = 0, trim: bool = False) -> Batch:
     gen = np.zeros((b, width_t), np.float32)
     for i in range(b):
         lp, lr = int(p_len[i]), int(r_len[i])
+        n_in = int(in_len[i])
         input_ids[i, :lp] = p_vals[p_off[i] : p_off[i + 1]]
-        input_ids[i, lp : lp + lr] = r_vals[r_off[i] : r_off[i] + lr]
-        attention[i, : lp + lr] = 1
+        input_ids[i, lp : n_in] = r_vals[r_off[i] : r_off[i] + n_in - lp]
+        attention[i, : n_in] = 1
         positions[i, :] = lp + lr - 1
         positions[i, :lr] = np.arange(lp, lp + lr)
         response_ids[i, :lr] = r_vals[r_off[i] : r_off[i] + lr]
@@ -308,8 +314,9 @@ def iter_rank_steps(
         norm = Normalizer(int((kept[idx] > 0).sum()), int(kept[idx].sum()), int(full[idx].max(initial=0)))
         if pack:
             live = idx[kept[idx] > 0]
-            live = live[np.argsort(prompt[live] + ends[live], kind="stable")]
-            chunks = length_buckets(live, prompt[live] + ends[live], micro_batch_size)
+            width = prompt + ends - 1  # a trimmed row's input: up to the token before its last kept one
+            live = live[np.argsort(width[live], kind="stable")]
+            chunks = length_buckets(live, width[live], micro_batch_size)
         else:
             chunks = [idx[m : m + micro_batch_size] for m in range(0, len(idx), micro_batch_size)]
         micro = [collate(rows.take(pa.array(chunks[k])), pad_id, trim=pack) for k in rank_micro(len(chunks), rank, world)]

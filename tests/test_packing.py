@@ -129,8 +129,11 @@ def test_collate_trim_cuts_each_row_after_its_last_kept_token():
     assert b.input_ids.shape[1] < whole.input_ids.shape[1]
     for i, row in enumerate(table.to_pylist()):
         lp, e = len(row["prompt_token_ids"]), int(ends[i])
-        assert b.input_ids[i, :lp + e].tolist() == (row["prompt_token_ids"] + row["response_token_ids"])[:lp + e]
-        assert b.attention_mask[i].sum().item() == lp + e
+        n_in = lp + e - 1 if e else lp  # the last kept token predicts nothing: not an input
+        assert b.input_ids[i, :n_in].tolist() == (row["prompt_token_ids"] + row["response_token_ids"])[:n_in]
+        assert b.attention_mask[i].sum().item() == n_in
+        assert b.response_ids[i, :e].tolist() == row["response_token_ids"][:e]
+        assert b.positions[i, :e].tolist() == list(range(lp, lp + e))
         assert b.loss_mask[i, :e].tolist() == row["loss_mask"][:e]
         assert b.old_logprobs[i, :e].tolist() == pytest.approx(row["old_logprobs"][:e])
 
@@ -164,7 +167,7 @@ def test_a_step_is_micro_batched_by_length_and_dealt_to_ranks():
     assert step.norm.tokens == int(kept.sum()) and step.norm.sequences == int((kept > 0).sum())
     assert step.norm.max_len == max(len(r) for r in table.column("response_token_ids").to_pylist())
     for b in step.micro:
-        lens = [prompt[ids.index(r)] + int(ends[ids.index(r)]) for r in b.rollout_ids]
+        lens = [prompt[ids.index(r)] + int(ends[ids.index(r)]) - 1 for r in b.rollout_ids]
         assert b.input_ids.shape[1] == max(lens)
     # two ranks: disjoint shares covering the step, the same pass count and denominators on both
     n = len(step.micro)

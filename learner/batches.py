@@ -7,14 +7,28 @@ tensors.
 
 Invariants:
 - Order is deterministic: files in the order given, rows in stored order; with `shuffle_seed` a
-  permutation drawn from numpy's PCG64 seeded by (seed, epoch) — the same on every machine.
-- Every row is yielded exactly once per epoch (the last step may be short; nothing is dropped);
-  split across ranks (`iter_rank_steps`), every row of a step goes to exactly one rank.
+  permutation drawn from numpy's PCG64 seeded by (seed, epoch) — the same on every machine. The
+  permutation decides which rows form a step; inside a step the order does not change the step's
+  loss or gradient (its denominators are the whole step's), so the learner reorders freely.
+- Every row with a kept token is trained exactly once per epoch (the last step may be short);
+  split across ranks (`iter_rank_steps`), every such row of a step goes to exactly one rank. A row
+  with no kept token is counted in its step (the step's longest response) but, packed, never
+  forwarded.
+- Packed (`iter_rank_steps(pack=True)`, the learner's default), a row is trained on its prefix up to
+  its last kept token (`collate(trim=True)`), and a step's rows, sorted by trained length, are cut
+  into micro-batches of at most `micro_batch_size` rows whose padding is at most `PAD_SHARE` of
+  their positions (`length_buckets`), so what is forwarded is the kept prefixes, little else.
+  Exact for a causal model: the log-prob of a kept token depends only on the tokens before it, and
+  a token after the last kept one adds nothing to the loss; `Batch.lengths` stays the full response
+  length (the step's longest response, dr_grpo's normaliser, reads it).
 - `input_ids` is prompt + response, right-padded with `pad_id`; response token t of row i sits at
   `input_ids[i, positions[i, t]]` with `positions[i, t] = len(prompt_i) + t`, so the logits that
-  predict it are at `positions[i, t] − 1`. Every prompt has at least one token.
+  predict it are at `positions[i, t] − 1`. Every prompt has at least one token. Trimmed, a row's
+  input stops before its last (kept) token: nothing reads the logits that token's own position
+  would give, so it is never an input (`positions` still says where it would sit).
 - Padded response positions have `response_mask` and `loss_mask` false, log-probs 0 and
-  `positions` equal to the row's last real position (a valid index, never read by the loss).
+  `positions` equal to the row's last real position (`positions − 1` is a valid index of the
+  logits, never read by the loss).
 """
 
 from __future__ import annotations
@@ -32,9 +46,11 @@ from rollstore.storage.errors import RollstoreError
 from rollstore.storage.references import read_curated_file
 from rollstore.storage.schema import CURATED
 
-from .parallel import passes, rank_block
+from .losses import Normalizer
+from .parallel import passes, rank_micro
 
 TOKEN_COLUMNS = ("old_logprobs", "gen_logprobs", "loss_mask")
+PAD_SHARE = 0.125  # a packed micro-batch's padding: at most this share of its positions (or one row)
 
 
 @dataclass
@@ -49,13 +65,18 @@ class Batch:
     gen_logprobs: Tensor  # [B, T] float32
     advantage: Tensor  # [B] float32
     weight: Tensor  # [B] float32
-    lengths: Tensor  # [B] long: response lengths
+    lengths: Tensor  # [B] long: full response lengths (also when trimmed)
     rollout_ids: list[str]
     curation_ids: list[str]
     policy_version: Tensor | None = None  # [B] long: the version that sampled each row
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
+
+    @property
+    def positions_run(self) -> int:
+        """Positions one forward (and backward) of this batch runs: padded width × rows."""
+        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
 
     def to(self, device: torch.device | str) -> "Batch":
         moved = {
@@ -155,8 +176,24 @@ def _lists(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
     return values, offsets
 
 
-def collate(rows: pa.Table, pad_id: int = 0) -> Batch:
-    """Pad a table of curated rows into one Batch."""
+def kept_extent(rows: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: (kept tokens, last kept position + 1 — 0 when nothing is kept) of `loss_mask`."""
+    m_vals, m_off = _lists(rows, "loss_mask", np.bool_)
+    n = rows.num_rows
+    kept = np.add.reduceat(m_vals.astype(np.int64), m_off[:-1]) if len(m_vals) else np.zeros(n, np.int64)
+    kept = np.where(np.diff(m_off) > 0, kept, 0)  # reduceat of an empty slice reads the next value
+    ends = np.zeros(n, np.int64)
+    at = np.flatnonzero(m_vals)
+    if len(at):
+        parent = np.searchsorted(m_off, at, side="right") - 1
+        np.maximum.at(ends, parent, at - m_off[parent] + 1)
+    return kept, ends
+
+
+def collate(rows: pa.Table, pad_id: int = 0, trim: bool = False) -> Batch:
+    """Pad a table of curated rows into one Batch. With `trim`, each row's response is cut after
+    its last kept token (nothing of it when none is kept): the token tensors are those of the
+    prefix, `lengths` the full response lengths (see the module's invariants)."""
     b = rows.num_rows
     p_vals, p_off = _lists(rows, "prompt_token_ids", np.int64)
     r_vals, r_off = _lists(rows, "response_token_ids", np.int64)
@@ -164,9 +201,12 @@ def collate(rows: pa.Table, pad_id: int = 0) -> Batch:
     gen_vals, gen_off = _lists(rows, "gen_logprobs", np.float32)
     m_vals, m_off = _lists(rows, "loss_mask", np.bool_)
     p_len = np.diff(p_off)
-    r_len = np.diff(r_off)
+    full_len = np.diff(r_off)
+    r_len = kept_extent(rows)[1] if trim else full_len
     width_t = max(1, int(r_len.max(initial=0)))
-    width_l = max(1, int((p_len + r_len).max(initial=0)))
+    # trimmed, the last token is not an input (what predicts it is the position before it)
+    in_len = np.maximum(p_len + r_len - 1, np.maximum(p_len, 1)) if trim else p_len + r_len
+    width_l = max(1, int(in_len.max(initial=0)))
 
     input_ids = np.full((b, width_l), pad_id, np.int64)
     attention = np.zeros((b, width_l), np.int64)
@@ -178,16 +218,17 @@ def collate(rows: pa.Table, pad_id: int = 0) -> Batch:
     gen = np.zeros((b, width_t), np.float32)
     for i in range(b):
         lp, lr = int(p_len[i]), int(r_len[i])
+        n_in = int(in_len[i])
         input_ids[i, :lp] = p_vals[p_off[i] : p_off[i + 1]]
-        input_ids[i, lp : lp + lr] = r_vals[r_off[i] : r_off[i + 1]]
-        attention[i, : lp + lr] = 1
+        input_ids[i, lp : n_in] = r_vals[r_off[i] : r_off[i] + n_in - lp]
+        attention[i, : n_in] = 1
         positions[i, :] = lp + lr - 1
         positions[i, :lr] = np.arange(lp, lp + lr)
-        response_ids[i, :lr] = r_vals[r_off[i] : r_off[i + 1]]
+        response_ids[i, :lr] = r_vals[r_off[i] : r_off[i] + lr]
         response_mask[i, :lr] = True
-        loss_mask[i, :lr] = m_vals[m_off[i] : m_off[i + 1]]
-        old[i, :lr] = old_vals[old_off[i] : old_off[i + 1]]
-        gen[i, :lr] = gen_vals[gen_off[i] : gen_off[i + 1]]
+        loss_mask[i, :lr] = m_vals[m_off[i] : m_off[i] + lr]
+        old[i, :lr] = old_vals[old_off[i] : old_off[i] + lr]
+        gen[i, :lr] = gen_vals[gen_off[i] : gen_off[i] + lr]
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
@@ -199,7 +240,7 @@ def collate(rows: pa.Table, pad_id: int = 0) -> Batch:
         gen_logprobs=torch.from_numpy(gen),
         advantage=torch.from_numpy(rows.column("advantage").to_numpy().astype(np.float32)),
         weight=torch.from_numpy(rows.column("weight").to_numpy().astype(np.float32)),
-        lengths=torch.from_numpy(r_len.astype(np.int64)),
+        lengths=torch.from_numpy(full_len.astype(np.int64)),
         rollout_ids=rows.column("rollout_id").to_pylist(),
         curation_ids=rows.column("curation_id").to_pylist(),
         policy_version=torch.from_numpy(rows.column("policy_version").to_numpy().astype(np.int64)),
@@ -212,6 +253,23 @@ def row_order(n: int, shuffle_seed: int | None = None, epoch: int = 0) -> np.nda
     return np.random.Generator(np.random.PCG64([shuffle_seed, epoch])).permutation(n)
 
 
+def length_buckets(rows: np.ndarray, lengths: np.ndarray, most: int, pad_share: float = PAD_SHARE) -> list[np.ndarray]:
+    """`rows` (sorted by `lengths`, ascending) cut into consecutive micro-batches of at most `most`
+    rows, a new one started when adding a row would make padding (width × rows − Σ lengths, the
+    width being the newest row's length) more than `pad_share` of the micro-batch's positions.
+    Deterministic: depends only on the lengths."""
+    out, start, total = [], 0, 0
+    for k in range(len(rows)):
+        n, width = k - start + 1, int(lengths[k])
+        if n > 1 and (n > most or n * width - (total + width) > pad_share * n * width):
+            out.append(rows[start:k])
+            start, total = k, 0
+        total += width
+    if len(rows):
+        out.append(rows[start:])
+    return out
+
+
 @dataclass
 class RankStep:
     """One global optimiser step as one rank sees it."""
@@ -220,6 +278,7 @@ class RankStep:
     passes: int  # forward/backward passes every rank runs (>= len(micro))
     filler: Batch | None  # a real row of the step, for the zero-loss passes beyond `micro`
     curation_ids: list[str]  # sorted curations of the whole step (every rank's rows)
+    norm: Normalizer  # the whole step's denominators (every rank's rows, trained or not)
 
 
 def iter_rank_steps(
@@ -231,9 +290,15 @@ def iter_rank_steps(
     epoch: int = 0,
     rank: int = 0,
     world: int = 1,
+    pack: bool = True,
 ) -> Iterator[RankStep]:
-    """Global steps of `micro_batch_size × grad_accum` rows; rank `rank` of `world` gets the
-    contiguous block `parallel.rank_block` of each step, in micro-batches of `micro_batch_size`."""
+    """Global steps of `micro_batch_size × grad_accum` rows of the loader's order. Packed (`pack`),
+    a step's rows with a kept token, trimmed after their last kept token and sorted by trained
+    length, form micro-batches of at most `micro_batch_size` rows of similar lengths
+    (`length_buckets`); else every row of the step, whole, in the loader's order, `micro_batch_size`
+    at a time (the learner before packing). Rank `rank` of `world` gets micro-batches
+    `rank, rank + world, ...` (`parallel.rank_micro`). Every rank computes the same split from
+    the same table; nothing depends on timing."""
     if micro_batch_size < 1 or grad_accum < 1:
         raise ValueError("micro_batch_size and grad_accum must be >= 1")
     if not 0 <= rank < world:
@@ -241,18 +306,24 @@ def iter_rank_steps(
     order = row_order(rows.num_rows, shuffle_seed, epoch)
     per_step = micro_batch_size * grad_accum
     curations = rows.column("curation_id")
+    kept, ends = kept_extent(rows)
+    full = pc.list_value_length(rows.column("response_token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    prompt = pc.list_value_length(rows.column("prompt_token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
     for start in range(0, len(order), per_step):
         idx = order[start : start + per_step]
-        lo, hi = rank_block(len(idx), rank, world)
-        mine = idx[lo:hi]
-        micro = [
-            collate(rows.take(pa.array(mine[m : m + micro_batch_size])), pad_id)
-            for m in range(0, len(mine), micro_batch_size)
-        ]
-        n = passes(len(idx), micro_batch_size, world)
-        filler = collate(rows.take(pa.array(idx[:1])), pad_id) if len(micro) < n else None
+        norm = Normalizer(int((kept[idx] > 0).sum()), int(kept[idx].sum()), int(full[idx].max(initial=0)))
+        if pack:
+            live = idx[kept[idx] > 0]
+            width = prompt + ends - 1  # a trimmed row's input: up to the token before its last kept one
+            live = live[np.argsort(width[live], kind="stable")]
+            chunks = length_buckets(live, width[live], micro_batch_size)
+        else:
+            chunks = [idx[m : m + micro_batch_size] for m in range(0, len(idx), micro_batch_size)]
+        micro = [collate(rows.take(pa.array(chunks[k])), pad_id, trim=pack) for k in rank_micro(len(chunks), rank, world)]
+        n = passes(len(chunks), world)
+        filler = collate(rows.take(pa.array(chunks[0][:1])), pad_id, trim=pack) if len(micro) < n else None
         ids = sorted(set(curations.take(pa.array(idx)).to_pylist()))
-        yield RankStep(micro, n, filler, ids)
+        yield RankStep(micro, n, filler, ids, norm)
 
 
 def iter_steps(rows: pa.Table, *args, **kwargs) -> Iterator[list[Batch]]:

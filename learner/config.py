@@ -37,6 +37,9 @@ class TrainConfig:
     pad_id: int = 0
     lr: float = 1e-6
     warmup_steps: int = 0
+    # Rows trimmed after their last kept token and micro-batched by length (`batches.iter_rank_steps`);
+    # False: every row whole, in the loader's order (the learner's work before packing, to compare).
+    pack: bool = True
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ def train_pending(
             "loss": sum(r["loss"] for r in rows) / len(rows) if rows else None,
             "tokens": sum(r["tokens"] for r in rows),
             "samples": sum(r["samples"] for r in rows),
+            "positions": sum(r["positions"] for r in rows),
             **(extra_metrics or {}),
         }
         full = publishable(model, optimizer, dist)  # collective under FSDP2; None off rank 0

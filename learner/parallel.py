@@ -2,18 +2,20 @@
 reductions, DDP / FSDP2 wrapping, and the full (unsharded) state rank 0 publishes.
 
 One global step is what the single-process learner calls a step: `micro_batch_size × grad_accum`
-rows in the loader's order. Each rank trains a contiguous block of it in micro-batches of
-`micro_batch_size`, and the step's losses are normalised by the whole step's counts, all-reduced
-across ranks, so the summed gradient is the single-process gradient of the same rows.
+rows in the loader's order. Its micro-batches (`batches.iter_rank_steps`: packed by length) are dealt
+to the ranks in turn, and the step's losses are normalised by the whole step's counts (which every
+rank computes from the same table), so the summed gradient is the single-process gradient of the
+same rows.
 
 Invariants:
 - `SINGLE` (world 1, no process group) is the identity: no collective, no scaling, no wrapper;
   the single-process learner is exactly what it was.
-- `rank_block(n, rank, world)` is `[n·rank // world, n·(rank+1) // world)`: the blocks of one step
-  are disjoint, cover its n rows, and depend only on n and the world size (never on timing or on
-  which rank reads the files first).
-- Every rank runs `passes(n, micro, world)` forward/backward passes per step — the most any rank
-  needs — padding with zero-loss passes, so every collective inside DDP / FSDP2 lines up.
+- `rank_micro(n, rank, world)` is micro-batches `rank, rank + world, ...` of a step's n: the
+  shares are disjoint, cover the n, and depend only on n and the world size (never on timing or on
+  which rank reads the files first). Dealt in turn, a step's micro-batches sorted by length give
+  every rank a similar amount of work.
+- Every rank runs `passes(n, world)` forward/backward passes per step — the most any rank needs —
+  padding with zero-loss passes, so every collective inside DDP / FSDP2 lines up.
 - DDP and FSDP2 average gradients over ranks; each rank's loss is multiplied by the world size
   (exact for powers of two) so that the reduced gradient is the *sum* the global normaliser expects.
 - The backend follows the device: NCCL on CUDA, gloo on CPU.
@@ -31,8 +33,6 @@ from typing import Any
 
 import torch
 
-from .losses import Normalizer
-
 PARALLEL = ("none", "ddp", "fsdp")
 
 
@@ -40,14 +40,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_block(n: int, rank: int, world: int) -> tuple[int, int]:
-    """This rank's rows [lo, hi) of a step of n rows (contiguous, disjoint, covering)."""
-    return n * rank // world, n * (rank + 1) // world
+def rank_micro(n: int, rank: int, world: int) -> range:
+    """This rank's micro-batches of a step of n: `rank, rank + world, ...` (disjoint, covering)."""
+    return range(rank, n, world)
 
 
-def passes(n: int, micro_batch_size: int, world: int) -> int:
-    """Forward/backward passes every rank runs for a step of n rows (the most any rank needs)."""
-    return max(-(-(hi - lo) // micro_batch_size) for lo, hi in (rank_block(n, r, world) for r in range(world)))
+def passes(n: int, world: int) -> int:
+    """Forward/backward passes every rank runs for a step of n micro-batches (the most any rank needs)."""
+    return -(-n // world)
 
 
 @dataclass
@@ -76,16 +76,6 @@ class Dist:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t)
         return t.tolist()
-
-    def normalizer(self, local: Normalizer) -> Normalizer:
-        """The step's global denominators: sequences and tokens summed, max_len the max."""
-        if not self.active:
-            return local
-        t = torch.tensor([local.sequences, local.tokens], dtype=torch.int64, device=self.device)
-        m = torch.tensor([local.max_len], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(t)
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX)
-        return Normalizer(int(t[0]), int(t[1]), int(m[0]))
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""

@@ -3,9 +3,17 @@
 Invariants:
 - Response token t of a row is scored by the logits at `positions[t] − 1` (the position before
   it: prompt length + t − 1), never by its own position.
-- One optimiser step = `grad_accum` micro-batches; their losses are normalised by the whole
-  step's kept sequences / tokens / longest response (`losses.Normalizer`), so the summed
-  micro-batch gradients equal the gradient of the step's full batch.
+- One optimiser step = `micro_batch_size × grad_accum` rows; their losses are normalised by the
+  whole step's kept sequences / tokens / longest (full) response (`losses.Normalizer`, computed
+  from the step's rows, `batches.RankStep.norm`), so the summed micro-batch gradients equal the
+  gradient of the step's full batch, however its rows are split into micro-batches.
+- Packed (`TrainConfig.pack`, the default), each row is forwarded only up to its last kept token,
+  in micro-batches of rows of similar lengths, and a row with no kept token not at all
+  (`batches.iter_rank_steps`): the loss and gradient are those of the whole rows with the tail
+  masked (exact for a causal model; tests/test_packing.py checks it to float tolerance).
+- `positions` of a step row: the positions its passes forwarded and backwarded, as run — each
+  pass's padded width × rows, zero-loss passes of a rank with fewer micro-batches included, summed
+  over ranks; the reference model's no-grad forward is not counted.
 - A step with no kept token changes nothing (no optimiser or scheduler step) but still gets its
   metrics row (tokens 0, samples 0): nothing is silently dropped.
 - bf16 autocast on CUDA only; log-softmax, entropies and losses are float32.
@@ -16,8 +24,8 @@ Invariants:
   curation, the shard and the first offending rollout_id, its log-probs judged from the step's own
   training forward, on every rank alike) before its optimiser step: nothing non-finite is ever
   applied, returned or published.
-- Under `torch.distributed` (`dist`), each rank trains its block of every global step
-  (`batches.iter_rank_steps`), the step's `Normalizer` and metrics are all-reduced, and every rank
+- Under `torch.distributed` (`dist`), each rank trains its share of every global step's
+  micro-batches (`batches.iter_rank_steps`), the step's metrics are all-reduced, and every rank
   returns the same rows: the rows and the gradient are those of the single process (up to the
   order of float sums). `timings` gets the seconds spent reading the shards (`read`) and
   collating batches (`collate`), the store's input cost.
@@ -116,14 +124,14 @@ def proximal_logprobs(logp: Tensor, batch: Batch, current_version: int) -> Tenso
     return torch.where(lagged, logp.detach().float(), batch.old_logprobs)
 
 
-def _all_reduced(stats: LossStats, total: float, dist: Dist) -> tuple[LossStats, float]:
+def _all_reduced(stats: LossStats, total: float, positions: int, dist: Dist) -> tuple[LossStats, float, int]:
     if not dist.active:
-        return stats, total
+        return stats, total, positions
     has_entropy = stats.entropy is not None
     vals = dist.sum([total, stats.tokens, stats.samples, stats.clipped, stats.approx_kl, stats.entropy or 0.0,
-                     float(has_entropy)])
+                     float(has_entropy), float(positions)])
     entropy = vals[5] if vals[6] else None
-    return LossStats(int(vals[1]), int(vals[2]), vals[3], vals[4], entropy, stats.ref_kl), vals[0]
+    return LossStats(int(vals[1]), int(vals[2]), vals[3], vals[4], entropy, stats.ref_kl), vals[0], int(vals[7])
 
 
 def train_on_curation(
@@ -164,7 +172,7 @@ def train_on_curation(
     try:
         for epoch in range(config.epochs):
             parts = iter_rank_steps(rows_table, config.micro_batch_size, config.grad_accum, config.pad_id,
-                                    config.shuffle_seed, epoch, dist.rank, dist.world)
+                                    config.shuffle_seed, epoch, dist.rank, dist.world, pack=config.pack)
             while True:
                 clock.lap("other")
                 part = next(parts, None)
@@ -238,24 +246,23 @@ class _Steps:
         """Train one step's micro-batches; return its metrics row without run_id/version/step/created_at."""
         model, dist, device = self.model, self.dist, self.device
         micro = [b.to(device) for b in part.micro]
-        norm = Normalizer(0, 0, 0)
-        for b in micro:
-            norm = norm + Normalizer.of(b.loss_mask, b.lengths)
-        norm = dist.normalizer(norm)
+        norm = part.norm  # the whole step's, the same on every rank
         lr = float(self.optimizer.param_groups[0]["lr"])
         # which micro-batches hold a lagged row (read on the host: no device sync)
         decoupled = self.config.loss_config.decoupled
         lagged = [decoupled and bool((b.policy_version < self.current).any()) for b in part.micro]
         self.optimizer.zero_grad(set_to_none=True)
-        stats, total, grad_norm = LossStats(), 0.0, 0.0
+        stats, total, grad_norm, positions = LossStats(), 0.0, 0.0, 0
         self.logp_bad = []  # filled by `_loss`, read by `_check_finite` (the error line)
         if norm.tokens:
             for k in range(part.passes):
                 with sync_gradients(model, dist, k == part.passes - 1):
                     if k >= len(micro):  # a zero-loss pass: the collectives of every rank line up
+                        positions += part.filler.positions_run
                         logp, _ = response_logprobs(model, part.filler.to(device), with_entropy=False)
                         (logp.sum() * 0.0).backward()
                         continue
+                    positions += micro[k].positions_run
                     res = self._loss(micro[k], norm, lagged[k])
                     # DDP / FSDP2 average over ranks; the global normaliser wants the sum
                     (res.loss * dist.world if dist.active else res.loss).backward()
@@ -267,12 +274,13 @@ class _Steps:
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        stats, total = _all_reduced(stats, total, dist)
+        stats, total, positions = _all_reduced(stats, total, positions, dist)
         self.optimizer.zero_grad(set_to_none=True)
         m = stats.metrics()
         return {"curation_id": ",".join(part.curation_ids) or None, "loss": total,
                 "clip_fraction": m["clip_fraction"], "approx_kl": m["approx_kl"], "entropy": m["entropy"],
-                "grad_norm": grad_norm, "tokens": m["tokens"], "samples": m["samples"], "lr": lr}
+                "grad_norm": grad_norm, "tokens": m["tokens"], "samples": m["samples"], "lr": lr,
+                "positions": positions}
 
     def _check_finite(self, part, micro: list[Batch], total: float, grad_norm: float) -> None:
         """Stop before the optimiser step when the step's loss or gradient norm is not finite (on

@@ -171,6 +171,7 @@ TRAINING = pa.schema(
         pa.field("tokens", pa.int64()),
         pa.field("samples", pa.int64()),
         pa.field("lr", pa.float64()),
+        pa.field("positions", pa.int64()),  # learner positions forwarded and backwarded (added: null before)
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
     ]
 )

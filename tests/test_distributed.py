@@ -9,7 +9,7 @@ as torchrun does; a rank still alive after `WATCHDOG_S` prints every thread's st
 so a hang fails with its place, never as an anonymous SIGKILL.
 
 Tolerance: a 2-rank step sums the same per-row gradient terms as one process but in another
-order (each rank's block, then the all-reduce), and micro-batches padded to other widths; float32
+order (each rank's micro-batches, then the all-reduce), and micro-batches padded to other widths; float32
 sums in another order differ by ~1e-7 relative per step, and Adam's normalised update can amplify
 a difference in a near-zero gradient entry up to ~lr. We require every weight within
 1e-5 · max|w| + 1e-5 of the single-process one (lr 3e-3 here: a real divergence, e.g. a row
@@ -30,7 +30,7 @@ import torch
 from rollstore.learner.checkpoint import consumed_ledger, list_checkpoints
 from rollstore.learner.config import RunPosition, TrainConfig, TrainContext
 from rollstore.learner.consume import pending_shards, resume, train_pending
-from rollstore.learner.parallel import SINGLE, close, current, passes, rank_block, wrap
+from rollstore.learner.parallel import SINGLE, close, current, passes, rank_micro, wrap
 from rollstore.learner.trainer import deterministic_cpu, make_optimizer
 from learner_util import one_thread, tiny_llama
 from rollstore.storage.buffer import Buffer
@@ -148,13 +148,13 @@ def two_ranks(tmp_path_factory, single):
     return final_state(root)
 
 
-def test_rank_blocks_split_every_step_disjointly():
+def test_rank_shares_split_every_step_disjointly():
     for n in range(0, 9):
         for world in (1, 2, 3):
-            blocks = [rank_block(n, r, world) for r in range(world)]
-            rows = [i for lo, hi in blocks for i in range(lo, hi)]
-            assert rows == list(range(n))  # disjoint, in order, covering
-    assert passes(4, 2, 2) == 1 and passes(5, 2, 2) == 2 and passes(1, 2, 2) == 1
+            shares = [list(rank_micro(n, r, world)) for r in range(world)]
+            assert sorted(i for s in shares for i in s) == list(range(n))  # disjoint, covering
+            assert max(len(s) for s in shares) == passes(n, world)
+    assert passes(4, 2) == 2 and passes(5, 2) == 3 and passes(1, 2) == 1
 
 
 def test_two_ranks_give_the_weights_of_one_process(single, two_ranks):

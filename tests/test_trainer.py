@@ -65,9 +65,14 @@ def test_collate_pads_and_places_response_tokens():
 def test_steps_cover_every_row_once_in_a_deterministic_order():
     table = curated_rows("c", 11, seed=3)
     steps = list(iter_steps(table, micro_batch_size=2, grad_accum=2))
-    assert [[len(b) for b in s] for s in steps] == [[2, 2], [2, 2], [2, 1]]
+    assert [[len(b) for b in s] for s in list(iter_steps(table, 2, 2, pack=False))] == [[2, 2], [2, 2], [2, 1]]
+    assert all(len(b) <= 2 for s in steps for b in s)
+    stored = table.column("rollout_id").to_pylist()
+    # the loader's order decides the steps; inside a step, packing sorts rows by trained length
+    assert [sorted(r for b in s for r in b.rollout_ids) for s in steps] == [stored[0:4], stored[4:8], stored[8:]]
+    whole = [r for s in iter_steps(table, 2, 2, pack=False) for b in s for r in b.rollout_ids]
+    assert whole == stored
     ids = [r for s in steps for b in s for r in b.rollout_ids]
-    assert ids == table.column("rollout_id").to_pylist()
     a = [r for s in iter_steps(table, 3, 1, shuffle_seed=7) for b in s for r in b.rollout_ids]
     b = [r for s in iter_steps(table, 3, 1, shuffle_seed=7) for b in s for r in b.rollout_ids]
     c = [r for s in iter_steps(table, 3, 1, shuffle_seed=7, epoch=1) for b in s for r in b.rollout_ids]
@@ -230,7 +235,8 @@ def test_a_step_with_lagged_rows_runs_no_forward_but_its_training_passes(buf, mo
 
     monkeypatch.setattr(trainer, "get_loss", lambda name: loss_spy)
     opt, sched = make_optimizer(model, lr=1e-2)
-    rows = train_on_curation(model, opt, sched, shard, TrainConfig(loss=loss, micro_batch_size=4, grad_accum=2),
+    rows = train_on_curation(model, opt, sched, shard, TrainConfig(loss=loss, micro_batch_size=4, grad_accum=2,
+                                                                    pack=False),  # micro-batches in stored order
                              version=4, weights_version=3)
     assert len(rows) == 1 and forwards == [True, True]  # the two training passes, nothing else
     first, second = seen  # micro-batches rows 0-3 (1 and 3 lagged) and rows 4-7 (none)

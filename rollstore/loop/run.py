@@ -123,6 +123,7 @@ class IterationReport:
     curation_id: str
     note: str = ""
     phases: dict = field(default_factory=dict)  # seconds per phase (see PHASES)
+    positions: int = 0  # learner positions forwarded and backwarded (training.positions, summed over the steps)
 
 
 # The phases of one iteration, in order, as `IterationReport.phases` and the loop profile name them.
@@ -383,8 +384,9 @@ class _Run:
             if len(generated) >= cfg.max_gen_batches:
                 return generated, f"only {survived} groups survived after {len(generated)} batches"
 
-    def train(self, it: int, cur: CurationResult, phases: dict) -> float | None:
-        """Train the curation once, publish it, load its weights into the sampler; its mean loss."""
+    def train(self, it: int, cur: CurationResult, phases: dict) -> tuple[float | None, int]:
+        """Train the curation once, publish it, load its weights into the sampler; its mean loss and
+        learner positions."""
         from rollstore.learner.config import Pending, RunPosition, TrainContext
         from rollstore.learner.consume import train_pending
 
@@ -395,7 +397,7 @@ class _Run:
             tokenizer=self.tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
         )
         if not published:
-            return None
+            return None, 0
         clock = Stopwatch(phases)
         ck = published[-1]
         self.version, self.step = ck.version, ck.step
@@ -405,7 +407,7 @@ class _Run:
         else:
             backend.load_weights(ck.dir)
         clock.lap("other")
-        return ck.metrics.get("loss")
+        return ck.metrics.get("loss"), sum(int(c.metrics.get("positions") or 0) for c in published)
 
     def resumed_curation(self, it: int) -> CurationResult | None:
         """Step `it`'s curation committed before an interruption and not yet trained into the run
@@ -428,7 +430,7 @@ class _Run:
         cur = self.resumed_curation(it) if resumed else None
         if cur is None:
             cur = self.writer.curate(it, it / cfg.iterations, phases)
-        loss = self.train(it, cur, phases)
+        loss, positions = self.train(it, cur, phases)
         clock = Stopwatch(phases)
         batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)
         clock.lap("other")
@@ -441,6 +443,7 @@ class _Run:
             gen_batches=len(generated), samples_kept=cur.record["n_selected"], tokens_kept=cur.record["tokens_kept"],
             tokens_candidate=cur.record["tokens_candidate"], loss=loss, heldout=held,
             seconds=time.perf_counter() - t0, curation_id=cur.curation_id, note=note, phases=phases,
+            positions=positions,
         )
         self.reports.append(rep)
         if self.on_iteration:

@@ -171,6 +171,29 @@ def run_one(job: dict) -> dict:
     return result
 
 
+def packed_positions(buf, curation_ids: list[str], micro_batch: int, epochs: int) -> dict[str, int]:
+    """curation id → the learner positions the packed learner forwards and backwards for its rows over
+    `epochs` passes, computed from its curated shards with the learner's own batching
+    (`iter_rank_steps`, one process) — for runs trained before `training.positions` was recorded,
+    whose learner was mathematically the same (tests/test_packing.py) but forwarded whole rows. Exact
+    when a curation's rows fit one optimiser step (≤ micro_batch rows: every pass packs alike); above
+    that, which rows share a step follows the learner's per-pass shuffle, which this does not replay."""
+    from rollstore.learner.batches import iter_rank_steps, read_curated
+    from rollstore.learner.consume import shard_curation_id
+
+    wanted, paths = set(curation_ids), {}
+    for shard in buf.manifest.shards("curated"):
+        cid = shard_curation_id(shard)
+        if cid in wanted:
+            paths.setdefault(cid, []).append(os.path.join(buf.root, shard.path))
+    out = {cid: 0 for cid in curation_ids}
+    for cid, files in paths.items():
+        rows = read_curated(sorted(files))
+        one = sum(b.positions_run for st in iter_rank_steps(rows, micro_batch) for b in st.micro)
+        out[cid] = one * epochs
+    return out
+
+
 def finished(root: str, job: dict) -> dict | None:
     """A finished run of `job` under `root`: its `bench-run.json`, else rebuilt from its buffer
     (`from_buffer`); None when it did not reach its last evaluation."""
@@ -213,10 +236,13 @@ def from_buffer(root: str, job: dict) -> dict | None:
                 "SELECT curation_id, sum(positions) FROM training GROUP BY curation_id").fetchall()}
         except Exception:  # noqa: BLE001  (every training shard written before the column: no such column)
             pos = {}
+        missing = [cid for *_, cid in curs if pos.get(cid) is None]
+        if missing:  # trained before training.positions existed: what the packed learner forwards for them
+            pos.update(packed_positions(buf, missing, job["micro_batch"], job["epochs"]))
     per_step = {}
     for params, n, trained, kept, cid in curs:
         step = int(re.search(r"step = (\d+)", json.loads(params)["where"]).group(1))
-        per_step[step] = (int(n), int(trained or 0), int(kept), pos.get(cid, 0) if pos else None)
+        per_step[step] = (int(n), int(trained or 0), int(kept), pos.get(cid, 0))
     mu = job["epochs"]
     cum, tot = {0: (0, 0, 0, 0, 0, 0)}, [0, 0, 0, 0, 0, 0]
     for it in range(job["iterations"]):

@@ -50,6 +50,7 @@ from rollstore.storage.shardio import fsync_dir, sha256_file
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.catalog import holding
 from rollstore.storage.errors import RollstoreError
+from rollstore.storage.manifest import CHECKPOINT_COLS
 from rollstore.storage.owners import owned_name
 from rollstore.storage.schema import CHECKPOINTS, TRAINING
 
@@ -74,6 +75,8 @@ class Checkpoint:
     step: int = 0  # global optimiser step (filled by load_checkpoint)
     ledger: list[dict] = field(default_factory=list)  # whole lineage's consumed (by load_checkpoint)
     _local: Callable[[], str] | None = field(default=None, repr=False, compare=False)  # a store's: fetch it
+    pruned_seq: int | None = None  # the commit that gave its files up (`learner.retention`); None: kept
+    tag: str | None = None  # a user's name for it (its files are kept)
 
     @property
     def dir(self) -> str:
@@ -117,29 +120,82 @@ def _to_checkpoint(row: dict, root: str, buf: Buffer | None = None) -> Checkpoin
         created_at=row["created_at"],
         root=root,
         _local=local,
+        pruned_seq=row.get("pruned_seq"),
+        tag=row.get("tag"),
     )
+
+
+def _from_index(r: tuple) -> dict:
+    """A checkpoints row (plus `shard_id`, `pruned_seq`, `tag`) from its index row (CHECKPOINT_COLS)."""
+    row = dict(zip(CHECKPOINT_COLS, r))
+    row["created_at"] = _EPOCH + dt.timedelta(microseconds=int(row.pop("created_us")))
+    return row
+
+
+def _index_values(shard_id: int, row: dict) -> tuple:
+    """The index row (CHECKPOINT_COLS but pruned_seq and tag) of a checkpoints row."""
+    created = row["created_at"]
+    created_us = (created - _EPOCH) // dt.timedelta(microseconds=1)
+    return (int(shard_id), int(row["version"]), row["run_id"], row["parent_version"], row["path"], created_us,
+            row["consumed"], row["metrics"])
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _unindexed_rows(buf: Buffer, missing: list[tuple[int, str]]) -> list[dict]:
+    """The rows of checkpoints shards the index does not hold (a buffer written before it), read from
+    their files (a store's buffer: through this host's verified cache), each with its `shard_id`."""
+    if getattr(buf.manifest, "store", None) is not None:
+        from rollstore.storage.store import cache_shards
+
+        cache_shards(buf.root, buf.manifest, buf.manifest.shards_by_id([i for i, _ in missing]))
+    rows = []
+    for shard_id, path in missing:
+        rows += [{**r, "shard_id": shard_id} for r in _rows_from_files([os.path.join(buf.root, path)])]
+    return rows
+
+
+def checkpoint_rows(buf: Buffer, run_id: str | None = None, version: int | None = None, newest: bool = False,
+                    con=None, exclude: Sequence[int] = ()) -> list[dict]:
+    """The live checkpoints rows (of `run_id`, of `version`; `newest`: the highest version alone), by
+    version, answered by the catalog's checkpoint index (`storage.manifest.CHECKPOINT_DDL`): no
+    checkpoint file is read, but those of shards published before the index existed. `con`: inside
+    that transaction; `exclude`: shard ids left out (the commit in progress)."""
+    indexed, missing = buf.manifest.checkpoint_index(None, run_id, version, newest, con)
+    rows = [r for r in map(_from_index, indexed) if r["shard_id"] not in exclude]
+    missing = [(i, p) for i, p in missing if i not in exclude]
+    if missing:
+        rows += [r for r in _unindexed_rows(buf, missing)
+                 if (run_id is None or r["run_id"] == run_id) and (version is None or int(r["version"]) == version)]
+        rows.sort(key=lambda r: int(r["version"]))
+        rows = rows[-1:] if newest else rows
+    return rows
 
 
 def list_checkpoints(buf: Buffer, run_id: str | None = None) -> list[Checkpoint]:
     """Published checkpoints (latest snapshot), by version."""
-    snap = buf.snapshot()
-    cks = [_to_checkpoint(r, buf.root, buf) for r in _rows_from_files(snap.files("checkpoints"))]
-    if run_id is not None:
-        cks = [c for c in cks if c.run_id == run_id]
-    return sorted(cks, key=lambda c: c.version)
+    return [_to_checkpoint(r, buf.root, buf) for r in checkpoint_rows(buf, run_id)]
 
 
 def latest_checkpoint(buf: Buffer, run_id: str | None = None) -> Checkpoint | None:
-    cks = list_checkpoints(buf, run_id)
-    return cks[-1] if cks else None
+    """The highest published version (of `run_id`): one index query."""
+    rows = checkpoint_rows(buf, run_id, newest=True)
+    return _to_checkpoint(rows[0], buf.root, buf) if rows else None
+
+
+def get_checkpoint(buf: Buffer, version: int) -> Checkpoint | None:
+    """Published checkpoint `version`, or None: one index query."""
+    rows = checkpoint_rows(buf, version=version)
+    return _to_checkpoint(rows[-1], buf.root, buf) if rows else None
 
 
 def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
     """Every shard trained into `version` along its parent chain, oldest first (None: [])."""
     if version is None:
         return []
-    by_version = {c.version: c for c in list_checkpoints(buf)}
-    chain: list[Checkpoint] = []
+    by_version = {int(r["version"]): r for r in checkpoint_rows(buf)}
+    chain: list[dict] = []
     v: int | None = version
     while v is not None:
         if v not in by_version:
@@ -147,8 +203,9 @@ def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
                 break
             raise CheckpointError(f"{buf.root}: no checkpoint version {v}")
         chain.append(by_version[v])
-        v = by_version[v].parent_version
-    return [e for c in reversed(chain) for e in c.consumed]
+        parent = by_version[v]["parent_version"]
+        v = None if parent is None else int(parent)
+    return [e for r in reversed(chain) for e in json.loads(r["consumed"])]
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -212,10 +269,13 @@ def _write_dir(
     fsync_dir(os.path.dirname(tmp))
 
 
-def _live_checkpoint_rows(buf: Buffer, con: sqlite3.Connection, exclude: list[int]) -> list[dict]:
-    skip = set(exclude)
-    return _rows_from_files([os.path.join(buf.root, path) for shard_id, path in buf.manifest.live_paths("checkpoints", con)
-                             if shard_id not in skip])
+def _index_in(buf: Buffer, con, seq: int, ids: list[int], parts: list[Part]) -> None:
+    """Inside the publishing transaction: index the checkpoints shards that have no index row yet
+    (a buffer written before the index: read from their files once), then the new one (`ids[0]`)."""
+    old = [(i, p) for i, p in buf.manifest.unindexed_checkpoints(con=con) if i not in ids]
+    rows = [_index_values(r["shard_id"], r) for r in _unindexed_rows(buf, old)] if old else []
+    rows.append(_index_values(ids[0], parts[0].table.to_pylist()[0]))
+    buf.manifest.index_checkpoints(con, rows)
 
 
 @dataclass(frozen=True)
@@ -267,6 +327,7 @@ def save_checkpoint(
     def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
+        _index_in(buf, con, _seq, ids, parts)
         record = getattr(buf.manifest, "record_consumed", None)  # a catalog's ledger table (PostgreSQL)
         if record is None:
             _check_unpublished(buf, con, ids, version, run_id, shards)
@@ -350,13 +411,11 @@ def _parts(p: Publish, rel: str, now: dt.datetime) -> list[Part]:
 def _check_unpublished(buf: Buffer, con: sqlite3.Connection, ids: list[int], version: int, run_id: str,
                        shards: list[str]) -> None:
     """Refuse a version that already has a row, or a shard another checkpoint of the run consumed."""
-    others = _live_checkpoint_rows(buf, con, ids)
-    if any(int(r["version"]) == version for r in others):
+    if checkpoint_rows(buf, version=version, con=con, exclude=ids):
         raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
     taken = {
         e["shard"]: int(r["version"])
-        for r in others
-        if r["run_id"] == run_id
+        for r in checkpoint_rows(buf, run_id, con=con, exclude=ids)
         for e in json.loads(r["consumed"])
     }
     dup = [s for s in shards if s in taken]
@@ -423,9 +482,12 @@ def load_checkpoint(
         if ck is None:
             raise CheckpointError(f"{buf.root}: no checkpoint" + (f" of run {run_id!r}" if run_id else ""))
     else:
-        ck = next((c for c in list_checkpoints(buf) if c.version == version), None)
+        ck = get_checkpoint(buf, version)
         if ck is None:
             raise CheckpointError(f"{buf.root}: no checkpoint version {version}")
+    if ck.pruned_seq is not None:
+        raise CheckpointError(f"{buf.root}: checkpoint v{ck.version}'s files were pruned (keep-checkpoints, commit "
+                              f"{ck.pruned_seq}); its row (lineage, ledger) remains; load a newer version")
     directory = ck.dir  # (a store's buffer: fetched and verified now)
     with open(os.path.join(directory, LEDGER), encoding="utf-8") as fh:
         ledger = json.load(fh)

@@ -42,8 +42,8 @@ from .checkpoint import (
     Publish,
     consumed_entry,
     consumed_ledger,
+    get_checkpoint,
     latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
@@ -178,7 +178,7 @@ def train_pending(
 def _pending_units(buf: Buffer, model, version: int, pending: Pending) -> list[list[Shard]]:
     """The units to train (rank 0), every one checked against the model's vocabulary before the
     first is trained and published."""
-    ledger = consumed_ledger(buf, version) if any(c.version == version for c in list_checkpoints(buf)) else []
+    ledger = consumed_ledger(buf, version) if get_checkpoint(buf, version) is not None else []
     todo = _units(pending_shards(buf, ledger, pending.curation_ids, pending.shards), pending.per)
     # what training reads, checked as a curation checks its inputs: the curated shards and every
     # rollouts shard they refer to (live, in place, size and sha256; each hashed once per process)

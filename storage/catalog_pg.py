@@ -918,7 +918,10 @@ class PgManifest(Manifest):
                                 "LIMIT 1", (path, path)).fetchone() is None
 
     def _has_moved(self, con) -> bool:
-        return con.execute("SELECT to_regclass('moved') IS NOT NULL").fetchone()[0]
+        return self.has_table("moved", con)
+
+    def has_table(self, name: str, con=None) -> bool:
+        return bool((con or self.con).execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()[0])
 
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:

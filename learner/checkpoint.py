@@ -293,6 +293,7 @@ class Publish:
     metrics: dict | None = None
     training_rows: Sequence[dict] | None = None
     lease: tuple[str, str] | None = None
+    retention: tuple[int, int] | None = None  # (K, replay window): prune the run's older versions (`learner.retention`)
 
 
 def save_checkpoint(
@@ -335,6 +336,10 @@ def save_checkpoint(
             why = record(con, run_id, version, p.consumed, ids[0], _seq)
             if why is not None:
                 raise CheckpointError(f"{buf.root}: {why}")
+        if p.retention is not None:  # in the same commit: the new version counts among the newest K
+            from .retention import prune_in
+
+            prune_in(buf, con, _seq, p.retention[0], p.retention[1], run_id)
         if p.lease is not None:
             _ack_in_transaction(buf, con, shards, *p.lease, now.timestamp())
         if store is not None:  # the objects were uploaded before; this row names them (the commit point)
@@ -361,6 +366,10 @@ def save_checkpoint(
                 shutil.rmtree(tmp, ignore_errors=True)
             for d in moved_aside:
                 shutil.rmtree(d, ignore_errors=True)
+    if p.retention is not None:  # the files of the versions pruned (now or before), unless a pinned snapshot is older
+        from rollstore.storage.maintenance import collect_pruned
+
+        collect_pruned(buf)
     return Checkpoint(version, rel, run_id, p.parent_version, p.consumed, p.metrics, now, buf.root, int(p.step))
 
 

@@ -119,6 +119,7 @@ def train_pending(
     tokenizer=None,
     extra_metrics: dict | None = None,
     context: TrainContext = TrainContext(),
+    retention: tuple[int, int] | None = None,
 ) -> list[Checkpoint]:
     """Train every pending unit once, publishing one checkpoint per unit; return them.
 
@@ -128,6 +129,8 @@ def train_pending(
     given, gets the seconds spent in `optimiser` steps (reading the shards included) and checkpoint
     `publish`.
     `context.dist`: this rank; `model` / `optimizer` are then the wrapped ones (`parallel.wrap`).
+    `retention`: (K, replay window): each publish prunes the run's versions `learner.retention` does
+    not keep, in its own commit, and removes their files (None: every version keeps its files).
     """
     dist, timings = context.dist, context.timings
     todo = dist.broadcast(_pending_units(buf, model, at.version, pending) if dist.is_main else None)
@@ -162,6 +165,7 @@ def train_pending(
                 outcome = save_checkpoint(buf, full[0], full[1], scheduler, tokenizer=tokenizer, publish=Publish(
                     new_version, at.run_id, [consumed_entry(shard_curation_id(s), s.path) for s in unit],
                     parent_version=version, step=step, metrics=metrics, training_rows=rows, lease=pending.lease,
+                    retention=retention,
                 ))
             except BaseException as exc:
                 dist.broadcast(str(exc) or type(exc).__name__)

@@ -92,12 +92,13 @@ MOVED_DDL = ("CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path T
 # one row per `checkpoints` shard, the row its file holds, so that listing, the newest checkpoint of
 # a run and a version's lineage are catalog queries, not a read of every checkpoint file.
 # `pruned_seq`: the commit that gave the version's files up (`learner.retention`; the row stays:
-# lineage, ledger); `tag`: a user's name for it, which keeps its files. `checkpoint_holds`: versions
+# lineage, ledger); `tag`: a user's name for it, which keeps its files; `collected`: 1 once gc removed
+# the files of a pruned version. `checkpoint_holds`: versions
 # a live process (a following learner or generator) still needs, until `expires_at`.
 CHECKPOINT_DDL = (
     "CREATE TABLE IF NOT EXISTS checkpoint_index (shard_id BIGINT PRIMARY KEY, version BIGINT NOT NULL, "
     "run_id TEXT NOT NULL, parent_version BIGINT, path TEXT NOT NULL, created_us BIGINT NOT NULL, "
-    "consumed TEXT NOT NULL, metrics TEXT NOT NULL, pruned_seq BIGINT, tag TEXT)",
+    "consumed TEXT NOT NULL, metrics TEXT NOT NULL, pruned_seq BIGINT, tag TEXT, collected BIGINT)",
     "CREATE INDEX IF NOT EXISTS checkpoint_index_by_run ON checkpoint_index (run_id, version)",
     "CREATE INDEX IF NOT EXISTS checkpoint_index_by_version ON checkpoint_index (version)",
     "CREATE TABLE IF NOT EXISTS checkpoint_holds (holder TEXT PRIMARY KEY, version BIGINT NOT NULL, "

@@ -274,22 +274,39 @@ def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an 
 def verify(
     buffer: str,
     quarantine: bool = typer.Option(False, "--quarantine", help="Retire every bad shard (moved to BUFFER/quarantine/)."),
+    incremental: bool = typer.Option(False, "--incremental", help="Hash only the shards no verify hashed good "
+                                     "before (the others: exists, place, size); docs/integrity.md."),
+    since: Optional[int] = seq(None, "--since", help="Hash only the shards committed after this commit (seq)."),
+    full: bool = typer.Option(False, "--full", help="Hash every live shard (the default: a full scrub)."),
 ):
     """Check every live shard against the manifest (exists, size, sha256); name each bad file."""
     from rollstore.storage import verify as v
 
+    if full and (incremental or since is not None):
+        fail("verify: --full hashes every shard; leave out --incremental and --since")
     with open_buffer(buffer) as buf:
         shards = buf.manifest.shards()
-        problems = v.scan(buf.root, buf.manifest)
+        only = None  # the shard ids to hash (None: all)
+        if since is not None:
+            latest = buf.manifest.latest_seq()
+            if since > latest:
+                fail(f"verify --since {since}: {buf.root}'s newest commit is {latest}; nothing was verified")
+            only = {s.shard_id for s in shards if s.added_seq > since}
+        elif incremental:
+            only = {s.shard_id for s in shards} - v.verified_ids(buf.manifest)
+        problems = v.scan(buf.root, buf.manifest, only)
         for p in problems:
             err.print(p.describe(buf.root), highlight=False, markup=False)
         if not problems:
-            dangling = v.scan_references(buf.root, buf.manifest)
+            dangling = v.scan_references(buf.root, buf.manifest, only)
             for line in dangling:
                 err.print(line, highlight=False, markup=False)
             if not dangling:
-                out.print(f"{len(shards)} shards verified, all match the manifest; every curated reference "
-                          "resolves", highlight=False)
+                v.record_verified(buf.manifest, [s.shard_id for s in shards if only is None or s.shard_id in only])
+                hashed = len(shards) if only is None else len(only)
+                out.print(f"{len(shards)} shards verified ({hashed} hashed), all match the manifest; every "
+                          "curated reference " + ("resolves" if only is None else "of those hashed resolves"),
+                          highlight=False)
                 return
             fail(f"{len(dangling)} curated shards refer to rollouts rows that do not resolve; curate again "
                  "(their curations cannot be trained)")

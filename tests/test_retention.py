@@ -243,3 +243,43 @@ def _value(t: pa.DataType, k: int):
     if pa.types.is_list(t):
         return []
     return None
+
+
+class _Weights:
+    """What save_checkpoint asks of a model (its weights written to a folder), without a model."""
+
+    def save_pretrained(self, folder, safe_serialization=True):
+        with open(os.path.join(folder, "weights.bin"), "wb") as f:
+            f.write(b"w" * 1000)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_index_and_retention_on_both_catalogs(tmp_path, request, kind):
+    from rollstore.learner.checkpoint import Publish, save_checkpoint
+
+    root = str(tmp_path / "b")
+    catalog = request.getfixturevalue("pg").fresh_dsn() if kind == "postgres" else None
+    Buffer.init(root, catalog=catalog).close()
+    with Buffer.open(root) as b:
+        for v in range(1, 6):
+            save_checkpoint(b, _Weights(), publish=Publish(v, RUN, [{"curation_id": "c", "shard": f"s{v}"}],
+                                                           parent_version=v - 1, step=v, retention=(2, 0)))
+        save_checkpoint(b, _Weights(), publish=Publish(6, "other", [{"curation_id": "c", "shard": "s1"}]))
+        assert b.manifest.unindexed_checkpoints() == []
+        assert [c.version for c in list_checkpoints(b, RUN)] == [1, 2, 3, 4, 5]
+        assert latest_checkpoint(b, RUN).version == 5 and latest_checkpoint(b).version == 6
+        assert [e["shard"] for e in consumed_ledger(b, 5)] == ["s1", "s2", "s3", "s4", "s5"]
+        with pytest.raises(CheckpointError, match="already trained into v2"):
+            save_checkpoint(b, _Weights(), publish=Publish(7, RUN, [{"curation_id": "c", "shard": "s2"}],
+                                                           parent_version=5))
+        with pytest.raises(CheckpointError, match="version 5 already exists"):
+            save_checkpoint(b, _Weights(), publish=Publish(5, RUN, [{"curation_id": "c", "shard": "s9"}]))
+        retention.hold(b, "learner y", 4)
+        with pytest.raises(retention.RetentionError, match="v4 is held by learner y"):
+            retention.prune_checkpoints(b, 1, run_id=RUN)
+        retention.release(b, "learner y")
+        assert retention.prune_checkpoints(b, 1, run_id=RUN) == [4]
+        assert retention.prune_checkpoints(b, 1, run_id=RUN) == []  # nothing left: no commit
+        r = gc(b, 0)
+        assert r.checkpoints_removed == 1
+    assert folders(root) == ["v5", "v6"]

@@ -24,6 +24,13 @@ Invariants:
   PostgreSQL the consumed ledger is also a catalog table (`consumed`, checked and written in that
   transaction), and a lease that expired on the database's clock refuses the save even when
   nobody took it over (a learner stalled past its TTL is refused at publish).
+- The publishing transaction also writes the version's row into the catalog's checkpoint index
+  (`storage.manifest.CHECKPOINT_DDL`), and first indexes any checkpoints shard that has none (a
+  buffer written before the index): listing, the newest version of a run, a version, its ledger and
+  the checks above are catalog queries, not a read of every checkpoint file. A shard without an
+  index row is read from its file until then, so a reader never misses a published version.
+- With `Publish.retention` the same transaction prunes the run's versions `learner.retention` does
+  not keep (their rows stay); their folders are removed after the commit.
 - `load_checkpoint` restores weights bit-exactly (float32 safetensors) and the exact optimizer,
   scheduler and RNG states, so a resumed run continues as if never interrupted.
 """

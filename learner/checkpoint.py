@@ -197,6 +197,30 @@ def get_checkpoint(buf: Buffer, version: int) -> Checkpoint | None:
     return _to_checkpoint(rows[-1], buf.root, buf) if rows else None
 
 
+def consumed_in_lineage(buf: Buffer, version: int, shards: Sequence[str]) -> set[str]:
+    """Which of `shards` were trained into `version` along its parent chain: the ledger table looked
+    up by shard, then, for each version that consumed one, whether it is `version` or an ancestor
+    (a walk up the parent chain from `version` to it, by the index: versions only decrease along
+    it). A loop's pending shards are new ones, consumed by no version: no history is read."""
+    if not shards:
+        return set()
+    if not buf.manifest.has_table("checkpoint_index") or buf.manifest.unindexed_checkpoints():
+        return {e["shard"] for e in consumed_ledger(buf, version)} & set(shards)  # not all indexed yet
+    hits = buf.manifest.consumed_by(list(shards))
+    if not hits:
+        return set()
+    lineage: set[int] = set()
+    v: int | None = version
+    lowest = min(h for _s, h in hits)
+    while v is not None and v >= lowest:
+        row = checkpoint_rows(buf, version=v)
+        if not row:
+            break
+        lineage.add(v)
+        v = row[-1]["parent_version"]
+    return {s for s, h in hits if h in lineage}
+
+
 def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
     """Every shard trained into `version` along its parent chain, oldest first (None: [])."""
     if version is None:
@@ -280,9 +304,10 @@ def _index_in(buf: Buffer, con, seq: int, ids: list[int], parts: list[Part]) -> 
     """Inside the publishing transaction: index the checkpoints shards that have no index row yet
     (a buffer written before the index: read from their files once), then the new one (`ids[0]`)."""
     old = [(i, p) for i, p in buf.manifest.unindexed_checkpoints(con=con) if i not in ids]
-    rows = [_index_values(r["shard_id"], r) for r in _unindexed_rows(buf, old)] if old else []
-    rows.append(_index_values(ids[0], parts[0].table.to_pylist()[0]))
-    buf.manifest.index_checkpoints(con, rows)
+    found = (_unindexed_rows(buf, old) if old else []) + [{**parts[0].table.to_pylist()[0], "shard_id": ids[0]}]
+    buf.manifest.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in found])
+    buf.manifest.record_ledger(con, seq, [(r["shard_id"], r["version"], r["run_id"], json.loads(r["consumed"]))
+                                          for r in found])
 
 
 @dataclass(frozen=True)
@@ -429,11 +454,7 @@ def _check_unpublished(buf: Buffer, con: sqlite3.Connection, ids: list[int], ver
     """Refuse a version that already has a row, or a shard another checkpoint of the run consumed."""
     if checkpoint_rows(buf, version=version, con=con, exclude=ids):
         raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
-    taken = {
-        e["shard"]: int(r["version"])
-        for r in checkpoint_rows(buf, run_id, con=con, exclude=ids)
-        for e in json.loads(r["consumed"])
-    }
+    taken = dict(buf.manifest.consumed_by(shards, run_id, con, tuple(ids)))  # the ledger table, by shard
     dup = [s for s in shards if s in taken]
     if dup:
         raise CheckpointError(

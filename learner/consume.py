@@ -41,7 +41,7 @@ from .checkpoint import (
     CheckpointError,
     Publish,
     consumed_entry,
-    consumed_ledger,
+    consumed_in_lineage,
     get_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -179,11 +179,20 @@ def train_pending(
     return published
 
 
+def _curated(buf: Buffer, curation_ids: Sequence[str] | None) -> list[Shard]:
+    """The live curated shards (of `curation_ids`, by their key when given: not every curated shard)."""
+    if curation_ids is None:
+        return buf.manifest.shards("curated")
+    return buf.manifest.live_keyed("curated", list(curation_ids))
+
+
 def _pending_units(buf: Buffer, model, version: int, pending: Pending) -> list[list[Shard]]:
     """The units to train (rank 0), every one checked against the model's vocabulary before the
     first is trained and published."""
-    ledger = consumed_ledger(buf, version) if get_checkpoint(buf, version) is not None else []
-    todo = _units(pending_shards(buf, ledger, pending.curation_ids, pending.shards), pending.per)
+    pool = pending.shards if pending.shards is not None else _curated(buf, pending.curation_ids)
+    done = consumed_in_lineage(buf, version, [s.path for s in pool]) if get_checkpoint(buf, version) else set()
+    ledger = [{"shard": s} for s in sorted(done)]  # of the pool's shards, those the lineage trained (by the ledger table)
+    todo = _units(pending_shards(buf, ledger, pending.curation_ids, pool), pending.per)
     # what training reads, checked as a curation checks its inputs: the curated shards and every
     # rollouts shard they refer to (live, in place, size and sha256; each hashed once per process)
     verify_training_inputs(buf.root, buf.manifest, [s for unit in todo for s in unit])

@@ -697,6 +697,10 @@ class PgManifest(Manifest):
                      [e.get("curation_id") for e in entries]))
         return None
 
+    def record_ledger(self, con, seq: int, rows) -> None:
+        """Nothing: this catalog's ledger is recorded as each version publishes (`record_consumed`),
+        and was filled for the versions before it (`_backfill_consumed`)."""
+
     def _pin_transaction(self):
         """An unpin (inherited) in this catalog's own transaction, under the buffer's lock."""
         return self.transaction()

@@ -103,6 +103,12 @@ CHECKPOINT_DDL = (
     "CREATE INDEX IF NOT EXISTS checkpoint_index_by_version ON checkpoint_index (version)",
     "CREATE TABLE IF NOT EXISTS checkpoint_holds (holder TEXT PRIMARY KEY, version BIGINT NOT NULL, "
     "expires_at DOUBLE PRECISION NOT NULL)",
+    # the consumed ledger, one row per (version, shard) (a PostgreSQL catalog has it from schema version 2;
+    # the embedded manifest makes it with the index, filled for every indexed version)
+    "CREATE TABLE IF NOT EXISTS consumed (run_id TEXT NOT NULL, shard TEXT NOT NULL, curation_id TEXT, "
+    "version BIGINT NOT NULL, checkpoint_shard_id BIGINT NOT NULL, seq BIGINT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)",
+    "CREATE INDEX IF NOT EXISTS consumed_by_shard ON consumed (shard)",
 )
 CHECKPOINT_COLS = ("shard_id", "version", "run_id", "parent_version", "path", "created_us", "consumed", "metrics",
                    "pruned_seq", "tag")
@@ -383,6 +389,17 @@ class Manifest:
             "SELECT count(*) FROM shards WHERE table_name = ? AND key = ? AND removed_seq IS NULL", (table, key),
         ).fetchone()[0])
 
+    def live_keyed(self, table: str, keys: list[str]) -> list[Shard]:
+        """The live shards of `table` under any of `keys` (or under none: older shards), in shard order."""
+        out: list[Shard] = []
+        for i in range(0, max(1, len(keys)), 500):
+            chunk = keys[i:i + 500]
+            marks = ", ".join("?" * len(chunk))
+            out += [Shard(*r) for r in self.con.execute(
+                f"SELECT {_SHARD_COLS} FROM shards WHERE table_name = ? AND removed_seq IS NULL "
+                f"AND ({'key IN (' + marks + ') OR ' if chunk else ''}key IS NULL) ORDER BY shard_id", [table, *chunk])]
+        return sorted({s.shard_id: s for s in out}.values(), key=lambda s: s.shard_id)
+
     def live_paths(self, table: str, con: sqlite3.Connection | None = None) -> list[tuple[int, str]]:
         """(shard_id, path) of the live shards of `table`, in shard order, read inside `con` when given."""
         return [(int(i), str(p)) for i, p in (con or self.con).execute(
@@ -454,6 +471,34 @@ class Manifest:
         if rows:
             con.executemany(f"INSERT INTO checkpoint_index ({', '.join(CHECKPOINT_COLS[:8])}) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def record_ledger(self, con, seq: int, rows: list[tuple[int, int, str, list[dict]]]) -> None:
+        """Inside the transaction `con`: the consumed ledger of indexed versions, each row (checkpoints
+        shard id, version, run, its `consumed` entries). The embedded manifest's; a PostgreSQL
+        catalog records its ledger as it publishes (`record_consumed`) and ignores this."""
+        con.executemany("INSERT INTO consumed (run_id, shard, curation_id, version, checkpoint_shard_id, seq) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        [(run, e["shard"], e.get("curation_id"), int(v), int(i), int(seq))
+                         for i, v, run, entries in rows for e in entries])
+
+    def consumed_by(self, shards: list[str], run_id: str | None = None, con=None,
+                    exclude: tuple = ()) -> list[tuple[str, int]]:
+        """(shard, version) of the live checkpoints (of `run_id`; but the checkpoints shards `exclude`)
+        that consumed any of `shards`: an index lookup per shard, whatever the history."""
+        con = con or self.con
+        out: list[tuple[str, int]] = []
+        for i in range(0, len(shards), 500):
+            chunk = list(shards[i:i + 500])
+            sql = ("SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
+                   f"WHERE s.removed_seq IS NULL AND c.shard IN ({', '.join('?' * len(chunk))})")
+            if run_id is not None:
+                sql += " AND c.run_id = ?"
+                chunk.append(run_id)
+            if exclude:
+                sql += f" AND c.checkpoint_shard_id NOT IN ({', '.join('?' * len(exclude))})"
+                chunk += list(exclude)
+            out += [(str(sh), int(v)) for sh, v in con.execute(sql + " ORDER BY c.shard, c.version", chunk)]
+        return out
 
     def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
                          newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]:

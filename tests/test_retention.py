@@ -88,6 +88,34 @@ def test_listing_and_the_newest_checkpoint_read_the_index_not_the_files(tmp_path
         assert load_checkpoint(b, version=2).step > 0
 
 
+def test_the_learners_pending_units_read_the_ledger_by_shard_not_every_checkpoint(tmp_path, monkeypatch):
+    root = str(tmp_path / "b")
+    shards = make_buffer(root, 3)
+    learn(root, None)
+    commit_curated(Buffer.open(root), "c2", [curated_rows("c2", 4, seed=60, model=tiny_llama(0))])
+
+    def whole_ledger(*a, **kw):
+        raise AssertionError("the whole ledger was read")
+
+    with Buffer.open(root) as b:  # a resumed learner (its resume reads its lineage's ledger once) ...
+        model = tiny_llama(0)
+        opt, sched = make_optimizer(model, lr=3e-3, warmup_steps=2)
+        version, step = resume(b, model, opt, sched, RUN)
+        monkeypatch.setattr(checkpoint, "consumed_ledger", whole_ledger)  # ... then its units by shard
+        cks = train_pending(b, model, opt, sched, TrainConfig(**TRAIN), at=RunPosition(RUN, version, step),
+                            pending=Pending(["c2"], per="shard"))
+        assert [c.version for c in cks] == [4]
+        cks = train_pending(b, model, opt, sched, TrainConfig(**TRAIN), at=RunPosition(RUN, 4, cks[-1].step),
+                            pending=Pending(per="shard"))
+        assert cks == []  # every shard already in v4's lineage
+    monkeypatch.undo()
+    with Buffer.open(root) as b:
+        ledger = [e["shard"] for e in consumed_ledger(b, 4)]
+        assert ledger[:3] == shards and len(ledger) == 4 and len(set(ledger)) == 4
+        assert checkpoint.consumed_in_lineage(b, 4, ledger + ["curated/x.parquet"]) == set(ledger)
+        assert checkpoint.consumed_in_lineage(b, 2, ledger) == set(shards[:2])  # v2's lineage: v1, v2
+
+
 def test_a_buffer_written_before_the_index_is_read_from_its_files_then_indexed(tmp_path):
     root = str(tmp_path / "b")
     shards = make_buffer(root, 3)
@@ -95,6 +123,7 @@ def test_a_buffer_written_before_the_index_is_read_from_its_files_then_indexed(t
     with Buffer.open(root) as b:  # as an older rollstore left it: no index
         with b.manifest.transaction() as con:
             con.execute("DROP TABLE checkpoint_index")
+            con.execute("DROP TABLE consumed")
         assert [c.version for c in list_checkpoints(b)] == [1, 2, 3]
         assert latest_checkpoint(b).version == 3
     commit_curated(Buffer.open(root), "c2", [curated_rows("c2", 4, seed=40, model=tiny_llama(0))])

@@ -100,15 +100,17 @@ def main_bookkeeping(buf, version: int, curation_id: str) -> None:
 
 
 def new_bookkeeping(buf, version: int, curation_id: str) -> None:
-    """The same bookkeeping on this code: by the catalog's checkpoint index."""
-    from rollstore.learner.checkpoint import checkpoint_rows, consumed_ledger, get_checkpoint, latest_checkpoint
-    from rollstore.learner.consume import pending_shards
+    """The same bookkeeping on this code (`learner.consume._pending_units` less its file checks, the new
+    version, the publish's checks): by the catalog's checkpoint index and ledger table."""
+    from rollstore.learner.checkpoint import checkpoint_rows, consumed_in_lineage, get_checkpoint, latest_checkpoint
+    from rollstore.learner.consume import _curated, pending_shards
 
-    ledger = consumed_ledger(buf, version) if get_checkpoint(buf, version) is not None else []
-    pending_shards(buf, ledger, [curation_id])
+    pool = _curated(buf, [curation_id])
+    done = consumed_in_lineage(buf, version, [s.path for s in pool]) if get_checkpoint(buf, version) else set()
+    pending_shards(buf, [{"shard": s} for s in done], [curation_id], pool)
     latest_checkpoint(buf)
     checkpoint_rows(buf, version=version + 1)
-    checkpoint_rows(buf, RUN)
+    buf.manifest.consumed_by([s.path for s in pool], RUN)
 
 
 def main_gc_retired(buf) -> int:
@@ -371,9 +373,9 @@ def report(results: dict, args, command: str) -> str:
         cells = [k]
         for n in ns:
             c, w = pts[n]["per step"][k]
-            cells.append(f"{c:.3f} / {w:.3f}")
+            cells.append(f"{c:.4f} / {w:.4f}")
         post = results["after compact"]["per step"][k]
-        cells.append(f"{post[0]:.3f} / {post[1]:.3f}")
+        cells.append(f"{post[0]:.4f} / {post[1]:.4f}")
         cells.append(f"{pts[ns[-1]]['per step'][k][0] / max(1e-9, pts[first]['per step'][k][0]):.2f}×")
         rows.append(cells)
     head = ["per step (CPU s / wall s, median)"] + [f"{n:,} steps" for n in ns] + [f"{ns[-1]:,}, compacted",

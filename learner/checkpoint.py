@@ -300,14 +300,19 @@ def _write_dir(
     fsync_dir(os.path.dirname(tmp))
 
 
-def _index_in(buf: Buffer, con, seq: int, ids: list[int], parts: list[Part]) -> None:
-    """Inside the publishing transaction: index the checkpoints shards that have no index row yet
-    (a buffer written before the index: read from their files once), then the new one (`ids[0]`)."""
-    old = [(i, p) for i, p in buf.manifest.unindexed_checkpoints(con=con) if i not in ids]
-    found = (_unindexed_rows(buf, old) if old else []) + [{**parts[0].table.to_pylist()[0], "shard_id": ids[0]}]
-    buf.manifest.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in found])
-    buf.manifest.record_ledger(con, seq, [(r["shard_id"], r["version"], r["run_id"], json.loads(r["consumed"]))
-                                          for r in found])
+def index_missing(buf: Buffer, con, seq: int, new: Sequence[dict] = ()) -> None:
+    """Inside the transaction `con` (commit `seq`): index, with their ledger, the live checkpoints
+    shards that have no index row yet (a buffer written before the index, or by a rollstore without
+    it: read from their files once) and the rows `new` (each with its `shard_id`); then record that
+    every live checkpoints shard committed so far is indexed (`indexed_through`)."""
+    man = buf.manifest
+    man.index_checkpoints(con, [])  # the tables, on first use
+    skip = {int(r["shard_id"]) for r in new}
+    old = [(i, p) for i, p in man.unindexed_checkpoints(con=con) if i not in skip]
+    found = (_unindexed_rows(buf, old) if old else []) + list(new)
+    man.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in found])
+    man.record_ledger(con, seq, [(r["shard_id"], r["version"], r["run_id"], json.loads(r["consumed"])) for r in found])
+    man.indexed_through(con, int(con.execute("SELECT coalesce(max(shard_id), 0) FROM shards").fetchone()[0]))
 
 
 @dataclass(frozen=True)
@@ -360,7 +365,7 @@ def save_checkpoint(
     def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
-        _index_in(buf, con, _seq, ids, parts)
+        index_missing(buf, con, _seq, [{**parts[0].table.to_pylist()[0], "shard_id": ids[0]}])
         record = getattr(buf.manifest, "record_consumed", None)  # a catalog's ledger table (PostgreSQL)
         if record is None:
             _check_unpublished(buf, con, ids, version, run_id, shards)

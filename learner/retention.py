@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError
 
-from .checkpoint import _index_values, _unindexed_rows, checkpoint_rows, get_checkpoint
+from .checkpoint import checkpoint_rows, get_checkpoint, index_missing
 
 DEFAULT_KEEP = 3  # as verl's max_actor_ckpt_to_keep would be set for a long run: the newest few, not every step
 HOLD_TTL_S = 3600.0
@@ -146,21 +146,11 @@ def prune_checkpoints(buf: Buffer, keep: int = DEFAULT_KEEP, *, replay_window: i
     Retention(keep, replay_window)
     man = buf.manifest
     man.require_writable()
-    with man.transaction() as con:
-        man.index_checkpoints(con, [])
-        rows_left = man.unindexed_checkpoints(con=con)
-        if rows_left:  # a buffer written before the index: index it first (its files read once)
-            from .checkpoint import _index_values, _unindexed_rows
-
-            man.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in _unindexed_rows(buf, rows_left)])
     try:
         with man.transaction() as con:
-            man.index_checkpoints(con, [])
-            left = man.unindexed_checkpoints(con=con)
-            if left:  # a buffer written before the index: index it first (its files read once)
-                man.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in _unindexed_rows(buf, left)])
             seq = man.new_commit(con, "prune:checkpoints", {"keep": keep, "replay_window": replay_window,
                                                              "run_id": run_id})
+            index_missing(buf, con, seq)  # a buffer written before the index: indexed first (its files read once)
             pruned = prune_in(buf, con, seq, keep, replay_window, run_id, strict)
             if not pruned:
                 raise _NothingPruned  # rolls the commit row back: a prune of nothing commits nothing

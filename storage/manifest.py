@@ -487,6 +487,8 @@ class Manifest:
         that consumed any of `shards`: an index lookup per shard, whatever the history."""
         con = con or self.con
         out: list[tuple[str, int]] = []
+        if not self.has_table("consumed", con):
+            return out  # no checkpoint published yet
         for i in range(0, len(shards), 500):
             chunk = list(shards[i:i + 500])
             sql = ("SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
@@ -530,7 +532,17 @@ class Manifest:
         sql = f"SELECT s.shard_id, s.path FROM shards s WHERE s.table_name = 'checkpoints' AND {visible}"
         if self.has_table("checkpoint_index", con):
             sql += " AND NOT EXISTS (SELECT 1 FROM checkpoint_index c WHERE c.shard_id = s.shard_id)"
+            through = con.execute("SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()
+            if through is not None and seq is None:  # every live one up to it is indexed: look past it only
+                sql += " AND s.shard_id > ?"
+                args = [*args, int(through[0])]
         return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
+
+    def indexed_through(self, con, shard_id: int) -> None:
+        """Inside the transaction that indexed every live checkpoints shard up to `shard_id`: say so,
+        so that looking for unindexed ones reads only the shards committed after it."""
+        con.execute("INSERT INTO meta (key, value) VALUES ('checkpoints_indexed_through', ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(shard_id)),))
 
     # ---- uniqueness of rollouts ------------------------------------------------------------
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:

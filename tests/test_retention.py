@@ -124,6 +124,7 @@ def test_a_buffer_written_before_the_index_is_read_from_its_files_then_indexed(t
         with b.manifest.transaction() as con:
             con.execute("DROP TABLE checkpoint_index")
             con.execute("DROP TABLE consumed")
+            con.execute("DELETE FROM meta WHERE key = 'checkpoints_indexed_through'")
         assert [c.version for c in list_checkpoints(b)] == [1, 2, 3]
         assert latest_checkpoint(b).version == 3
     commit_curated(Buffer.open(root), "c2", [curated_rows("c2", 4, seed=40, model=tiny_llama(0))])

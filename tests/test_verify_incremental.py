@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pyarrow.parquet as pq
-import pytest
 
 from test_integrity_round3 import tiny_rows
 from rollstore.curate.params import load_recipe

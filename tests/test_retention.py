@@ -313,3 +313,18 @@ def test_index_and_retention_on_both_catalogs(tmp_path, request, kind):
         r = gc(b, 0)
         assert r.checkpoints_removed == 1
     assert folders(root) == ["v5", "v6"]
+
+
+def test_the_loop_keeps_k_checkpoint_folders_resumes_and_refuses_a_pruned_model(tmp_path, cli):
+    root = str(tmp_path / "b")
+    args = ["--keep-checkpoints", "2", "--prompts-per-iter", "8", "--group-size", "4", "--max-new-tokens", "8",
+            "--eval-every", "0", "--pool-size", "64"]
+    assert cli("loop", root, "--iterations", "4", *args).code == 0
+    assert folders(root) == ["v3", "v4"]
+    assert cli("loop", root, "--iterations", "5", *args).code == 0  # resumed from v4, which kept its files
+    assert folders(root) == ["v4", "v5"]
+    with Buffer.open(root) as b:
+        assert [(c.version, c.parent_version) for c in list_checkpoints(b)] == [(v, v - 1) for v in range(1, 6)]
+        assert len(consumed_ledger(b, 5)) == len({e["shard"] for e in consumed_ledger(b, 5)}) > 0
+    res = cli("generate", root, "--model", "checkpoint:2", "--num-prompts", "2")
+    assert res.code != 0 and "v2's files were pruned" in res.stderr

@@ -24,6 +24,13 @@ Invariants:
   PostgreSQL the consumed ledger is also a catalog table (`consumed`, checked and written in that
   transaction), and a lease that expired on the database's clock refuses the save even when
   nobody took it over (a learner stalled past its TTL is refused at publish).
+- The publishing transaction also writes the version's row into the catalog's checkpoint index
+  (`storage.manifest.CHECKPOINT_DDL`), and first indexes any checkpoints shard that has none (a
+  buffer written before the index): listing, the newest version of a run, a version, its ledger and
+  the checks above are catalog queries, not a read of every checkpoint file. A shard without an
+  index row is read from its file until then, so a reader never misses a published version.
+- With `Publish.retention` the same transaction prunes the run's versions `learner.retention` does
+  not keep (their rows stay); their folders are removed after the commit.
 - `load_checkpoint` restores weights bit-exactly (float32 safetensors) and the exact optimizer,
   scheduler and RNG states, so a resumed run continues as if never interrupted.
 """
@@ -50,6 +57,7 @@ from rollstore.storage.shardio import fsync_dir, sha256_file
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.catalog import holding
 from rollstore.storage.errors import RollstoreError
+from rollstore.storage.manifest import CHECKPOINT_COLS
 from rollstore.storage.owners import owned_name
 from rollstore.storage.schema import CHECKPOINTS, TRAINING
 
@@ -74,6 +82,8 @@ class Checkpoint:
     step: int = 0  # global optimiser step (filled by load_checkpoint)
     ledger: list[dict] = field(default_factory=list)  # whole lineage's consumed (by load_checkpoint)
     _local: Callable[[], str] | None = field(default=None, repr=False, compare=False)  # a store's: fetch it
+    pruned_seq: int | None = None  # the commit that gave its files up (`learner.retention`); None: kept
+    tag: str | None = None  # a user's name for it (its files are kept)
 
     @property
     def dir(self) -> str:
@@ -117,29 +127,106 @@ def _to_checkpoint(row: dict, root: str, buf: Buffer | None = None) -> Checkpoin
         created_at=row["created_at"],
         root=root,
         _local=local,
+        pruned_seq=row.get("pruned_seq"),
+        tag=row.get("tag"),
     )
+
+
+def _from_index(r: tuple) -> dict:
+    """A checkpoints row (plus `shard_id`, `pruned_seq`, `tag`) from its index row (CHECKPOINT_COLS)."""
+    row = dict(zip(CHECKPOINT_COLS, r))
+    row["created_at"] = _EPOCH + dt.timedelta(microseconds=int(row.pop("created_us")))
+    return row
+
+
+def _index_values(shard_id: int, row: dict) -> tuple:
+    """The index row (CHECKPOINT_COLS but pruned_seq and tag) of a checkpoints row."""
+    created = row["created_at"]
+    created_us = (created - _EPOCH) // dt.timedelta(microseconds=1)
+    return (int(shard_id), int(row["version"]), row["run_id"], row["parent_version"], row["path"], created_us,
+            row["consumed"], row["metrics"])
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _unindexed_rows(buf: Buffer, missing: list[tuple[int, str]]) -> list[dict]:
+    """The rows of checkpoints shards the index does not hold (a buffer written before it), read from
+    their files (a store's buffer: through this host's verified cache), each with its `shard_id`."""
+    if getattr(buf.manifest, "store", None) is not None:
+        from rollstore.storage.store import cache_shards
+
+        cache_shards(buf.root, buf.manifest, buf.manifest.shards_by_id([i for i, _ in missing]))
+    rows = []
+    for shard_id, path in missing:
+        rows += [{**r, "shard_id": shard_id} for r in _rows_from_files([os.path.join(buf.root, path)])]
+    return rows
+
+
+def checkpoint_rows(buf: Buffer, run_id: str | None = None, version: int | None = None, newest: bool = False,
+                    con=None, exclude: Sequence[int] = ()) -> list[dict]:
+    """The live checkpoints rows (of `run_id`, of `version`; `newest`: the highest version alone), by
+    version, answered by the catalog's checkpoint index (`storage.manifest.CHECKPOINT_DDL`): no
+    checkpoint file is read, but those of shards published before the index existed. `con`: inside
+    that transaction; `exclude`: shard ids left out (the commit in progress)."""
+    indexed, missing = buf.manifest.checkpoint_index(None, run_id, version, newest, con)
+    rows = [r for r in map(_from_index, indexed) if r["shard_id"] not in exclude]
+    missing = [(i, p) for i, p in missing if i not in exclude]
+    if missing:
+        rows += [r for r in _unindexed_rows(buf, missing)
+                 if (run_id is None or r["run_id"] == run_id) and (version is None or int(r["version"]) == version)]
+        rows.sort(key=lambda r: int(r["version"]))
+        rows = rows[-1:] if newest else rows
+    return rows
 
 
 def list_checkpoints(buf: Buffer, run_id: str | None = None) -> list[Checkpoint]:
     """Published checkpoints (latest snapshot), by version."""
-    snap = buf.snapshot()
-    cks = [_to_checkpoint(r, buf.root, buf) for r in _rows_from_files(snap.files("checkpoints"))]
-    if run_id is not None:
-        cks = [c for c in cks if c.run_id == run_id]
-    return sorted(cks, key=lambda c: c.version)
+    return [_to_checkpoint(r, buf.root, buf) for r in checkpoint_rows(buf, run_id)]
 
 
 def latest_checkpoint(buf: Buffer, run_id: str | None = None) -> Checkpoint | None:
-    cks = list_checkpoints(buf, run_id)
-    return cks[-1] if cks else None
+    """The highest published version (of `run_id`): one index query."""
+    rows = checkpoint_rows(buf, run_id, newest=True)
+    return _to_checkpoint(rows[0], buf.root, buf) if rows else None
+
+
+def get_checkpoint(buf: Buffer, version: int) -> Checkpoint | None:
+    """Published checkpoint `version`, or None: one index query."""
+    rows = checkpoint_rows(buf, version=version)
+    return _to_checkpoint(rows[-1], buf.root, buf) if rows else None
+
+
+def consumed_in_lineage(buf: Buffer, version: int, shards: Sequence[str]) -> set[str]:
+    """Which of `shards` were trained into `version` along its parent chain: the ledger table looked
+    up by shard, then, for each version that consumed one, whether it is `version` or an ancestor
+    (a walk up the parent chain from `version` to it, by the index: versions only decrease along
+    it). A loop's pending shards are new ones, consumed by no version: no history is read."""
+    if not shards:
+        return set()
+    if not buf.manifest.has_table("checkpoint_index") or buf.manifest.unindexed_checkpoints():
+        return {e["shard"] for e in consumed_ledger(buf, version)} & set(shards)  # not all indexed yet
+    hits = buf.manifest.consumed_by(list(shards))
+    if not hits:
+        return set()
+    lineage: set[int] = set()
+    v: int | None = version
+    lowest = min(h for _s, h in hits)
+    while v is not None and v >= lowest:
+        row = checkpoint_rows(buf, version=v)
+        if not row:
+            break
+        lineage.add(v)
+        v = row[-1]["parent_version"]
+    return {s for s, h in hits if h in lineage}
 
 
 def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
     """Every shard trained into `version` along its parent chain, oldest first (None: [])."""
     if version is None:
         return []
-    by_version = {c.version: c for c in list_checkpoints(buf)}
-    chain: list[Checkpoint] = []
+    by_version = {int(r["version"]): r for r in checkpoint_rows(buf)}
+    chain: list[dict] = []
     v: int | None = version
     while v is not None:
         if v not in by_version:
@@ -147,8 +234,9 @@ def consumed_ledger(buf: Buffer, version: int | None) -> list[dict]:
                 break
             raise CheckpointError(f"{buf.root}: no checkpoint version {v}")
         chain.append(by_version[v])
-        v = by_version[v].parent_version
-    return [e for c in reversed(chain) for e in c.consumed]
+        parent = by_version[v]["parent_version"]
+        v = None if parent is None else int(parent)
+    return [e for r in reversed(chain) for e in json.loads(r["consumed"])]
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -212,10 +300,19 @@ def _write_dir(
     fsync_dir(os.path.dirname(tmp))
 
 
-def _live_checkpoint_rows(buf: Buffer, con: sqlite3.Connection, exclude: list[int]) -> list[dict]:
-    skip = set(exclude)
-    return _rows_from_files([os.path.join(buf.root, path) for shard_id, path in buf.manifest.live_paths("checkpoints", con)
-                             if shard_id not in skip])
+def index_missing(buf: Buffer, con, seq: int, new: Sequence[dict] = ()) -> None:
+    """Inside the transaction `con` (commit `seq`): index, with their ledger, the live checkpoints
+    shards that have no index row yet (a buffer written before the index, or by a rollstore without
+    it: read from their files once) and the rows `new` (each with its `shard_id`); then record that
+    every live checkpoints shard committed so far is indexed (`indexed_through`)."""
+    man = buf.manifest
+    man.index_checkpoints(con, [])  # the tables, on first use
+    skip = {int(r["shard_id"]) for r in new}
+    old = [(i, p) for i, p in man.unindexed_checkpoints(con=con) if i not in skip]
+    found = (_unindexed_rows(buf, old) if old else []) + list(new)
+    man.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in found])
+    man.record_ledger(con, seq, [(r["shard_id"], r["version"], r["run_id"], json.loads(r["consumed"])) for r in found])
+    man.indexed_through(con, int(con.execute("SELECT coalesce(max(shard_id), 0) FROM shards").fetchone()[0]))
 
 
 @dataclass(frozen=True)
@@ -233,6 +330,7 @@ class Publish:
     metrics: dict | None = None
     training_rows: Sequence[dict] | None = None
     lease: tuple[str, str] | None = None
+    retention: tuple[int, int] | None = None  # (K, replay window): prune the run's older versions (`learner.retention`)
 
 
 def save_checkpoint(
@@ -267,6 +365,7 @@ def save_checkpoint(
     def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
+        index_missing(buf, con, _seq, [{**parts[0].table.to_pylist()[0], "shard_id": ids[0]}])
         record = getattr(buf.manifest, "record_consumed", None)  # a catalog's ledger table (PostgreSQL)
         if record is None:
             _check_unpublished(buf, con, ids, version, run_id, shards)
@@ -274,6 +373,10 @@ def save_checkpoint(
             why = record(con, run_id, version, p.consumed, ids[0], _seq)
             if why is not None:
                 raise CheckpointError(f"{buf.root}: {why}")
+        if p.retention is not None:  # in the same commit: the new version counts among the newest K
+            from .retention import prune_in
+
+            prune_in(buf, con, _seq, p.retention[0], p.retention[1], run_id)
         if p.lease is not None:
             _ack_in_transaction(buf, con, shards, *p.lease, now.timestamp())
         if store is not None:  # the objects were uploaded before; this row names them (the commit point)
@@ -300,6 +403,10 @@ def save_checkpoint(
                 shutil.rmtree(tmp, ignore_errors=True)
             for d in moved_aside:
                 shutil.rmtree(d, ignore_errors=True)
+    if p.retention is not None:  # the files of the versions pruned (now or before), unless a pinned snapshot is older
+        from rollstore.storage.maintenance import collect_pruned
+
+        collect_pruned(buf)
     return Checkpoint(version, rel, run_id, p.parent_version, p.consumed, p.metrics, now, buf.root, int(p.step))
 
 
@@ -350,15 +457,9 @@ def _parts(p: Publish, rel: str, now: dt.datetime) -> list[Part]:
 def _check_unpublished(buf: Buffer, con: sqlite3.Connection, ids: list[int], version: int, run_id: str,
                        shards: list[str]) -> None:
     """Refuse a version that already has a row, or a shard another checkpoint of the run consumed."""
-    others = _live_checkpoint_rows(buf, con, ids)
-    if any(int(r["version"]) == version for r in others):
+    if checkpoint_rows(buf, version=version, con=con, exclude=ids):
         raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
-    taken = {
-        e["shard"]: int(r["version"])
-        for r in others
-        if r["run_id"] == run_id
-        for e in json.loads(r["consumed"])
-    }
+    taken = dict(buf.manifest.consumed_by(shards, run_id, con, tuple(ids)))  # the ledger table, by shard
     dup = [s for s in shards if s in taken]
     if dup:
         raise CheckpointError(
@@ -423,9 +524,12 @@ def load_checkpoint(
         if ck is None:
             raise CheckpointError(f"{buf.root}: no checkpoint" + (f" of run {run_id!r}" if run_id else ""))
     else:
-        ck = next((c for c in list_checkpoints(buf) if c.version == version), None)
+        ck = get_checkpoint(buf, version)
         if ck is None:
             raise CheckpointError(f"{buf.root}: no checkpoint version {version}")
+    if ck.pruned_seq is not None:
+        raise CheckpointError(f"{buf.root}: checkpoint v{ck.version}'s files were pruned (keep-checkpoints, commit "
+                              f"{ck.pruned_seq}); its row (lineage, ledger) remains; load a newer version")
     directory = ck.dir  # (a store's buffer: fetched and verified now)
     with open(os.path.join(directory, LEDGER), encoding="utf-8") as fh:
         ledger = json.load(fh)

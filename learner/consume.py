@@ -41,9 +41,9 @@ from .checkpoint import (
     CheckpointError,
     Publish,
     consumed_entry,
-    consumed_ledger,
+    consumed_in_lineage,
+    get_checkpoint,
     latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
@@ -119,6 +119,7 @@ def train_pending(
     tokenizer=None,
     extra_metrics: dict | None = None,
     context: TrainContext = TrainContext(),
+    retention: tuple[int, int] | None = None,
 ) -> list[Checkpoint]:
     """Train every pending unit once, publishing one checkpoint per unit; return them.
 
@@ -128,6 +129,8 @@ def train_pending(
     given, gets the seconds spent in `optimiser` steps (reading the shards included) and checkpoint
     `publish`.
     `context.dist`: this rank; `model` / `optimizer` are then the wrapped ones (`parallel.wrap`).
+    `retention`: (K, replay window): each publish prunes the run's versions `learner.retention` does
+    not keep, in its own commit, and removes their files (None: every version keeps its files).
     """
     dist, timings = context.dist, context.timings
     todo = dist.broadcast(_pending_units(buf, model, at.version, pending) if dist.is_main else None)
@@ -163,6 +166,7 @@ def train_pending(
                 outcome = save_checkpoint(buf, full[0], full[1], scheduler, tokenizer=tokenizer, publish=Publish(
                     new_version, at.run_id, [consumed_entry(shard_curation_id(s), s.path) for s in unit],
                     parent_version=version, step=step, metrics=metrics, training_rows=rows, lease=pending.lease,
+                    retention=retention,
                 ))
             except BaseException as exc:
                 dist.broadcast(str(exc) or type(exc).__name__)
@@ -176,11 +180,20 @@ def train_pending(
     return published
 
 
+def _curated(buf: Buffer, curation_ids: Sequence[str] | None) -> list[Shard]:
+    """The live curated shards (of `curation_ids`, by their key when given: not every curated shard)."""
+    if curation_ids is None:
+        return buf.manifest.shards("curated")
+    return buf.manifest.live_keyed("curated", list(curation_ids))
+
+
 def _pending_units(buf: Buffer, model, version: int, pending: Pending) -> list[list[Shard]]:
     """The units to train (rank 0), every one checked against the model's vocabulary before the
     first is trained and published."""
-    ledger = consumed_ledger(buf, version) if any(c.version == version for c in list_checkpoints(buf)) else []
-    todo = _units(pending_shards(buf, ledger, pending.curation_ids, pending.shards), pending.per)
+    pool = pending.shards if pending.shards is not None else _curated(buf, pending.curation_ids)
+    done = consumed_in_lineage(buf, version, [s.path for s in pool]) if get_checkpoint(buf, version) else set()
+    ledger = [{"shard": s} for s in sorted(done)]  # of the pool's shards, those the lineage trained (by the ledger table)
+    todo = _units(pending_shards(buf, ledger, pending.curation_ids, pool), pending.per)
     # what training reads, checked as a curation checks its inputs: the curated shards and every
     # rollouts shard they refer to (live, in place, size and sha256; each hashed once per process)
     verify_training_inputs(buf.root, buf.manifest, [s for unit in todo for s in unit])

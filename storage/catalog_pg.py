@@ -703,6 +703,10 @@ class PgManifest(Manifest):
                      [e.get("curation_id") for e in entries]))
         return None
 
+    def record_ledger(self, con, seq: int, rows) -> None:
+        """Nothing: this catalog's ledger is recorded as each version publishes (`record_consumed`),
+        and was filled for the versions before it (`_backfill_consumed`)."""
+
     def _pin_transaction(self):
         """An unpin (inherited) in this catalog's own transaction, under the buffer's lock."""
         return self.transaction()
@@ -924,7 +928,10 @@ class PgManifest(Manifest):
                                 "LIMIT 1", (path, path)).fetchone() is None
 
     def _has_moved(self, con) -> bool:
-        return con.execute("SELECT to_regclass('moved') IS NOT NULL").fetchone()[0]
+        return self.has_table("moved", con)
+
+    def has_table(self, name: str, con=None) -> bool:
+        return bool((con or self.con).execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()[0])
 
     def shards_by_id(self, ids: list[int]) -> list[Shard]:
         if not ids:

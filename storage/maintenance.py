@@ -12,8 +12,10 @@ Invariants:
     DuckDB spill folder whatever its age). An entry of another host (but its spill folders, left to
     that host) or of an older version's naming is judged by the grace period alone;
   - files of shards retired by compaction or quarantine are removed once no pinned snapshot can
-    read them: the manifest row goes first (recording the highest `removed_seq` collected;
-    snapshots older than that are refused from then on), then the file.
+    read them: the manifest rows go first, all in one transaction (recording the highest
+    `removed_seq` collected; snapshots older than that are refused from then on), then the files;
+  - the folders of checkpoint versions that retention pruned (`learner.retention`) are removed
+    once no pinned snapshot is older than the commit that pruned them; their index rows stay.
 - A buffer cataloged in PostgreSQL is judged by its catalog alone, on every host alike: a file of
   the data folders or an entry of tmp/ is removed only when no shard row names it and no live
   intent holds it (writers take one before a file's first byte and renew it by a heartbeat on the
@@ -72,6 +74,7 @@ class GcReport:
     spill_dirs_removed: int = 0
     data_dirs_skipped: bool = False  # writers held the writers' lock past GC_LOCK_WAIT_S
     retired_skipped: str | None = None  # why retired shards were left (the manifest could not be written)
+    checkpoints_removed: int = 0  # folders of pruned checkpoint versions (`learner.retention`)
 
 
 def _read_only_mount(path: str) -> bool:
@@ -260,21 +263,24 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
     if man.read_only is not None:  # a full disk: orphans are gone (space freed), the manifest waits
         report.retired_skipped = man.read_only
         return report
+    collect_pruned(buf, report)
     oldest_pin = man.oldest_pinned_seq()
     rows = man.con.execute("SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()
-    for shard_id, path, removed_seq in rows:
-        if oldest_pin is not None and oldest_pin < removed_seq:
-            continue  # a pinned snapshot still reads it
-        with man.transaction() as con:  # the row first: a file left behind is an orphan, never a shard
-            con.execute("DELETE FROM shards WHERE shard_id = ?", (shard_id,))
+    due = [(int(i), p, int(r)) for i, p, r in rows if oldest_pin is None or oldest_pin >= r]  # no pinned snapshot reads them
+    if due:
+        with man.transaction() as con:  # the rows first, all in ONE commit: a file left behind is an orphan, never a shard
+            for chunk in range(0, len(due), 500):
+                ids = [i for i, _p, _r in due[chunk:chunk + 500]]
+                con.execute(f"DELETE FROM shards WHERE shard_id IN ({','.join('?' * len(ids))})", ids)
             con.execute(
                 "INSERT INTO meta VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
                 "SET value = max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
-                (str(removed_seq),),
+                (str(max(r for _i, _p, r in due)),),
             )
+    store = getattr(man, "store", None)
+    for _shard_id, path, _removed_seq in due:
         full = os.path.join(buf.root, path)
         size, _ = _size_and_age(full, now)
-        store = getattr(man, "store", None)
         if store is not None:  # the object (the local file, if any, is this host's cached copy)
             store.delete(path)
             _remove(full)
@@ -284,6 +290,39 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
         if _remove(full):
             report.bytes_freed += size
             report.retired_removed += 1
+    return report
+
+
+def collect_pruned(buf: Buffer, report: GcReport | None = None) -> GcReport:
+    """Remove the folders (a store's buffer: the objects too) of checkpoint versions whose files were
+    pruned (`learner.retention`: `pruned_seq` on their index row, which stays), once no pinned
+    snapshot is older than the commit that pruned them; each is then marked `collected`."""
+    report = GcReport() if report is None else report
+    man = buf.manifest
+    if not man.has_table("checkpoint_index"):
+        return report
+    oldest_pin = man.oldest_pinned_seq()
+    store = getattr(man, "store", None)
+    rows = man.con.execute("SELECT shard_id, path, pruned_seq FROM checkpoint_index "
+                           "WHERE pruned_seq IS NOT NULL AND collected IS NULL").fetchall()
+    done = []
+    for shard_id, path, pruned_seq in rows:
+        if oldest_pin is not None and oldest_pin < int(pruned_seq):
+            continue  # a pinned snapshot may still load it
+        done.append(int(shard_id))
+        if store is not None:
+            for key, _digest, nbytes in man.objects_under(path + "/"):
+                store.delete(key)
+                report.bytes_freed += nbytes
+        full = os.path.join(buf.root, path)
+        if os.path.lexists(full):
+            size, _ = _size_and_age(full, time.time())
+            if _remove(full):
+                report.checkpoints_removed += 1
+                report.bytes_freed += size if store is None else 0
+    if done and man.read_only is None:  # the files are gone whatever this records: a pin's kind of transaction
+        with man._pin_transaction() as con:
+            con.executemany("UPDATE checkpoint_index SET collected = 1 WHERE shard_id = ?", [(i,) for i in done])
     return report
 
 

@@ -88,8 +88,39 @@ CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, 
 FINITE_DDL = "CREATE TABLE IF NOT EXISTS finite (sha256 TEXT PRIMARY KEY) WITHOUT ROWID"
 MOVED_DDL = ("CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, "
              "row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)")
+# The checkpoint index (made by the first checkpoint a rollstore with it publishes; `learner.checkpoint`):
+# one row per `checkpoints` shard, the row its file holds, so that listing, the newest checkpoint of
+# a run and a version's lineage are catalog queries, not a read of every checkpoint file.
+# `pruned_seq`: the commit that gave the version's files up (`learner.retention`; the row stays:
+# lineage, ledger); `tag`: a user's name for it, which keeps its files; `collected`: 1 once gc removed
+# the files of a pruned version. `checkpoint_holds`: versions
+# a live process (a following learner or generator) still needs, until `expires_at`.
+CHECKPOINT_DDL = (
+    "CREATE TABLE IF NOT EXISTS checkpoint_index (shard_id BIGINT PRIMARY KEY, version BIGINT NOT NULL, "
+    "run_id TEXT NOT NULL, parent_version BIGINT, path TEXT NOT NULL, created_us BIGINT NOT NULL, "
+    "consumed TEXT NOT NULL, metrics TEXT NOT NULL, pruned_seq BIGINT, tag TEXT, collected BIGINT)",
+    "CREATE INDEX IF NOT EXISTS checkpoint_index_by_run ON checkpoint_index (run_id, version)",
+    "CREATE INDEX IF NOT EXISTS checkpoint_index_by_version ON checkpoint_index (version)",
+    "CREATE TABLE IF NOT EXISTS checkpoint_holds (holder TEXT PRIMARY KEY, version BIGINT NOT NULL, "
+    "expires_at DOUBLE PRECISION NOT NULL)",
+    # the consumed ledger, one row per (version, shard) (a PostgreSQL catalog has it from schema version 2;
+    # the embedded manifest makes it with the index, filled for every indexed version)
+    "CREATE TABLE IF NOT EXISTS consumed (run_id TEXT NOT NULL, shard TEXT NOT NULL, curation_id TEXT, "
+    "version BIGINT NOT NULL, checkpoint_shard_id BIGINT NOT NULL, seq BIGINT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)",
+    "CREATE INDEX IF NOT EXISTS consumed_by_shard ON consumed (shard)",
+)
+CHECKPOINT_COLS = ("shard_id", "version", "run_id", "parent_version", "path", "created_us", "consumed", "metrics",
+                   "pruned_seq", "tag")
 # The manifest format versions this rollstore reads: 2 adds `moved`.
 SCHEMA_VERSIONS = ("1", "2")
+
+
+def _visible(seq: int | None) -> tuple[str, list]:
+    """The condition (on shards `s`) and arguments of "visible at snapshot `seq`" (None: live now)."""
+    if seq is None:
+        return "s.removed_seq IS NULL", []
+    return "s.added_seq <= ? AND (s.removed_seq IS NULL OR s.removed_seq > ?)", [seq, seq]
 
 
 @dataclass(frozen=True)
@@ -358,6 +389,17 @@ class Manifest:
             "SELECT count(*) FROM shards WHERE table_name = ? AND key = ? AND removed_seq IS NULL", (table, key),
         ).fetchone()[0])
 
+    def live_keyed(self, table: str, keys: list[str]) -> list[Shard]:
+        """The live shards of `table` under any of `keys` (or under none: older shards), in shard order."""
+        out: list[Shard] = []
+        for i in range(0, max(1, len(keys)), 500):
+            chunk = keys[i:i + 500]
+            marks = ", ".join("?" * len(chunk))
+            out += [Shard(*r) for r in self.con.execute(
+                f"SELECT {_SHARD_COLS} FROM shards WHERE table_name = ? AND removed_seq IS NULL "
+                f"AND ({'key IN (' + marks + ') OR ' if chunk else ''}key IS NULL) ORDER BY shard_id", [table, *chunk])]
+        return sorted({s.shard_id: s for s in out}.values(), key=lambda s: s.shard_id)
+
     def live_paths(self, table: str, con: sqlite3.Connection | None = None) -> list[tuple[int, str]]:
         """(shard_id, path) of the live shards of `table`, in shard order, read inside `con` when given."""
         return [(int(i), str(p)) for i, p in (con or self.con).execute(
@@ -416,6 +458,91 @@ class Manifest:
         """Schema version 2 from the first move on: an older rollstore, which would not follow
         `moved`, refuses the buffer instead of compacting a shard that references reach through it."""
         con.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version' AND value = '1'")
+
+    # ---- the checkpoint index (CHECKPOINT_DDL) --------------------------------------------
+    def has_table(self, name: str, con=None) -> bool:
+        return (con or self.con).execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+    def index_checkpoints(self, con, rows: list[tuple]) -> None:
+        """Inside the transaction `con`: index rows, each the values of CHECKPOINT_COLS but the last two."""
+        for statement in CHECKPOINT_DDL:
+            con.execute(statement)
+        if rows:
+            con.executemany(f"INSERT INTO checkpoint_index ({', '.join(CHECKPOINT_COLS[:8])}) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def record_ledger(self, con, seq: int, rows: list[tuple[int, int, str, list[dict]]]) -> None:
+        """Inside the transaction `con`: the consumed ledger of indexed versions, each row (checkpoints
+        shard id, version, run, its `consumed` entries). The embedded manifest's; a PostgreSQL
+        catalog records its ledger as it publishes (`record_consumed`) and ignores this."""
+        con.executemany("INSERT INTO consumed (run_id, shard, curation_id, version, checkpoint_shard_id, seq) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        [(run, e["shard"], e.get("curation_id"), int(v), int(i), int(seq))
+                         for i, v, run, entries in rows for e in entries])
+
+    def consumed_by(self, shards: list[str], run_id: str | None = None, con=None,
+                    exclude: tuple = ()) -> list[tuple[str, int]]:
+        """(shard, version) of the live checkpoints (of `run_id`; but the checkpoints shards `exclude`)
+        that consumed any of `shards`: an index lookup per shard, whatever the history."""
+        con = con or self.con
+        out: list[tuple[str, int]] = []
+        if not self.has_table("consumed", con):
+            return out  # no checkpoint published yet
+        for i in range(0, len(shards), 500):
+            chunk = list(shards[i:i + 500])
+            sql = ("SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
+                   f"WHERE s.removed_seq IS NULL AND c.shard IN ({', '.join('?' * len(chunk))})")
+            if run_id is not None:
+                sql += " AND c.run_id = ?"
+                chunk.append(run_id)
+            if exclude:
+                sql += f" AND c.checkpoint_shard_id NOT IN ({', '.join('?' * len(exclude))})"
+                chunk += list(exclude)
+            out += [(str(sh), int(v)) for sh, v in con.execute(sql + " ORDER BY c.shard, c.version", chunk)]
+        return out
+
+    def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
+                         newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]:
+        """(the index rows (CHECKPOINT_COLS) of the checkpoints visible at snapshot `seq` (latest when
+        None; inside `con` when given), of `run_id` / `version` when given, by version (`newest`: the
+        highest alone); the (shard_id, path) of visible `checkpoints` shards that have no index row,
+        whose rows only their files hold)."""
+        con = con or self.con
+        visible, args = _visible(seq)
+        if not self.has_table("checkpoint_index", con):
+            return [], self.unindexed_checkpoints(seq, con)
+        sql = (f"SELECT {', '.join('c.' + c for c in CHECKPOINT_COLS)} FROM checkpoint_index c "
+               f"JOIN shards s ON s.shard_id = c.shard_id WHERE {visible}")
+        where = list(args)
+        if run_id is not None:
+            sql += " AND c.run_id = ?"
+            where.append(run_id)
+        if version is not None:
+            sql += " AND c.version = ?"
+            where.append(int(version))
+        sql += " ORDER BY c.version DESC LIMIT 1" if newest else " ORDER BY c.version"
+        return con.execute(sql, where).fetchall(), self.unindexed_checkpoints(seq, con)
+
+    def unindexed_checkpoints(self, seq: int | None = None, con=None) -> list[tuple[int, str]]:
+        """(shard_id, path) of the `checkpoints` shards visible at `seq` (live when None) that have no
+        index row (published before the index existed, or by a rollstore without it)."""
+        con = con or self.con
+        visible, args = _visible(seq)
+        sql = f"SELECT s.shard_id, s.path FROM shards s WHERE s.table_name = 'checkpoints' AND {visible}"
+        if self.has_table("checkpoint_index", con):
+            sql += " AND NOT EXISTS (SELECT 1 FROM checkpoint_index c WHERE c.shard_id = s.shard_id)"
+            through = con.execute("SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()
+            if through is not None and seq is None:  # every live one up to it is indexed: look past it only
+                sql += " AND s.shard_id > ?"
+                args = [*args, int(through[0])]
+        return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
+
+    def indexed_through(self, con, shard_id: int) -> None:
+        """Inside the transaction that indexed every live checkpoints shard up to `shard_id`: say so,
+        so that looking for unindexed ones reads only the shards committed after it."""
+        con.execute("INSERT INTO meta (key, value) VALUES ('checkpoints_indexed_through', ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(shard_id)),))
 
     # ---- uniqueness of rollouts ------------------------------------------------------------
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:

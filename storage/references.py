@@ -331,10 +331,12 @@ def referenced_shards(paths: Sequence[str]) -> set[str]:
 
 
 def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str,
-                     moves: Moves | None = None) -> str | None:
+                     moves: Moves | None = None, ids: "OrderedDict | None" = None) -> str | None:
     """The first problem of references `refs` (a shard not live nor moved to a live one, a row out
     of range, another rollout_id at the position), or None. Reads only the rollout_id column of the
-    row groups that hold a referenced row."""
+    row groups that hold a referenced row; with `ids` (a pass over many curated shards, e.g.
+    `verify`'s), each rollouts shard's whole rollout_id column once, kept there for the next
+    references (the last IDS_KEPT shards: a compacted shard is read once, not once per curation)."""
     live_set = set(live)
     shards = refs.column("rollouts_shard").combine_chunks().dictionary_encode()
     codes = shards.indices.to_numpy(zero_copy_only=False)
@@ -346,8 +348,11 @@ def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str
             return f"{source}: refers to rollouts shard {rel}, which is not live (quarantined or removed)"
         where = np.flatnonzero(codes == k)
         try:
-            found = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source,
-                             ("rollout_id",)).column("rollout_id")
+            if ids is None:
+                found = _rows_of(os.path.join(root, at[0]), positions[where] + at[1], source,
+                                 ("rollout_id",)).column("rollout_id")
+            else:
+                found = _ids_at(os.path.join(root, at[0]), positions[where] + at[1], source, ids)
         except UnresolvedReference as exc:
             return str(exc)
         bad = pc.invert(pc.equal(wanted.take(pa.array(where)), found))
@@ -356,6 +361,26 @@ def check_references(root: str, refs: pa.Table, live: Iterable[str], source: str
             return (f"{source}: row {int(positions[where[i]])} of rollouts shard {rel} holds rollout_id="
                     f"{found[i].as_py()!r}, the reference says {wanted[int(where[i])].as_py()!r}")
     return None
+
+
+IDS_KEPT = 4
+
+
+def _ids_at(path: str, positions: np.ndarray, source: str, ids: "OrderedDict") -> pa.Array:
+    """`rollout_id` at `positions` of one rollouts shard, from its whole column, read once per pass (`ids`)."""
+    col = ids.get(path)
+    if col is None:
+        with reading(path):
+            col = pq.read_table(path, columns=["rollout_id"]).column(0).combine_chunks()
+        ids[path] = col
+        while len(ids) > IDS_KEPT:
+            ids.popitem(last=False)
+    else:
+        ids.move_to_end(path)
+    if len(positions) and (positions.min() < 0 or positions.max() >= len(col)):
+        raise UnresolvedReference(f"{source}: refers to row {int(positions.max())} of {path}, which has "
+                                  f"{len(col)} rows; curate again")
+    return col.take(pa.array(positions))
 
 
 def null_lists(files: pa.ChunkedArray | pa.Array, rows: np.ndarray, column: str = "old_logprobs") -> np.ndarray:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -181,11 +183,19 @@ def verify_shards(root: str, shards: list[Shard], folders: dict | None = None) -
         _raise(root, problem)
 
 
-def scan(root: str, manifest: Manifest) -> list[Problem]:
-    """Every live shard of the buffer checked in full; returns the problems (empty: all good)."""
+def scan(root: str, manifest: Manifest, hash_only: set[int] | None = None) -> list[Problem]:
+    """Every live shard of the buffer checked in full; returns the problems (empty: all good).
+    `hash_only` (an incremental verify): only these shard ids are hashed; the others are checked
+    for existence, place and size (one lstat each)."""
     problems = []
     store = getattr(manifest, "store", None)  # shards in object storage: checked through this host's cache
+    folders: dict = {}
     for shard in manifest.shards():
+        if hash_only is not None and shard.shard_id not in hash_only:
+            problem = check_shard(root, shard, full=False, folders=folders)
+            if problem is not None:
+                problems.append(problem)
+            continue
         if store is not None:
             try:
                 store.fetch(root, shard.path, shard.sha256, shard.bytes, getattr(manifest, "holding", None))
@@ -201,19 +211,24 @@ def scan(root: str, manifest: Manifest) -> list[Problem]:
     return problems
 
 
-def scan_references(root: str, manifest: Manifest) -> list[str]:
-    """Every live thin curated shard's references checked: each names a live rollouts shard, a row
-    inside it, and the rollout_id at that row. Returns one line per bad curated shard (empty: all
-    resolve). Curated shards whose own file is bad are left to `scan`."""
+def scan_references(root: str, manifest: Manifest, only: set[int] | None = None) -> list[str]:
+    """Every live thin curated shard's references checked (`only`: the curated shards of these ids):
+    each names a live rollouts shard, a row inside it, and the rollout_id at that row. Returns one
+    line per bad curated shard (empty: all resolve). Curated shards whose own file is bad are left
+    to `scan`. Each rollouts shard's rollout_id column is read once for all the references into it
+    (a compacted shard holds many steps' rows)."""
     live = [s.path for s in manifest.shards("rollouts")]
     moves = manifest.moves()
     problems = []
+    ids = OrderedDict()  # the rollout_id columns read in this pass (`check_references`)
     for shard in manifest.shards("curated"):
+        if only is not None and shard.shard_id not in only:
+            continue
         path = os.path.join(root, shard.path)
         if check_shard(root, shard, full=False) is not None:
             continue
         for refs in read_references([path]):
-            problem = check_references(root, refs, live, path, moves)
+            problem = check_references(root, refs, live, path, moves, ids)
             if problem is not None:
                 problems.append(f"{problem}; the curation cannot be trained: curate again")
     return problems
@@ -259,6 +274,31 @@ def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -
             wanted[at[0]] = live[at[0]]
     cache_shards(root, manifest, wanted.values())
     verify_shards(root, sorted(wanted.values(), key=lambda s: s.shard_id))
+
+
+# ---- incremental verification: which shards a verify hashed good (made on first use) ------
+VERIFIED_DDL = "CREATE TABLE IF NOT EXISTS verified (shard_id BIGINT PRIMARY KEY, verified_at DOUBLE PRECISION NOT NULL)"
+
+
+def verified_ids(manifest: Manifest) -> set[int]:
+    """The shards a verify found good (by hash) at least once; a shard's bytes never change under
+    its id, so `verify --incremental` hashes only the others (`--full`, the default, hashes all)."""
+    if not manifest.has_table("verified"):
+        return set()
+    return {int(r[0]) for r in manifest.con.execute("SELECT shard_id FROM verified")}
+
+
+def record_verified(manifest: Manifest, shard_ids: list[int]) -> bool:
+    """Record these shards as hashed good now (in a transaction that does not wait for the disk:
+    losing it only means hashing them again). False when the manifest cannot be written."""
+    if manifest.read_only is not None or not shard_ids:
+        return False
+    known = verified_ids(manifest)
+    new = [(int(i), time.time()) for i in shard_ids if int(i) not in known]
+    with manifest._pin_transaction() as con:
+        con.execute(VERIFIED_DDL)
+        con.executemany("INSERT INTO verified (shard_id, verified_at) VALUES (?, ?)", new)
+    return True
 
 
 def retire(manifest: Manifest, shards: list[Shard], kind: str, detail: dict | None = None) -> int:

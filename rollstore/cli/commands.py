@@ -237,19 +237,31 @@ def info(buffer: str, format: str = typer.Option("table", "--format", "-f", help
 @guarded
 def gc_(buffer: str, grace: float = seconds(3600.0, "--grace", help="Seconds an orphan must be old before removal."),
         cache_max: Optional[str] = memory(None, "--cache-max", help="A buffer in object storage: also trim this "
-                                          "host's cache to this size (e.g. 50GB), least recently used first.")):
+                                          "host's cache to this size (e.g. 50GB), least recently used first."),
+        keep_checkpoints: Optional[int] = count(None, "--keep-checkpoints", help="Also prune the files of all but "
+                                                "the newest K checkpoints of each run (their rows stay); refused if "
+                                                "that prunes one a follower holds or --replay-window needs."),
+        replay_window: int = count(0, "--replay-window", low=0, help="With --keep-checkpoints: each run's newest "
+                                   "W+1 versions are needed by a replay window.")):
     """Remove orphaned files (crashed writes) and files of compacted shards no snapshot needs."""
     from rollstore.queries.session import parse_memory_limit
     from rollstore.storage.maintenance import gc, trim_cache
 
     with open_buffer(buffer) as buf:
+        if keep_checkpoints is not None:
+            from rollstore.learner.retention import prune_checkpoints
+
+            pruned = prune_checkpoints(buf, keep_checkpoints, replay_window=replay_window)
+            out.print(f"pruned the files of {len(pruned)} checkpoint versions"
+                      + (f" (v{pruned[0]}..v{pruned[-1]})" if pruned else ""), highlight=False)
         r = gc(buf, grace)
         if cache_max is not None:
             t = trim_cache(buf, parse_memory_limit(cache_max), grace)
             out.print(f"cache: removed {t.files_removed} cached copies ({t.bytes_freed} bytes); {t.bytes_left} bytes "
                       "cached")
-    out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards and "
-              f"{r.spill_dirs_removed} spill folders ({r.bytes_freed} bytes)")
+    out.print(f"removed {r.orphans_removed} orphan files, {r.retired_removed} retired shards, "
+              f"{r.checkpoints_removed} pruned checkpoint folders and {r.spill_dirs_removed} spill folders "
+              f"({r.bytes_freed} bytes)")
     if r.retired_skipped:
         err.print(f"note: retired shards are left for the next gc: the manifest cannot be written "
                   f"({r.retired_skipped})", highlight=False, markup=False)
@@ -265,12 +277,18 @@ def verify(
     quarantine: bool = typer.Option(False, "--quarantine", help="Retire every shard whose bytes were read and found "
                                     "wrong (moved to BUFFER/quarantine/); refused on a host that does not see the data."),
     restore: bool = typer.Option(False, "--restore", help="Un-retire every quarantined shard whose bytes verify again."),
+    incremental: bool = typer.Option(False, "--incremental", help="Hash only the shards no verify hashed good "
+                                     "before (the others: exists, place, size); docs/integrity.md."),
+    since: Optional[int] = seq(None, "--since", help="Hash only the shards committed after this commit (seq)."),
+    full: bool = typer.Option(False, "--full", help="Hash every live shard (the default: a full scrub)."),
 ):
     """Check every live shard against the manifest (exists, size, sha256); name each bad file."""
     from rollstore.storage import verify as v
 
     if quarantine and restore:
         fail("--quarantine and --restore go one at a time")
+    if full and (incremental or since is not None):
+        fail("verify: --full hashes every shard; leave out --incremental and --since")
     with open_buffer(buffer) as buf:
         if restore:
             restored, left = v.restore(buf.root, buf.manifest)
@@ -280,16 +298,27 @@ def verify(
                       markup=False)
             return
         shards = buf.manifest.shards()
-        problems = v.scan(buf.root, buf.manifest)
+        only = None  # the shard ids to hash (None: all)
+        if since is not None:
+            latest = buf.manifest.latest_seq()
+            if since > latest:
+                fail(f"verify --since {since}: {buf.root}'s newest commit is {latest}; nothing was verified")
+            only = {s.shard_id for s in shards if s.added_seq > since}
+        elif incremental:
+            only = {s.shard_id for s in shards} - v.verified_ids(buf.manifest)
+        problems = v.scan(buf.root, buf.manifest, only)
         for p in problems:
             err.print(p.describe(buf.root), highlight=False, markup=False)
         if not problems:
-            dangling = v.scan_references(buf.root, buf.manifest)
+            dangling = v.scan_references(buf.root, buf.manifest, only)
             for line in dangling:
                 err.print(line, highlight=False, markup=False)
             if not dangling:
-                out.print(f"{len(shards)} shards verified, all match the manifest; every curated reference "
-                          "resolves", highlight=False)
+                v.record_verified(buf.manifest, [s.shard_id for s in shards if only is None or s.shard_id in only])
+                hashed = len(shards) if only is None else len(only)
+                out.print(f"{len(shards)} shards verified ({hashed} hashed), all match the manifest; every "
+                          "curated reference " + ("resolves" if only is None else "of those hashed resolves"),
+                          highlight=False)
                 return
             fail(f"{len(dangling)} curated shards refer to rollouts rows that do not resolve; curate again "
                  "(their curations cannot be trained)")
@@ -459,6 +488,8 @@ def train(
     max_idle: float = seconds(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
     parallel: str = choice("none", "--parallel", choices=("none", "ddp", "fsdp"), help="none | ddp | fsdp (under torchrun, or with --nproc)."),
     nproc: int = count(0, "--nproc", low=0, help="Launch this many ranks with torchrun (default --parallel ddp)."),
+    keep_checkpoints: int = count(3, "--keep-checkpoints", help="Only the newest K checkpoints of the run keep "
+                                  "their files (their rows, lineage and ledger stay; docs/loop.md)."),
 ):
     """Train on curated shards exactly once each; publish a checkpoint per curation.
 
@@ -473,7 +504,7 @@ def train(
         raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
     config = train_config(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
     run_train(buffer, model, config, run_id, curation, out, follow=follow, poll=poll, max_idle=max_idle,
-              parallel=parallel)
+              parallel=parallel, keep_checkpoints=keep_checkpoints)
 
 
 @app.command()
@@ -508,6 +539,8 @@ def loop(
     backend: Optional[str] = typer.Option(None, "--backend"),
     threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, Threads)."),
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
+    keep_checkpoints: int = count(3, "--keep-checkpoints", help="Only the newest K checkpoints keep their files "
+                                  "(and those a replay window needs; rows, lineage and ledger stay; docs/loop.md)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
 
@@ -537,7 +570,8 @@ def loop(
                                               micro_batch_size=micro_batch_size, grad_accum=grad_accum)),
         **given(lr=lr, epochs=epochs, model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
                 pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
-                eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads))
+                eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads,
+                keep_checkpoints=keep_checkpoints))
     if learner_ranks > 1:
         from rollstore.loop.ranks import run_loop_with_ranks
 

@@ -35,17 +35,20 @@ CHECKPOINT = "checkpoint:"
 def _checkpoint_dir(buf: Buffer, model: str) -> str:
     """`checkpoint:latest` or `checkpoint:N`: that checkpoint of this buffer (on a store's buffer,
     fetched into this host's cache, verified), so a generator on any host names it the same way."""
-    from rollstore.learner.checkpoint import latest_checkpoint, list_checkpoints
+    from rollstore.learner.checkpoint import get_checkpoint, latest_checkpoint
 
     which = model[len(CHECKPOINT):]
     if which == "latest":
         ck = latest_checkpoint(buf)
     elif which.isdigit():
-        ck = next((c for c in list_checkpoints(buf) if c.version == int(which)), None)
+        ck = get_checkpoint(buf, int(which))
     else:
         raise RollstoreError(f"--model {model}: give checkpoint:latest or checkpoint:N (a published version)")
     if ck is None:
         raise RollstoreError(f"--model {model}: {buf.root} has no such checkpoint")
+    if ck.pruned_seq is not None:
+        raise RollstoreError(f"--model {model}: v{ck.version}'s files were pruned (--keep-checkpoints); its row "
+                             "remains; name a newer version")
     return ck.dir
 
 

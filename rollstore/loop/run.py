@@ -89,6 +89,18 @@ class LoopConfig:
     threads: int | None = 1  # torch intra-op threads and the curations' DuckDB threads (None: either's default)
     epochs: int | None = None  # μ, passes per curated batch (None: the recipe's `epochs`, else train.epochs)
     lr: float | None = None  # None: the recipe's `lr`, else train.lr
+    keep_checkpoints: int | None = None  # K: only the newest K versions keep their files (None: all; CLI default 3)
+
+    def retention(self) -> tuple[int, int] | None:
+        """(K, replay window) for `learner.retention`: the window the recipe replays from, else 0."""
+        if self.keep_checkpoints is None:
+            return None
+        from rollstore.learner.retention import Retention
+
+        values = {**load_recipe(self.recipe).presets, **self.sets}
+        window = int(values.get("replay_window", 2)) if str(values.get("replay", "none")) != "none" else 0
+        Retention(self.keep_checkpoints, window)  # K < 1: one line, before anything runs
+        return self.keep_checkpoints, window
 
     def __post_init__(self):
         if self.generation is None:
@@ -312,6 +324,7 @@ class _Run:
         effective = resolve(load_recipe(cfg.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
         self.params = effective
         self.train_config = cfg.effective_train()
+        self.retention = cfg.retention()
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
         self.skipping = effective["prompt_skip"] == "greso"
@@ -395,6 +408,7 @@ class _Run:
             self.writer.buf, model, optimizer, scheduler, self.train_config,
             at=RunPosition(self.run_id, self.version, self.step), pending=Pending([cur.curation_id], per="curation"),
             tokenizer=self.tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
+            retention=self.retention,
         )
         if not published:
             return None, 0

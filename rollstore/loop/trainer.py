@@ -11,6 +11,7 @@ under `python -m torch.distributed.run --standalone --nproc-per-node N`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -57,12 +58,16 @@ def launch_torchrun(nproc: int, parallel: str) -> int:
 
 
 def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curations: list[str], out: Console, *,
-              follow: bool = False, poll: float = 1.0, max_idle: float = 0.0, parallel: str = "none") -> list:
+              follow: bool = False, poll: float = 1.0, max_idle: float = 0.0, parallel: str = "none",
+              keep_checkpoints: int | None = None) -> list:
     """Train the pending shards of `curations` (all, when empty) once each, one checkpoint per curation;
-    with `follow`, lease curated shards as they appear until `max_idle` idle seconds (0: never)."""
+    with `follow`, lease curated shards as they appear until `max_idle` idle seconds (0: never), holding
+    the version it trains from against pruning (`learner.retention.hold`). `keep_checkpoints`: K,
+    the newest versions of the run that keep their files (None: all)."""
     import torch
 
     from rollstore.learner import parallel as ranks
+    from rollstore.learner import retention
     from rollstore.learner.config import Pending, RunPosition, TrainContext
     from rollstore.learner.consume import resume, train_pending
     from rollstore.learner.policy_loading import load_policy
@@ -83,7 +88,8 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     version, step = resume(buf, model_obj, optimizer, scheduler, run_id)
     model_obj, optimizer = ranks.wrap(model_obj, optimizer, scheduler, dist)
     train = functools.partial(train_pending, buf, model_obj, optimizer, scheduler, config, tokenizer=tokenizer,
-                              context=TrainContext(dist=dist))
+                              context=TrainContext(dist=dist),
+                              retention=None if keep_checkpoints is None else (keep_checkpoints, 0))
     published = []
 
     def report(cks):
@@ -108,7 +114,12 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
             return cks
         consumer, group = dist.broadcast(f"{run_id}-{os.getpid()}"), f"learner:{run_id}"
         idle_since = time.monotonic()
+        held: tuple[int, float] | None = None  # (version, when) of this learner's hold on its version
         while True:
+            if dist.is_main and version and (held is None or held[0] != version
+                                             or time.monotonic() - held[1] > retention.HOLD_TTL_S / 4):
+                retention.hold(buf, f"learner {consumer}", version)
+                held = (version, time.monotonic())
             shards = None
             if dist.is_main:  # rank 0 leases and verifies; every rank trains what it leased
                 _lease_id, shards = buf.lease("curated", 64, consumer, group=group, ttl=3600.0)
@@ -132,6 +143,9 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
             else:
                 time.sleep(poll)
     finally:
+        if follow and dist.is_main:
+            with contextlib.suppress(Exception):  # (an unreleased hold expires by itself)
+                retention.release(buf, f"learner {consumer}")
         buf.close()
         if sys.exc_info()[0] is None:  # on an error the launcher tears the ranks down
             ranks.close(dist)

@@ -63,7 +63,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, committed_audits, latest_checkpoint, parquet, run_values, verifying_inputs, with_defaults
+from .steps import Runner, committed_audits, latest_checkpoint, parquet, verifying_inputs, with_defaults
 
 
 def require_dask():
@@ -166,7 +166,7 @@ def curate_dask(
                                     f"{'/'.join(mine)}: every process must run the same versions")
         run = uuid.uuid4().hex[:12]
         folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this client lives
-        ctx = tasks.TaskContext(snap.frozen(), build(params, recipe), {}, dask.partitions or 2 * len(versions),
+        ctx = tasks.TaskContext(snap.frozen(), None, {}, dask.partitions or 2 * len(versions),
                                 limits.memory_limit, limits.threads or 1, folder, READ_THREADS, limits.timeout,
                                 dict(_task_hooks or {}), committed_audits(snap))
         job = _Run(client, ctx, run)
@@ -203,7 +203,7 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):
         return _existing(buf, curation_id, snap.seq)
-    values = {**run_values(plan), "curation_id": curation_id}
+    values = {**plan.values, "curation_id": curation_id}
     ctx = job.ctx = dataclasses.replace(job.ctx, plan=plan, values=dict(values))
     n_shards, n_parts = len(ctx.files.listing["rollouts"]), ctx.partitions
     if n_shards == 0:

@@ -43,7 +43,7 @@ from .steps import Audits, Runner, bound_relations, latest_policy, latest_step, 
 @dataclass(frozen=True)
 class TaskContext:
     files: SnapshotFiles
-    plan: Plan  # the client's plan: every step's SQL text travels with it
+    plan: Plan | None  # the client's plan: every step's SQL text travels with it (None while the defaults are resolved)
     values: dict  # the $values of the run so far (μ joins them after its merge)
     partitions: int
     memory_limit: str

@@ -103,7 +103,6 @@ def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, v
     """The curation's record from its summary and the run's final values (threshold, tokens kept)."""
     p = plan.params
     threshold = values.get("threshold")
-    stages = plan.record_fields(summary["n_selected"])
     return {
         "curation_id": curation_id,
         "created_at": dt.datetime.now(dt.timezone.utc),
@@ -112,8 +111,8 @@ def new_record(plan: Plan, curation_id: str, snapshot_seq: int, summary: dict, v
         "sql_sha256": plan.sha256(),
         "snapshot_seq": snapshot_seq,
         "progress": float(p["progress"]),
-        "sample_budget": stages["sample_budget"],
-        "token_fraction": stages["token_fraction"],
+        "sample_budget": plan.sample_budget(summary["n_selected"]),
+        "token_fraction": None if p.kappa is None else float(p.kappa),
         "token_threshold": threshold[0] if threshold else None,
         "n_candidates": summary["n_candidates"],
         "n_selected": summary["n_selected"],

@@ -117,6 +117,7 @@ class Merge:
     combine: Callable[[list, dict], dict] | None  # None: the step runs once over the whole batch
     arrow: bool = False  # partials are Arrow tables (else lists of rows)
     runs: Callable[[dict], bool] = lambda values: True  # False: nothing to do (the step is skipped)
+    values: tuple[str, ...] = ()  # the run's $values it reads (--explain shows them)
 
 
 MERGES: dict[str, Merge] = {
@@ -126,9 +127,9 @@ MERGES: dict[str, Merge] = {
     "mu": Merge(_mu),
     "first_missing": Merge(_first_missing),
     "first_non_finite": Merge(_first_non_finite),
-    "histogram": Merge(_histogram),
+    "histogram": Merge(_histogram, values=("token_budget",)),
     "heads": Merge(_heads, arrow=True, runs=lambda values: values.get("bucket") is not None),
-    "kept": Merge(_kept),
+    "kept": Merge(_kept, values=("token_budget",)),
     "whole": Merge(None, arrow=True),
     "custom": Merge(None),
 }

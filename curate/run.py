@@ -67,7 +67,6 @@ from .steps import (
     latest_policy,
     latest_step,
     parquet,
-    run_values,
     verifying_inputs,
     with_defaults,
 )
@@ -147,7 +146,7 @@ def curate(
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"], rollouts=parquet(files))
             plan = build(params, recipe, custom_statement(session, recipe))
-            runner = Runner(session, run_values(plan))
+            runner = Runner(session, dict(plan.values))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES),
                  {"rollouts": everything, "selections": Audits(committed_audits(snap))}, results)

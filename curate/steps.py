@@ -1,4 +1,4 @@
-"""Running plan steps in one DuckDB session: binding values, guards, the run's defaults.
+"""Running plan steps in one DuckDB session: binding values, the run's defaults.
 
 Invariants:
 - A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
@@ -57,11 +57,6 @@ def verifying_inputs(snap, dry_run: bool):
         hashed.result()
 
 
-def run_values(plan: Plan) -> dict:
-    """The values a run starts with: the plan's, and what the merges' errors name."""
-    return {**plan.values, "where_text": plan.params["where"], "token_mode": plan.params["token"]}
-
-
 class Runner:
     """Runs steps in `session` with `values` (a dict the engine extends as the run goes: μ, the
     token threshold, the curation id)."""
@@ -79,17 +74,12 @@ class Runner:
         sql = step.render(**bound)
         return sql, bind(sql, {**self.values, **extra})
 
-    def wanted(self, step: Step) -> bool:
-        """False when the step's guard says it has nothing to do."""
-        return step.guard is None or bool(self.session.one(step.guard)[0])
-
     def run(self, step: Step, bound: dict | None = None, **extra) -> None:
         if step.kernel is not None:  # a session kernel writing a temp table
             self.session.load(KERNELS[step.kernel].into, self._session_kernel(step))
             return
-        if self.wanted(step):
-            sql, args = self._sql(step, bound or {}, extra)
-            self.session.execute(sql, args or None, reads=step_tables(step, bound or {})).fetchall()
+        sql, args = self._sql(step, bound or {}, extra)
+        self.session.execute(sql, args or None, reads=step_tables(step, bound or {})).fetchall()
 
     def rows(self, step: Step, bound: dict | None = None, **extra) -> list[tuple]:
         sql, args = self._sql(step, bound or {}, extra)

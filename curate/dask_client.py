@@ -63,7 +63,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, committed_audits, latest_checkpoint, parquet, verifying_inputs, with_defaults
+from .steps import Runner, batch_files, committed_audits, latest_checkpoint, parquet, verifying_inputs, with_defaults
 
 
 def require_dask():
@@ -196,6 +196,7 @@ def _resolve(job: _Run, session: Session, params: Params) -> Params:
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
             dry_run: bool, verified) -> CurationResult:
+    batch_files(snap)  # none: an empty batch, before any task
     params = _resolve(job, session, params)
     with session.deadline(job.ctx.timeout):
         session.check_predicate(params["where"], rollouts=parquet(snap.files("rollouts")))  # as the embedded engine
@@ -206,8 +207,6 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     values = {**plan.values, "curation_id": curation_id}
     ctx = job.ctx = dataclasses.replace(job.ctx, plan=plan, values=dict(values))
     n_shards, n_parts = len(ctx.files.listing["rollouts"]), ctx.partitions
-    if n_shards == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {params['where']}")
 
     # Candidates per input shard, shuffled to partitions by prompt; the selection steps per
     # partition, with a round trip to the client at each GLOBAL step (its registered merge).

@@ -51,6 +51,16 @@ class CurationError(RollstoreError):
     """The run cannot proceed (empty batch, missing entropies, bad custom SQL, ...)."""
 
 
+class EmptyBatch(CurationError):
+    """The batch has no rows: the snapshot has none, or none matches `where`. Its line is made by `of`
+    only (raised before the plan runs, `curate.steps`, and by the `nonempty` merge)."""
+
+    @classmethod
+    def of(cls, where: str | None) -> "EmptyBatch":
+        return cls("empty batch: the snapshot has no rollouts" if where is None
+                   else f"empty batch: no rollouts match where = {where}")
+
+
 @dataclass(frozen=True)
 class Param:
     """One curation parameter, defined once: `resolve`, its range check (`coerce`), the defaults,

@@ -9,7 +9,7 @@ Invariants:
 - Token data is read only where it is needed, and only the `entropies` of the shards that hold a
   selected row, at the selected rows' positions (the candidates' scan kept each row's shard and
   position): once by the token stage's kernels (pyarrow, decoded once into scores for every kernel
-  of the stage, `curate.kernels.scored_chunks`; no token list passes through DuckDB); in a full run
+  of the stage, `curate.entropies.scored_chunks`; no token list passes through DuckDB); in a full run
   the materialisation's kernel `entropies` takes the same rows' entropies from that read (the
   token stage's spill file past its cache, else `column_at`'s cache of its last reads). The
   materialisation writes references (shard, row position, rollout_id) and kept runs, never token
@@ -57,10 +57,11 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
-from .kernels import release
+from .entropies import release
 from .steps import (
     Audits,
     Runner,
+    batch_files,
     bound_relations,
     committed_audits,
     latest_checkpoint,
@@ -134,9 +135,7 @@ def curate(
         else:  # a new session: the hashing runs beside its making (~70 ms)
             verified = stack.enter_context(verifying_inputs(snap, dry_run))
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
-        files = snap.files("rollouts")
-        if not files:
-            raise CurationError("empty batch: the snapshot has no rollouts")
+        files = batch_files(snap)
         everything = parquet(files, located=True, numbered=True)
         version = None
         if params["current_version"] is None:  # its default: the newest checkpoint's, else the newest policy_version
@@ -153,7 +152,7 @@ def curate(
         try:
             return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
         finally:
-            release(runner.decoded)  # a spilled token stage's file (`curate.kernels.spill`)
+            release(runner.decoded)  # a spilled token stage's file (`curate.entropies.spill`)
 
 
 def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:

@@ -25,9 +25,10 @@ from rollstore.queries.session import Session, tables_named
 
 from rollstore.storage.snapshot import rollouts_relation, sql_string, string_range, union_option
 
-from .kernels import KERNELS, drop_chunks, run_session
+from .entropies import drop_chunks
+from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
-from .params import CurationError, Params, step_where
+from .params import EmptyBatch, Params, step_where
 from .plan import Plan, Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
@@ -64,7 +65,7 @@ class Runner:
     def __init__(self, session: Session, values: dict):
         self.session = session
         self.values = values
-        self.decoded: dict = {}  # session kernels' decoded input (curate.kernels.scored_chunks), until an SQL step runs
+        self.decoded: dict = {}  # session kernels' decoded input (curate.entropies.scored_chunks), until an SQL step runs
 
     def _session_kernel(self, step: Step) -> pa.Table:
         return run_session(step, self.session, self.values, self.decoded)
@@ -195,12 +196,20 @@ def latest_checkpoint(session: Session) -> int | None:
     return None if row[0] is None else int(row[0])
 
 
+def batch_files(snap) -> list[str]:
+    """The snapshot's rollouts shards, which the batch is drawn from; none is an empty batch."""
+    files = snap.files("rollouts")
+    if not files:
+        raise EmptyBatch.of(None)
+    return files
+
+
 def with_defaults(params: Params, latest: tuple | None, version: int | None) -> Params:
     """`where` (the latest step) and `current_version` filled when the user left them unset."""
     values = dict(params.values)
     if values["where"] is None:
-        if latest is None:
-            raise CurationError("empty batch: the snapshot has no rollouts")
+        if latest is None:  # its rollouts shards hold no row
+            raise EmptyBatch.of(None)
         values["where"] = step_where(latest[1], latest[2])
     if values["current_version"] is None:
         values["current_version"] = version

@@ -124,7 +124,7 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
     materialisation, only at the selected rows' positions), no SQL statement reads a token list
     (the candidates' scan names none: the lengths are stored, schema version 3), and
     materialisation reads no Parquet in SQL (the candidates' scan took each row's position)."""
-    from rollstore.curate import kernels
+    from rollstore.curate import entropies
 
     files: list[list[str]] = []
     original = run_module.parquet
@@ -134,14 +134,14 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
         return original(paths, located, numbered)
 
     reads: list[tuple[str, str, int]] = []
-    column_at = kernels.column_at
+    column_at = entropies.column_at
 
     def read_spy(path, positions, column, source):
         reads.append((path, column, len(positions)))
         return column_at(path, positions, column, source)
 
     monkeypatch.setattr(run_module, "parquet", spy)
-    monkeypatch.setattr(kernels, "column_at", read_spy)
+    monkeypatch.setattr(entropies, "column_at", read_spy)
     rec = Recorder(monkeypatch)
     with Buffer.open(steps_buffer) as buf, buf.snapshot() as snap:
         shards = snap.files("rollouts")

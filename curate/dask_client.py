@@ -22,7 +22,7 @@ Invariants:
     tables (its selected rows, kept counts) travel as Arrow between its tasks, a task re-declares
     the views of earlier steps (`dask_tasks._views_before`), and each task whose kernels need the
     selected rows' entropies reads them from the shard itself (no token list travels);
-  - curated shards are cut exactly as the embedded engine cuts them (`finish.part_layout`), one
+  - curated shards are cut exactly as the embedded engine cuts them (`layout.part_layout`), one
     task per output shard, with the client's row-group sizing, so the worker's host does not
     change the bytes; workers write them, and the audit (beside them), only under
     BUFFER/tmp/curate-<host>-<pid>-<hex>/ (named for the client: gc keeps it while the client lives).
@@ -57,8 +57,10 @@ from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.shardio import READ_THREADS
 
 from . import dask_tasks as tasks
-from .finish import (CurationResult, Decided, already_committed, finish_curation, part_layout, referenced_paths,
-                     rows_per_shard)
+from .finish import Decided, finish_curation
+from .layout import part_layout, referenced_paths, rows_per_shard
+from .publish import already_committed
+from .record import CurationResult
 from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve

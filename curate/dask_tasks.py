@@ -34,7 +34,8 @@ from rollstore.storage.buffer import Part, WrittenPart, write_part
 from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.snapshot import SnapshotFiles
 
-from .finish import PartCounts, audit_path, curated_table, materialised, part_name, sorted_by_rollout, summarise
+from .layout import PartCounts, audit_path, curated_table, materialised, part_name, sorted_by_rollout
+from .record import summarise
 from .merges import MERGES
 from .plan import ON_CLIENT, ONCE, PER_PARTITION, PER_SELECTED, PER_SHARD, Plan, Step
 from .steps import Audits, Runner, bound_relations, latest_policy, latest_step, parquet

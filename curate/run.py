@@ -41,18 +41,9 @@ from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.references import prefetch_logprob_facts
 
 from .custom import choose_custom
-from .finish import (
-    CurationResult,
-    Decided,
-    curated_table,
-    finish_curation,
-    materialised,
-    part_layout,
-    part_name,
-    referenced_paths,
-    rows_per_shard,
-    summarise,
-)
+from .finish import Decided, finish_curation
+from .layout import curated_table, materialised, part_layout, part_name, referenced_paths, rows_per_shard
+from .record import CurationResult, summarise
 from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Recipe, resolve

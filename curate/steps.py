@@ -29,7 +29,7 @@ from .entropies import drop_chunks
 from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
 from .params import EmptyBatch, Params, step_where
-from .plan import Plan, Step
+from .plan import Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
 CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]

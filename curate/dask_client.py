@@ -221,7 +221,7 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     collected = job.submit(tasks.collect, ctx, *states)
     del states
     summary = job.item(collected, "summary").result()
-    values.update(plan.token_values(summary["tokens_selected"]))
+    values["token_budget"] = plan.params.token_budget(summary["tokens_selected"])  # K
     shards = [i for i, n in enumerate(summary["selected_per_shard"]) if n]
     first = plan.first(PER_SELECTED)
     per_shard = {i: job.submit(tasks.shard_advance, ctx, i, job.submit(tasks.shard_state, collected, i), first, dict(values))

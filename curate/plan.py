@@ -7,8 +7,10 @@ runs (`Step.at`). `rollstore recipes --explain NAME` prints the plan.
 
 Invariants:
 - This module is the only place where recipe modes branch: the engines, the record and the
-  commit ask the plan (its steps, `Plan.token_values`, `Plan.record_fields`, `Plan.use_capped`),
-  never the parameters. The engines (`curate.run`, embedded; `curate.dask_client`, Dask) run the
+  commit ask the plan (its steps, `Plan.sample_budget`, `Plan.use_capped`), never the parameters'
+  modes; the values derived from the parameters (f, κ, the token budget K) are the resolved
+  parameters' own (`curate.params.DERIVED`, `Params.token_budget`), and the plan's `values` are
+  `Params.bindings()`. The engines (`curate.run`, embedded; `curate.dask_client`, Dask) run the
   steps in order and run no other SQL or kernel on the batch; a step declares where it runs
   (`at`: per input shard, per partition, on the client, once over every candidate, per shard
   holding a selected row) and the engines place it there without inferring anything from its
@@ -124,10 +126,6 @@ class Plan:
         """Whether the record's sample_budget is the number selected (a sample stage or a custom
         recipe chooses rows)."""
         return self.params["sample"] != "none" or any(s.merge == "custom" for s in self.steps)
-
-    def token_values(self, tokens_selected: int) -> dict:
-        """The value the token steps start from: $token_budget, K (`Params.token_budget`)."""
-        return {"token_budget": self.params.token_budget(tokens_selected)}
 
     def sample_budget(self, n_selected: int) -> int | None:
         """The record's sample_budget: the number selected where a stage chooses rows, else None."""

@@ -192,7 +192,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     runner.values["curation_id"] = curation_id
     _run(runner, plan, ("record",), {}, results)
     summary = summarise(results)
-    runner.values.update(plan.token_values(summary["tokens_selected"]))
+    runner.values["token_budget"] = plan.params.token_budget(summary["tokens_selected"])  # K
     opened = [f for f in files if f in summary["selected_files"]]
     if not dry_run and opened:  # the selected rows' log-probs, decoded beside the token stage (curated_table checks them)
         # Files checked finite when committed are not decoded again (their sha256 is verified before the commit).

@@ -65,7 +65,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, batch_files, committed_audits, latest_checkpoint, parquet, verifying_inputs, with_defaults
+from .steps import Runner, batch_files, committed_audits, latest_checkpoint, parquet, verifying_inputs
 
 
 def require_dask():
@@ -193,7 +193,7 @@ def _resolve(job: _Run, session: Session, params: Params) -> Params:
     versions = [v for _, v in scans if v is not None]
     if version is None and versions:
         version = max(versions)
-    return with_defaults(params, latest, version)
+    return params.with_defaults(latest, version)
 
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,

@@ -53,7 +53,8 @@ class CurationError(RollstoreError):
 
 class EmptyBatch(CurationError):
     """The batch has no rows: the snapshot has none, or none matches `where`. Its line is made by `of`
-    only (raised before the plan runs, `curate.steps`, and by the `nonempty` merge)."""
+    only (raised before the plan runs, by `curate.steps.batch_files` and `Params.with_defaults`, and by
+    the `nonempty` merge)."""
 
     @classmethod
     def of(cls, where: str | None) -> "EmptyBatch":
@@ -480,6 +481,19 @@ class Params:
         out = {name: fn(self.values[p.name]) for p in PARAMETERS for name, fn in p.binds}
         out.update({name: fn(self.derived[d.name]) for d in DERIVED for name, fn in d.binds})
         return out
+
+    def with_defaults(self, latest: tuple | None, version: int | None) -> "Params":
+        """These parameters with `where` (the latest step: `latest` = (created_at, run_id, step) of
+        the newest rollout, None when the snapshot holds none) and `current_version` (`version`)
+        filled where the user left them unset; the copy derives f and κ from the same table."""
+        values = dict(self.values)
+        if values["where"] is None:
+            if latest is None:  # its rollouts shards hold no row
+                raise EmptyBatch.of(None)
+            values["where"] = step_where(latest[1], latest[2])
+        if values["current_version"] is None:
+            values["current_version"] = version
+        return Params(values, self.user_set)
 
     def to_json(self) -> str:
         def plain(v):

@@ -60,7 +60,6 @@ from .steps import (
     latest_step,
     parquet,
     verifying_inputs,
-    with_defaults,
 )
 
 # Input shards one materialisation query covers, by their Parquet bytes (several small shards, or
@@ -132,7 +131,7 @@ def curate(
         if params["current_version"] is None:  # its default: the newest checkpoint's, else the newest policy_version
             version = latest_checkpoint(session)
             version = version if version is not None else latest_policy(session, everything)
-        params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None, version)
+        params = params.with_defaults(latest_step(session, everything) if params["where"] is None else None, version)
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"], rollouts=parquet(files))
             plan = build(params, recipe, custom_statement(session, recipe))

@@ -1,4 +1,4 @@
-"""Running plan steps in one DuckDB session: binding values, the run's defaults.
+"""Running plan steps in one DuckDB session: binding values; what the run's defaults are read from.
 
 Invariants:
 - A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
@@ -28,7 +28,7 @@ from rollstore.storage.snapshot import rollouts_relation, sql_string, string_ran
 from .entropies import drop_chunks
 from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
-from .params import EmptyBatch, Params, step_where
+from .params import EmptyBatch
 from .plan import Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
@@ -202,15 +202,3 @@ def batch_files(snap) -> list[str]:
     if not files:
         raise EmptyBatch.of(None)
     return files
-
-
-def with_defaults(params: Params, latest: tuple | None, version: int | None) -> Params:
-    """`where` (the latest step) and `current_version` filled when the user left them unset."""
-    values = dict(params.values)
-    if values["where"] is None:
-        if latest is None:  # its rollouts shards hold no row
-            raise EmptyBatch.of(None)
-        values["where"] = step_where(latest[1], latest[2])
-    if values["current_version"] is None:
-        values["current_version"] = version
-    return Params(values, params.user_set)

@@ -69,7 +69,7 @@ bench-learning: $(STAMP)
 # Rebuild the shipped default builds of builtin:tiny and builtin:tiny-carries (rollstore/builtin/models/,
 # about 4 minutes on one core): after a change to what their cache key hashes (tests/test_tiny.py says so).
 tiny-models: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m rollstore.builtin.shipped
+	OMP_NUM_THREADS=1 $(BIN)/python -m rollstore.builtin.ship
 
 clean:
 	rm -rf $(VENV) build *.egg-info

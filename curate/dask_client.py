@@ -22,7 +22,7 @@ Invariants:
     tables (its selected rows, kept counts) travel as Arrow between its tasks, a task re-declares
     the views of earlier steps (`dask_tasks._views_before`), and each task whose kernels need the
     selected rows' entropies reads them from the shard itself (no token list travels);
-  - curated shards are cut exactly as the embedded engine cuts them (`finish.part_layout`), one
+  - curated shards are cut exactly as the embedded engine cuts them (`layout.part_layout`), one
     task per output shard, with the client's row-group sizing, so the worker's host does not
     change the bytes; workers write them, and the audit (beside them), only under
     BUFFER/tmp/curate-<host>-<pid>-<hex>/ (named for the client: gc keeps it while the client lives).
@@ -57,13 +57,15 @@ from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.shardio import READ_THREADS
 
 from . import dask_tasks as tasks
-from .finish import (CurationResult, Decided, already_committed, finish_curation, part_layout, referenced_paths,
-                     rows_per_shard)
+from .finish import Decided, finish_curation
+from .layout import part_layout, referenced_paths, rows_per_shard
+from .publish import already_committed
+from .record import CurationResult
 from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, committed_audits, latest_checkpoint, parquet, run_values, verifying_inputs, with_defaults
+from .steps import Runner, batch_files, committed_audits, latest_checkpoint, parquet, verifying_inputs
 
 
 def require_dask():
@@ -166,7 +168,7 @@ def curate_dask(
                                     f"{'/'.join(mine)}: every process must run the same versions")
         run = uuid.uuid4().hex[:12]
         folder = os.path.join("tmp", owned_name("curate"))  # gc keeps it while this client lives
-        ctx = tasks.TaskContext(snap.frozen(), build(params, recipe), {}, dask.partitions or 2 * len(versions),
+        ctx = tasks.TaskContext(snap.frozen(), None, {}, dask.partitions or 2 * len(versions),
                                 limits.memory_limit, limits.threads or 1, folder, READ_THREADS, limits.timeout,
                                 dict(_task_hooks or {}), committed_audits(snap))
         job = _Run(client, ctx, run)
@@ -191,11 +193,12 @@ def _resolve(job: _Run, session: Session, params: Params) -> Params:
     versions = [v for _, v in scans if v is not None]
     if version is None and versions:
         version = max(versions)
-    return with_defaults(params, latest, version)
+    return params.with_defaults(latest, version)
 
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
             dry_run: bool, verified) -> CurationResult:
+    batch_files(snap)  # none: an empty batch, before any task
     params = _resolve(job, session, params)
     with session.deadline(job.ctx.timeout):
         session.check_predicate(params["where"], rollouts=parquet(snap.files("rollouts")))  # as the embedded engine
@@ -203,11 +206,9 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):
         return _existing(buf, curation_id, snap.seq)
-    values = {**run_values(plan), "curation_id": curation_id}
+    values = {**plan.values, "curation_id": curation_id}
     ctx = job.ctx = dataclasses.replace(job.ctx, plan=plan, values=dict(values))
     n_shards, n_parts = len(ctx.files.listing["rollouts"]), ctx.partitions
-    if n_shards == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {params['where']}")
 
     # Candidates per input shard, shuffled to partitions by prompt; the selection steps per
     # partition, with a round trip to the client at each GLOBAL step (its registered merge).
@@ -220,7 +221,7 @@ def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, para
     collected = job.submit(tasks.collect, ctx, *states)
     del states
     summary = job.item(collected, "summary").result()
-    values.update(plan.token_values(summary["tokens_selected"]))
+    values["token_budget"] = plan.params.token_budget(summary["tokens_selected"])  # K
     shards = [i for i, n in enumerate(summary["selected_per_shard"]) if n]
     first = plan.first(PER_SELECTED)
     per_shard = {i: job.submit(tasks.shard_advance, ctx, i, job.submit(tasks.shard_state, collected, i), first, dict(values))

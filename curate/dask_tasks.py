@@ -34,7 +34,8 @@ from rollstore.storage.buffer import Part, WrittenPart, write_part
 from rollstore.storage.schema import SELECTIONS
 from rollstore.storage.snapshot import SnapshotFiles
 
-from .finish import PartCounts, audit_path, curated_table, materialised, part_name, sorted_by_rollout, summarise
+from .layout import PartCounts, audit_path, curated_table, materialised, part_name, sorted_by_rollout
+from .record import summarise
 from .merges import MERGES
 from .plan import ON_CLIENT, ONCE, PER_PARTITION, PER_SELECTED, PER_SHARD, Plan, Step
 from .steps import Audits, Runner, bound_relations, latest_policy, latest_step, parquet
@@ -43,7 +44,7 @@ from .steps import Audits, Runner, bound_relations, latest_policy, latest_step, 
 @dataclass(frozen=True)
 class TaskContext:
     files: SnapshotFiles
-    plan: Plan  # the client's plan: every step's SQL text travels with it
+    plan: Plan | None  # the client's plan: every step's SQL text travels with it (None while the defaults are resolved)
     values: dict  # the $values of the run so far (μ joins them after its merge)
     partitions: int
     memory_limit: str

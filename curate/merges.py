@@ -15,7 +15,8 @@ Invariants:
 - Every combination is exact: integer counts add, the first missing id is the minimum, the token
   threshold is taken from the heads of its bucket (`curate.tokens`). So any split of the batch into
   parts gives the same values.
-- `MERGES` names every merge a plan may use; both engines dispatch through it. Besides these
+- `MERGES` names every merge a plan may use (each registered with `@register_merge`); both
+  engines dispatch through it. Besides these
   combinations, merges that find a refusal (`one_run`, `first_missing`, `first_without_behaviour`)
   raise the run's one-line error; nothing is committed.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .params import CurationError
+from .params import CurationError, EmptyBatch
 from .tokens import check_exact, mask_values, merge_histograms, missing_entropies_error, pick_bucket, threshold_of
 
 
@@ -40,13 +41,40 @@ def _rows(partials: list) -> list[tuple]:
     return [row for part in partials for row in part]
 
 
+@dataclass(frozen=True)
+class Merge:
+    combine: Callable[[list, dict], dict] | None  # None: the step runs once over the whole batch
+    arrow: bool = False  # partials are Arrow tables (else lists of rows)
+    runs: Callable[[dict], bool] = lambda values: True  # False: nothing to do (the step is skipped)
+    values: tuple[str, ...] = ()  # the run's $values it reads (--explain shows them)
+
+
+MERGES: dict[str, Merge] = {}
+
+
+def register_merge(name: str, **declared) -> Callable[[Callable | None], Callable | None]:
+    """Register the merge `name` with the decorated combination (and `declared`'s `Merge` fields), as
+    a loss is registered with `register_loss`; `register_merge(name)(None)` registers a merge that is
+    no combination (`whole`, `custom`). A name registered twice is an error."""
+
+    def decorate(combine):
+        if name in MERGES:
+            raise ValueError(f"merge {name!r} registered twice")
+        MERGES[name] = Merge(combine, **declared)
+        return combine
+
+    return decorate
+
+
+@register_merge("nonempty")
 def _nonempty(partials: list, values: dict) -> dict:
     n = sum(int(r[0]) for r in _rows(partials))
     if n == 0:
-        raise CurationError(f"empty batch: no rollouts match where = {values['where_text']}")
+        raise EmptyBatch.of(values["where_text"])
     return {"batch_size": n}
 
 
+@register_merge("one_run")
 def _one_run(partials: list, values: dict) -> dict:
     runs = sorted({str(r[0]) for r in _rows(partials)})
     if len(runs) > 1:
@@ -56,6 +84,7 @@ def _one_run(partials: list, values: dict) -> dict:
     return {}
 
 
+@register_merge("first_without_behaviour")
 def _first_without_behaviour(partials: list, values: dict) -> dict:
     missing = sorted(str(r[0]) for r in _rows(partials))
     if missing:
@@ -66,10 +95,12 @@ def _first_without_behaviour(partials: list, values: dict) -> dict:
     return {}
 
 
+@register_merge("mu")
 def _mu(partials: list, values: dict) -> dict:
     return {"mu": mu_of(_rows(partials))}
 
 
+@register_merge("first_missing")
 def _first_missing(partials: list, values: dict) -> dict:
     missing = sorted((str(r[0]), bool(r[1]), str(r[2])) for r in _rows(partials))
     if missing:
@@ -82,6 +113,7 @@ def _first_missing(partials: list, values: dict) -> dict:
     return {}
 
 
+@register_merge("first_non_finite")
 def _first_non_finite(partials: list, values: dict) -> dict:
     bad = sorted((str(r[0]), str(r[1]), r[2]) for r in _rows(partials))
     if bad:
@@ -92,6 +124,7 @@ def _first_non_finite(partials: list, values: dict) -> dict:
     return {}
 
 
+@register_merge("histogram", values=("token_budget",))
 def _histogram(partials: list, values: dict) -> dict:
     found = pick_bucket(merge_histograms([[(int(b), int(n)) for b, n in p] for p in partials]), values["token_budget"])
     if found is None:
@@ -100,11 +133,13 @@ def _histogram(partials: list, values: dict) -> dict:
     return {"bucket": bucket, "n": offset + 1}
 
 
+@register_merge("heads", arrow=True, runs=lambda values: values.get("bucket") is not None)
 def _heads(partials: list, values: dict) -> dict:
     threshold = threshold_of(partials, values["n"] - 1)
     return {**mask_values(threshold), "threshold": threshold}
 
 
+@register_merge("kept", values=("token_budget",))
 def _kept(partials: list, values: dict) -> dict:
     total = sum(int(r[0]) for r in _rows(partials))
     if values.get("token_budget") is not None:
@@ -112,23 +147,5 @@ def _kept(partials: list, values: dict) -> dict:
     return {"tokens_kept": total}
 
 
-@dataclass(frozen=True)
-class Merge:
-    combine: Callable[[list, dict], dict] | None  # None: the step runs once over the whole batch
-    arrow: bool = False  # partials are Arrow tables (else lists of rows)
-    runs: Callable[[dict], bool] = lambda values: True  # False: nothing to do (the step is skipped)
-
-
-MERGES: dict[str, Merge] = {
-    "nonempty": Merge(_nonempty),
-    "one_run": Merge(_one_run),
-    "first_without_behaviour": Merge(_first_without_behaviour),
-    "mu": Merge(_mu),
-    "first_missing": Merge(_first_missing),
-    "first_non_finite": Merge(_first_non_finite),
-    "histogram": Merge(_histogram),
-    "heads": Merge(_heads, arrow=True, runs=lambda values: values.get("bucket") is not None),
-    "kept": Merge(_kept),
-    "whole": Merge(None, arrow=True),
-    "custom": Merge(None),
-}
+register_merge("whole", arrow=True)(None)  # the step runs once over every candidate (see above)
+register_merge("custom")(None)  # a custom recipe's SELECT, embedded engine only

@@ -1,9 +1,13 @@
 """Curation parameters (docs/curation.md §Parameters), recipes as presets, `--set` parsing, schedules.
 
 Invariants:
-- Each parameter is defined once, in `PARAMETERS` (name, type, range, default, enum, doc line):
-  the defaults, `coerce`'s range rules, `resolve`, the docs' table (`parameter_table`, checked by
+- Each parameter is defined once, in `PARAMETERS` (name, type, range, default, enum, doc line, and
+  the `$values` it binds in the plan's SQL and merges): the defaults, `coerce`'s range rules,
+  `resolve`, the bindings (`Params.bindings`), the docs' table (`parameter_table`, checked by
   tests/test_params.py) and the reference implementation's defaults (tests/reference.py) read it.
+- The values derived from several parameters (f, κ: `DERIVED`) are computed once, when a `Params`
+  is made (`Params.derived`), and bind what they bind from there; the token budget K = ⌈κ·N⌉ is
+  `Params.token_budget` (N is known at run time). Nothing else computes f, κ or K.
 - Every recipe accepts every parameter; a recipe only sets defaults. Unknown names, a name given
   twice, values out of range and fractions of the other schedule are errors (one line each).
 - Fractions and `progress` are exact rationals (`Fraction`) from the decimal text as written; budgets
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from importlib import resources
+from typing import Callable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,6 +51,17 @@ class CurationError(RollstoreError):
     """The run cannot proceed (empty batch, missing entropies, bad custom SQL, ...)."""
 
 
+class EmptyBatch(CurationError):
+    """The batch has no rows: the snapshot has none, or none matches `where`. Its line is made by `of`
+    only (raised before the plan runs, by `curate.steps.batch_files` and `Params.with_defaults`, and by
+    the `nonempty` merge)."""
+
+    @classmethod
+    def of(cls, where: str | None) -> "EmptyBatch":
+        return cls("empty batch: the snapshot has no rollouts" if where is None
+                   else f"empty batch: no rollouts match where = {where}")
+
+
 @dataclass(frozen=True)
 class Param:
     """One curation parameter, defined once: `resolve`, its range check (`coerce`), the defaults,
@@ -64,6 +80,7 @@ class Param:
     low_open: bool = False
     nullable: bool = False
     default_doc: str | None = None  # the docs' words for a default computed at run time
+    binds: tuple[tuple[str, Callable], ...] = ()  # the $values it binds: (name, value of the parameter → value)
 
     def range_text(self) -> str:
         """The values it takes, as the docs and the errors say them."""
@@ -84,6 +101,17 @@ class Param:
         return _num(self.default)
 
 
+def _same(v):
+    return v
+
+
+def _flag(word: str) -> Callable:
+    """A boolean $value: whether the parameter is `word` (`!word`: is not)."""
+    if word.startswith("!"):
+        return lambda v: v != word[1:]
+    return lambda v: v == word
+
+
 def _num(f) -> str:
     """An exact number as its shortest decimal (0.25, 3)."""
     f = Fraction(f)
@@ -95,39 +123,53 @@ _SHARE = dict(low=Fraction(0), high=Fraction(1))  # [0, 1]
 PARAMETERS: tuple[Param, ...] = (
     Param("where", "sql", None, "which snapshot rows form the batch. Default: `run_id = R AND step = S` of the "
           "row with the greatest (`created_at`, `run_id`, `step`)", nullable=True,
-          default_doc="latest step of the latest run"),
+          default_doc="latest step of the latest run", binds=(("where_text", _same),)),
     Param("current_version", "int", None, "\"now\", for staleness and the difficulty window", low=Fraction(0),
-          nullable=True, default_doc="highest `checkpoints.version`, else max `policy_version` of the snapshot"),
-    Param("max_policy_lag", "int", None, "§Eligibility `stale`", low=Fraction(0), nullable=True),
-    Param("max_reuse", "int", None, "§Eligibility `reused`", low=Fraction(1), nullable=True),
-    Param("truncated", "enum", "keep", "§Eligibility `truncated`", ("keep", "drop")),
-    Param("std", "enum", "sample", "§Advantages", ("sample", "population", "none")),
-    Param("filter", "enum", "none", "§Dynamic sampling", ("none", "dynamic")),
-    Param("amplify", "enum", "none", "§Amplification", ("none", "da3po", "group")),
-    Param("amplify_tau", "number", Fraction(1, 2), "hard-group threshold τ", **_UNIT),
-    Param("amplify_max", "number", Fraction(3), "w_max", low=Fraction(1)),
-    Param("difficulty_window", "int", 4, "policy versions of difficulty history W", low=Fraction(1)),
-    Param("difficulty_prior", "number", Fraction(2), "Beta prior strength s", low=Fraction(0)),
-    Param("sample", "enum", "none", "§Sample selection", ("none", "pods", "in_group", "cross_group")),
+          nullable=True, default_doc="highest `checkpoints.version`, else max `policy_version` of the snapshot",
+          binds=(("current_version", lambda v: 0 if v is None else v),)),
+    Param("max_policy_lag", "int", None, "§Eligibility `stale`", low=Fraction(0), nullable=True,
+          binds=(("max_policy_lag", _same),)),
+    Param("max_reuse", "int", None, "§Eligibility `reused`", low=Fraction(1), nullable=True,
+          binds=(("max_reuse", _same),)),
+    Param("truncated", "enum", "keep", "§Eligibility `truncated`", ("keep", "drop"),
+          binds=(("drop_truncated", _flag("drop")),)),
+    Param("std", "enum", "sample", "§Advantages", ("sample", "population", "none"), binds=(("std_mode", _same),)),
+    Param("filter", "enum", "none", "§Dynamic sampling", ("none", "dynamic"), binds=(("dynamic", _flag("dynamic")),)),
+    Param("amplify", "enum", "none", "§Amplification", ("none", "da3po", "group"),
+          binds=(("mode", _same), ("amplify_on", _flag("!none")))),
+    Param("amplify_tau", "number", Fraction(1, 2), "hard-group threshold τ", **_UNIT,
+          binds=(("tau_num", lambda v: v.numerator), ("tau_den", lambda v: v.denominator))),
+    Param("amplify_max", "number", Fraction(3), "w_max", low=Fraction(1), binds=(("w_max", float),)),
+    Param("difficulty_window", "int", 4, "policy versions of difficulty history W", low=Fraction(1),
+          binds=(("window", _same),)),
+    Param("difficulty_prior", "number", Fraction(2), "Beta prior strength s", low=Fraction(0),
+          binds=(("prior", float),)),
+    Param("sample", "enum", "none", "§Sample selection", ("none", "pods", "in_group", "cross_group"),
+          binds=(("pods", _flag("pods")),)),
     Param("sample_fraction", "number", Fraction(1, 4), "f, with `schedule=static`", **_UNIT),
     Param("sample_fraction_start", "number", Fraction(1, 4), "f0, with `schedule=linear`", **_UNIT),
     Param("sample_fraction_end", "number", Fraction(1), "f1, with `schedule=linear`", **_UNIT),
-    Param("token", "enum", "none", "§Token selection", ("none", "abs_adv_entropy", "entropy")),
+    Param("token", "enum", "none", "§Token selection", ("none", "abs_adv_entropy", "entropy"),
+          binds=(("token_mode", _same),)),
     Param("token_fraction", "number", Fraction(1, 5), "κ, with `schedule=static`", **_UNIT),
     Param("token_fraction_start", "number", Fraction(1, 5), "κ0, with `schedule=linear`", **_UNIT),
     Param("token_fraction_end", "number", Fraction(1), "κ1, with `schedule=linear`", **_UNIT),
     Param("schedule", "enum", "static", "§Schedule", ("static", "linear")),
     Param("progress", "number", Fraction(0), "training progress t", **_SHARE),
-    Param("replay", "enum", "none", "[replay.md](replay.md)", ("none", "groups", "rollouts", "window")),
-    Param("replay_window", "int", 2, "τ_max, in policy versions", low=Fraction(1)),
-    Param("replay_max_uses", "int", 2, "uses of a rollout in all", low=Fraction(1)),
+    Param("replay", "enum", "none", "[replay.md](replay.md)", ("none", "groups", "rollouts", "window"),
+          binds=(("replay_on", _flag("!none")), ("replay_mode", _same))),
+    Param("replay_window", "int", 2, "τ_max, in policy versions", low=Fraction(1), binds=(("replay_window", _same),)),
+    Param("replay_max_uses", "int", 2, "uses of a rollout in all", low=Fraction(1),
+          binds=(("replay_max_uses", _same),)),
     Param("replay_count", "int", None, "`rollouts` mode: replayed rows at most (`none`: as many as the fresh pool)",
-          low=Fraction(1), nullable=True),
-    Param("replay_decay", "number", Fraction(1, 2), "priority × decay^(age − 1)", **_UNIT),
+          low=Fraction(1), nullable=True, binds=(("replay_count", _same),)),
+    Param("replay_decay", "number", Fraction(1, 2), "priority × decay^(age − 1)", **_UNIT,
+          binds=(("replay_decay", float),)),
     # pre-rollout prompt selection (docs/curation.md §Before generation; curate.prompts)
     Param("prompt_skip", "enum", "none", "§Before generation: pre-rollout prompt selection, run by the loop",
           ("none", "greso")),
-    Param("skip_window", "int", 8, "a prompt's newest groups in the run that z is counted over", low=Fraction(1)),
+    Param("skip_window", "int", 8, "a prompt's newest groups in the run that z is counted over", low=Fraction(1),
+          binds=(("skip_window", _same),)),
     Param("skip_target", "number", Fraction(1, 4), "target share of zero-variance groups among the groups a step "
           "generates (the `greso` recipe presets 0.1)", **_SHARE),
     Param("skip_explore_start", "number", Fraction(1, 2), "the exploration rates p_e of both kinds at the run's "
@@ -150,9 +192,17 @@ LINEAR_ONLY = ("sample_fraction_start", "sample_fraction_end", "token_fraction_s
 
 def parameter_table() -> str:
     """docs/curation.md §Parameters' table, generated from `PARAMETERS` (a test checks the docs)."""
-    lines = ["| parameter | values (default) | meaning |", "|---|---|---|"]
-    lines += [f"| `{p.name}` | {p.range_text()} ({p.default_text()}) | {p.doc} |" for p in PARAMETERS]
+    lines = ["| parameter | values (default) | meaning | binds |", "|---|---|---|---|"]
+    lines += [f"| `{p.name}` | {p.range_text()} ({p.default_text()}) | {p.doc} | {_binds_text(p)} |"
+              for p in PARAMETERS]
     return "\n".join(lines)
+
+
+def _binds_text(p: Param) -> str:
+    """The table's `binds` cell: the $values the parameter binds, and the derived values it enters."""
+    names = [f"`${n}`" for n, _ in p.binds] + [f"{d.name} ({', '.join(f'`${n}`' for n, _ in d.binds) or 'K'})"
+                                              for d in DERIVED if p.name in d.of]
+    return ", ".join(names) or "–"
 
 
 # Every number a parameter takes is at most 10^18 in magnitude and has at most 18 decimal places:
@@ -360,25 +410,90 @@ def parse_sets(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _scheduled(stem: str) -> Callable[[dict], Fraction]:
+    """A fraction under the schedule: `stem` (static), or start + (end − start)·progress (linear)."""
+    def value(v: dict) -> Fraction:
+        if v["schedule"] == "linear":
+            return v[f"{stem}_start"] + (v[f"{stem}_end"] - v[f"{stem}_start"]) * v["progress"]
+        return v[stem]
+    return value
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A value derived from several parameters, computed once per `Params` (`Params.derived`);
+    `binds` are the $values it binds, `formula` what `--explain` and the docs say of it."""
+
+    name: str
+    formula: str
+    of: tuple[str, ...]
+    fn: Callable[[dict], Fraction]
+    binds: tuple[tuple[str, Callable], ...] = ()
+
+
+DERIVED: tuple[Derived, ...] = (
+    Derived("f", "sample_fraction, or sample_fraction_start + (end − start)·progress with schedule=linear",
+            ("schedule", "sample_fraction", "sample_fraction_start", "sample_fraction_end", "progress"),
+            _scheduled("sample_fraction"), binds=(("f_num", lambda f: f.numerator), ("f_den", lambda f: f.denominator))),
+    Derived("κ", "token_fraction, or token_fraction_start + (end − start)·progress with schedule=linear",
+            ("schedule", "token_fraction", "token_fraction_start", "token_fraction_end", "progress"),
+            _scheduled("token_fraction")),
+)
+# The token budget: known once the selection is (N), bound as $token_budget by the engines.
+TOKEN_BUDGET = "K = ⌈κ·N⌉, N = the selected rows' response tokens"
+
+
 @dataclass(frozen=True)
 class Params:
+    """The resolved parameters, with the values derived from them (`derived`: f, κ), computed once here."""
+
     values: dict[str, object]
     user_set: frozenset[str] = field(default_factory=frozenset)
+    derived: dict[str, Fraction] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "derived", {d.name: d.fn(self.values) for d in DERIVED})
 
     def __getitem__(self, name: str):
         return self.values[name]
 
     def sample_fraction(self) -> Fraction:
-        if self["schedule"] == "linear":
-            f0, f1 = self["sample_fraction_start"], self["sample_fraction_end"]
-            return f0 + (f1 - f0) * self["progress"]
-        return self["sample_fraction"]
+        """f (`DERIVED`)."""
+        return self.derived["f"]
 
     def token_fraction(self) -> Fraction:
-        if self["schedule"] == "linear":
-            k0, k1 = self["token_fraction_start"], self["token_fraction_end"]
-            return k0 + (k1 - k0) * self["progress"]
-        return self["token_fraction"]
+        """κ under the schedule (`DERIVED`), whether or not a token stage runs."""
+        return self.derived["κ"]
+
+    @property
+    def kappa(self) -> Fraction | None:
+        """κ where a token stage runs (what the record keeps), else None."""
+        return None if self["token"] == "none" else self.derived["κ"]
+
+    def token_budget(self, n_tokens: int) -> int | None:
+        """K = ⌈κ·N⌉ of the N response tokens of the selected rows (`TOKEN_BUDGET`); None without a token stage."""
+        kappa = self.kappa
+        return None if kappa is None else token_budget(n_tokens, kappa)
+
+    def bindings(self) -> dict:
+        """Every $value the parameters fix, as each `Param` and `Derived` names it (the run adds μ,
+        the token budget, the threshold and the curation id)."""
+        out = {name: fn(self.values[p.name]) for p in PARAMETERS for name, fn in p.binds}
+        out.update({name: fn(self.derived[d.name]) for d in DERIVED for name, fn in d.binds})
+        return out
+
+    def with_defaults(self, latest: tuple | None, version: int | None) -> "Params":
+        """These parameters with `where` (the latest step: `latest` = (created_at, run_id, step) of
+        the newest rollout, None when the snapshot holds none) and `current_version` (`version`)
+        filled where the user left them unset; the copy derives f and κ from the same table."""
+        values = dict(self.values)
+        if values["where"] is None:
+            if latest is None:  # its rollouts shards hold no row
+                raise EmptyBatch.of(None)
+            values["where"] = step_where(latest[1], latest[2])
+        if values["current_version"] is None:
+            values["current_version"] = version
+        return Params(values, self.user_set)
 
     def to_json(self) -> str:
         def plain(v):
@@ -387,6 +502,14 @@ class Params:
             return v
 
         return json.dumps({k: plain(v) for k, v in sorted(self.values.items())}, sort_keys=True)
+
+
+DERIVED_BY_NAME = {d.name: d for d in DERIVED}
+
+
+def derived_from(name: str) -> Derived | None:
+    """The derived value (f, κ) that binds $value `name`, or None."""
+    return next((d for d in DERIVED if any(n == name for n, _ in d.binds)), None)
 
 
 def resolve(recipe: Recipe, sets: dict[str, object]) -> Params:

@@ -7,8 +7,10 @@ runs (`Step.at`). `rollstore recipes --explain NAME` prints the plan.
 
 Invariants:
 - This module is the only place where recipe modes branch: the engines, the record and the
-  commit ask the plan (its steps, `Plan.token_values`, `Plan.record_fields`, `Plan.use_capped`),
-  never the parameters. The engines (`curate.run`, embedded; `curate.dask_client`, Dask) run the
+  commit ask the plan (its steps, `Plan.sample_budget`, `Plan.use_capped`), never the parameters'
+  modes; the values derived from the parameters (f, κ, the token budget K) are the resolved
+  parameters' own (`curate.params.DERIVED`, `Params.token_budget`), and the plan's `values` are
+  `Params.bindings()`. The engines (`curate.run`, embedded; `curate.dask_client`, Dask) run the
   steps in order and run no other SQL or kernel on the batch; a step declares where it runs
   (`at`: per input shard, per partition, on the client, once over every candidate, per shard
   holding a selected row) and the engines place it there without inferring anything from its
@@ -34,7 +36,8 @@ import duckdb
 from rollstore.queries import load_sql, parameters_of, render
 
 from .kernels import KERNELS, signature
-from .params import Params, Recipe, token_budget
+from .merges import MERGES
+from .params import DERIVED_BY_NAME, TOKEN_BUDGET, Params, Recipe, derived_from
 from .tokens import kept_expression
 
 ROW, PROMPT, GROUP, SHARD, GLOBAL = "row", "prompt", "group", "shard", "global"
@@ -45,7 +48,8 @@ PER_PARTITION = "per partition"         # over a partition of whole prompts (hen
 ON_CLIENT = "on the client"             # over every partition's `work`, once (a `whole` merge mid-selection)
 ONCE = "once over every candidate"      # over every candidate's final narrow row, in one task
 PER_SELECTED = "per selected shard"     # over one input shard holding a selected row (its rows and entropies)
-PLACES = (PER_SHARD, PER_PARTITION, ON_CLIENT, ONCE, PER_SELECTED)
+BEFORE_GENERATION = "before generation, by the loop"  # prompt selection's plan (curate.prompts), no engine's
+PLACES = (PER_SHARD, PER_PARTITION, ON_CLIENT, ONCE, PER_SELECTED, BEFORE_GENERATION)
 PHASES = ("candidates", "groups", "replay", "difficulty", "amplify", "select", "apply", "record", "tokens", "output",
           "materialise")
 SELECTION_PHASES = ("groups", "replay", "difficulty", "amplify", "select", "apply")
@@ -73,7 +77,6 @@ class Step:
     writes: tuple[str, ...]
     fragments: tuple[tuple[str, str], ...] = ()
     relations: tuple[str, ...] = ()             # fragments an engine binds to its own input
-    guard: str | None = None                    # run only when this query returns true
     merge: str | None = None                    # GLOBAL steps: the registered merge (`curate.merges`)
     text: str = ""                              # the step's SQL as hashed
     source: str = ""                            # the SQL file's text (engines render from it)
@@ -105,7 +108,7 @@ class Plan:
     recipe: str
     params: Params
     steps: tuple[Step, ...]
-    values: dict = field(default_factory=dict)  # the $values every run binds (more come at run time)
+    values: dict = field(default_factory=dict)  # the $values every run binds (`Params.bindings`; more come at run time)
 
     def phase(self, name: str) -> list[Step]:
         return [s for s in self.steps if s.phase == name]
@@ -124,18 +127,9 @@ class Plan:
         recipe chooses rows)."""
         return self.params["sample"] != "none" or any(s.merge == "custom" for s in self.steps)
 
-    def token_values(self, tokens_selected: int) -> dict:
-        """The values the token steps start from: the budget K = ⌈κ·N⌉ over the selected rows'
-        tokens (None without a token stage)."""
-        if not self.token_stage:
-            return {"token_budget": None}
-        return {"token_budget": token_budget(tokens_selected, self.params.token_fraction())}
-
-    def record_fields(self, n_selected: int) -> dict:
-        """The record's fields that depend on the recipe's stages: κ, and the sample budget."""
-        kappa = self.params.token_fraction() if self.token_stage else None
-        return {"token_fraction": float(kappa) if kappa is not None else None,
-                "sample_budget": n_selected if self.counts_budget else None}
+    def sample_budget(self, n_selected: int) -> int | None:
+        """The record's sample_budget: the number selected where a stage chooses rows, else None."""
+        return n_selected if self.counts_budget else None
 
     @property
     def use_capped(self) -> bool:
@@ -143,14 +137,12 @@ class Plan:
         return self.params["replay"] != "none" or self.params["max_reuse"] is not None
 
     def sha256(self) -> str:
-        """The hash of what the steps execute: their texts (and guards) without comments, tokens one
-        space apart, with each step's scope and merge."""
+        """The hash of what the steps execute: their texts without comments, tokens one space
+        apart, with each step's scope and merge."""
         parts = []
         for s in self.steps:
             text = s.text if s.kernel is not None else executable(s.text)
             parts.append(f"{s.scope}:{s.merge or ''}:{s.result or ''}\n{text}")
-            if s.guard:
-                parts.append(f"guard\n{executable(s.guard)}")
         return hashlib.sha256("\n;\n".join(parts).encode()).hexdigest()
 
     def curation_id(self, snapshot_seq: int) -> str:
@@ -179,46 +171,14 @@ def replay_window(where: str) -> str:
             "$current_version - $replay_window AND $current_version - 1)")
 
 
-def values_of(p: Params) -> dict:
-    """The $values of the steps that the parameters fix (μ, the threshold and the curation id come
-    at run time)."""
-    tau = p["amplify_tau"]
-    f = p.sample_fraction()
-    return {
-        "drop_truncated": p["truncated"] == "drop",
-        "max_policy_lag": p["max_policy_lag"],
-        "max_reuse": p["max_reuse"],
-        "current_version": 0 if p["current_version"] is None else p["current_version"],
-        "std_mode": p["std"],
-        "dynamic": p["filter"] == "dynamic",
-        "window": p["difficulty_window"],
-        "prior": float(p["difficulty_prior"]),
-        "tau_num": tau.numerator,
-        "tau_den": tau.denominator,
-        "w_max": float(p["amplify_max"]),
-        "mode": p["amplify"],
-        "amplify_on": p["amplify"] != "none",
-        "pods": p["sample"] == "pods",
-        "f_num": f.numerator,
-        "f_den": f.denominator,
-        "replay_on": p["replay"] != "none",
-        "replay_mode": p["replay"],
-        "replay_window": p["replay_window"],
-        "replay_max_uses": p["replay_max_uses"],
-        "replay_count": p["replay_count"],
-        "replay_decay": float(p["replay_decay"]),
-    }
-
-
-class _Steps(list):
+class StepList(list):
     """The plan's steps as they are added, each rendered from its SQL file and fragments."""
 
     def add(self, sql: str, phase: str, scope: str, reads: tuple, writes: tuple, relations: tuple = (),
-            guard: str | None = None, merge: str | None = None, result: str | None = None, *, at: str,
-            **fragments: str) -> None:
+            merge: str | None = None, result: str | None = None, *, at: str, **fragments: str) -> None:
         frags = tuple(sorted(fragments.items()))
         source = load_sql(sql)
-        self.append(_checked(Step(sql, phase, scope, reads, writes, frags, relations, guard, merge,
+        self.append(_checked(Step(sql, phase, scope, reads, writes, frags, relations, merge,
                                   render(sql, dict(frags), text=source), source, result, at)))
 
     def kernel(self, name: str, phase: str, scope: str, *, at: str, merge: str | None = None,
@@ -246,16 +206,16 @@ def build(params: Params, recipe: Recipe, custom_statement: str | None = None) -
     """The plan of a run with these parameters (`where` and `current_version` resolved): the
     candidates, the group statistics and difficulty, the selection, the record, then tokens and
     output, in that order."""
-    steps = _Steps()
+    steps = StepList()
     _candidate_steps(steps, params)
     _group_steps(steps, params)
     _selection_steps(steps, params, recipe, custom_statement)
     _record_steps(steps)
     _token_and_output_steps(steps, params)
-    return Plan(recipe.name, params, tuple(steps), values_of(params))
+    return Plan(recipe.name, params, tuple(steps), params.bindings())
 
 
-def _candidate_steps(steps: _Steps, p: Params) -> None:
+def _candidate_steps(steps: StepList, p: Params) -> None:
     """The candidates (the batch and the replay window, with their stored lengths), the history they need."""
     amplify = p["amplify"]
     replay = p["replay"] != "none"
@@ -279,7 +239,7 @@ def _candidate_steps(steps: _Steps, p: Params) -> None:
                   merge="first_without_behaviour", at=PER_PARTITION)
 
 
-def _group_steps(steps: _Steps, p: Params) -> None:
+def _group_steps(steps: StepList, p: Params) -> None:
     """Group statistics, advantages and the filter; the replay choice; the difficulty."""
     replay = p["replay"] != "none"
     stats_rows = AS_GENERATED if replay else ELIGIBLE
@@ -301,11 +261,11 @@ def _group_steps(steps: _Steps, p: Params) -> None:
         steps.add("curate_no_difficulty", "difficulty", GROUP, (), ("difficulty",), at=PER_PARTITION)
 
 
-def _amplification(steps: _Steps, phase: str) -> None:
+def _amplification(steps: StepList, phase: str) -> None:
     steps.add("curate_amplify", phase, GROUP, ("work", "subset_adv", "difficulty"), ("work",), at=PER_PARTITION)
 
 
-def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement: str | None) -> None:
+def _selection_steps(steps: StepList, p: Params, recipe: Recipe, custom_statement: str | None) -> None:
     """Amplification, then the sample stage (built-in or the custom recipe's SELECT)."""
     sample = p["sample"]
     pods = sample == "pods"
@@ -334,14 +294,14 @@ def _selection_steps(steps: _Steps, p: Params, recipe: Recipe, custom_statement:
             _amplification(steps, "apply")
 
 
-def _record_steps(steps: _Steps) -> None:
+def _record_steps(steps: StepList) -> None:
     steps.add("curate_record", "record", GLOBAL, ("work",), ("record", "shards to open"),
               merge="whole", result="counts", at=ONCE)
     steps.add("curate_record_values", "record", GLOBAL, ("work",), ("record",),
               merge="whole", result="variances", at=ONCE)
 
 
-def _token_and_output_steps(steps: _Steps, p: Params) -> None:
+def _token_and_output_steps(steps: StepList, p: Params) -> None:
     """The token threshold, the kept counts, the audit and the materialisation."""
     token = p["token"]
     if token != "none":
@@ -370,22 +330,26 @@ def _token_and_output_steps(steps: _Steps, p: Params) -> None:
     steps.kernel("fallback", "materialise", ROW, at=PER_SELECTED)
 
 
-def explain(plan: Plan) -> list[dict]:
+def explain(plan: Plan, tokens_selected: int | None = None) -> list[dict]:
     """The plan as rows for a person: step, phase, scope, what runs (an SQL file, or a kernel with
-    its version), where, values and fragments (a kernel's arguments), reads → writes."""
+    its version), where, values and fragments (a kernel's arguments), reads → writes. A $value
+    derived from several parameters (f, κ, K) is shown with its formula; K, the token budget, with
+    its value when `tokens_selected` (N, a concrete curation's) is given."""
     rows = []
     for i, s in enumerate(plan.steps, 1):
+        names = list(MERGES[s.merge].values) if s.merge else []
+        shown: set = set()
         if s.kernel is not None:
             k = KERNELS[s.kernel]
             what = f"kernel {k.name} (version {k.version})"
-            used = [f"${v}={plan.values[v]!r}" if v in plan.values else f"${v} (at run time)" for v in k.values]
-            uses = ([f"{a}={v!r}" for a, v in s.args] + used + [k.doc]
+            names = list(k.values) + names
+            uses = ([f"{a}={v!r}" for a, v in s.args] + [_value(plan, n, tokens_selected, shown) for n in names]
+                    + [k.doc]
                     + ([f"drops {', '.join(k.drops)}"] if k.drops else []))
         else:
             what = "custom SELECT (the recipe's SQL)" if s.sql == "custom" else f"queries/{s.sql}.sql"
-            used = [f"${k}={plan.values[k]!r}" if k in plan.values else f"${k} (at run time)" for k in s.parameters]
             frags = [f"{{{k}}}={v}" for k, v in s.fragments if k not in s.relations or v != k]
-            uses = used + frags + ([f"only when: {s.guard}"] if s.guard else [])
+            uses = [_value(plan, n, tokens_selected, shown) for n in s.parameters + names] + frags
         where = s.at + (f", merged on the client ({s.merge})" if s.merge and s.at not in (ON_CLIENT, ONCE)
                         else f" ({s.merge})" if s.merge else "")
         rows.append({
@@ -393,3 +357,26 @@ def explain(plan: Plan) -> list[dict]:
             "uses": uses, "reads": list(s.reads), "writes": list(s.writes),
         })
     return rows
+
+
+def _value(plan: Plan, name: str, tokens_selected: int | None, shown: set) -> str:
+    """One $value as --explain shows it: its value (or "at run time"), and, the first time in a
+    step, the derived value (f, κ) it comes from with its formula; K, the token budget, as ⌈κ·N⌉."""
+    derived = derived_from(name)
+    if name == "token_budget":
+        kappa = plan.params.kappa
+        if kappa is None:
+            return "$token_budget=None (no token stage)"
+        n = "N" if tokens_selected is None else str(tokens_selected)
+        value = " (at run time)" if tokens_selected is None else f" = {plan.params.token_budget(tokens_selected)}"
+        return (f"$token_budget: {TOKEN_BUDGET}; K = ⌈{_fraction(kappa)}·{n}⌉{value}, "
+                f"κ = {DERIVED_BY_NAME['κ'].formula}")
+    text = f"${name}={plan.values[name]!r}" if name in plan.values else f"${name} (at run time)"
+    if derived is not None and derived.name not in shown:
+        shown.add(derived.name)
+        text += f" ({derived.name} = {_fraction(plan.params.derived[derived.name])}: {derived.formula})"
+    return text
+
+
+def _fraction(f) -> str:
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator} ({float(f):g})"

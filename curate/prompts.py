@@ -1,10 +1,15 @@
 """Pre-rollout prompt selection (GRESO, arXiv 2506.02177): skip, before generating, the prompts whose
 recent groups in this run were all-correct or all-wrong (docs/curation.md §Before generation).
 
-The plan's first phase, run by the loop before it generates a step (the curation plans after
-generation do not run it; its parameters are in their curation ids like every other parameter).
+Its steps are a plan of their own (`prompt_plan`: a `curate.plan.Plan` built from the same
+parameters), run by the loop before it generates a step; the curation plans after generation do
+not run it (its parameters are in their curation ids like every other parameter). `--explain`
+prints its rows, and its hash (`Plan.sha256`) is recorded with every decision.
 
 Invariants:
+- `prompt_skip` is read here only (`prompt_plan`: None when it is `none`); where the selection
+  cannot run (`generate --follow`, the TRL plug-in, a loop with several learner ranks) it is refused
+  with one line (`refuse`).
 - History is per run: a prompt's trace is its groups in this run before this step, newest first,
   at most `skip_window` of them (queries/prompt_history.sql). z = how many of them, consecutive from
   the newest, were zero-variance (all rewards equal). A prompt without history, or whose newest
@@ -33,33 +38,41 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
-from rollstore.queries import load_sql, render
 from rollstore.storage.schema import PROMPT_SELECTIONS
 
-from .params import Params
+from .params import ParamError, Params
+from .plan import BEFORE_GENERATION, PROMPT, Plan, StepList
 
 SKIP_PARAMS = ("prompt_skip", "skip_window", "skip_target", "skip_explore_start", "skip_explore_min", "skip_step")
 
 
-def sql_sha256() -> str:
-    """The hash of the selection's SQL as it executes (comments and spacing left out), recorded in every
-    decision's `params` beside the parameters: a change to what runs changes it."""
-    from .plan import executable
-
-    text = "\n;\n".join(executable(load_sql(name)) for name in ("prompt_history", "prompt_skip_state"))
-    return hashlib.sha256(text.encode()).hexdigest()
+PHASE = "prompts"
 
 
-def describe(p: Params) -> list[str]:
-    """The phase as `rollstore recipes --explain` prints it, before the curation's steps."""
-    return [
-        f" 0. prompts    prompt (before generation; run by the loop)  prompt_history + prompt_skip_state",
-        f"      reads rollouts (this run, earlier steps), prompt_selections  →  writes prompt_selections",
-        f"      $window = {p['skip_window']} groups, target share {float(p['skip_target']):g}, rates start "
-        f"{float(p['skip_explore_start']):g}, step {float(p['skip_step']):g}, floor {float(p['skip_explore_min']):g}",
-        f"      skip with probability 1 − p_e^z (sql sha256 {sql_sha256()[:16]}…)",
-        "",
-    ]
+def prompt_plan(p: Params) -> Plan | None:
+    """The selection's plan: its history and state steps, placed before generation, with the $values
+    the parameters bind; None when `prompt_skip` is `none` (there is nothing to select)."""
+    if p["prompt_skip"] == "none":
+        return None
+    steps = StepList()
+    steps.add("prompt_history", PHASE, PROMPT, ("rollouts",), ("skip decisions",), relations=("candidates",),
+              candidates="candidates", at=BEFORE_GENERATION)
+    steps.add("prompt_skip_state", PHASE, PROMPT, ("prompt_selections", "rollouts"), ("rates", "resumed positions"),
+              at=BEFORE_GENERATION)
+    return Plan(p["prompt_skip"], p, tuple(steps), p.bindings())
+
+
+def rates_text(p: Params) -> str:
+    """The decision the plan's steps feed, in Python (`select`, `adapt`), with its parameters."""
+    return (f"then: skip with probability 1 − p_e^z; target share {float(p['skip_target']):g}, rates start "
+            f"{float(p['skip_explore_start']):g}, step {float(p['skip_step']):g}, floor {float(p['skip_explore_min']):g}")
+
+
+def refuse(p: Params, where: str) -> None:
+    """One line when `p` asks for prompt selection where it does nothing (`where`: the place)."""
+    if prompt_plan(p) is not None:
+        raise ParamError(f"prompt_skip={p['prompt_skip']}: pre-rollout prompt selection runs in the one-process "
+                         f"loop only; {where} would ignore it (leave prompt_skip at none)")
 
 
 def draw(seed: int, run_id: str, step: int, prompt_id: str) -> float:
@@ -96,10 +109,11 @@ class SkipState:
     rates: Rates
 
 
-def state(session, run_id: str, step: int, p: Params) -> SkipState:
+def state(session, run_id: str, step: int, plan: Plan) -> SkipState:
     """This step's state, its rates adapted from the run's previous selection (or the start rate)."""
+    p, s = plan.params, plan.steps[1]
     recorded, last_position, last_step, easy, hard, groups, all_correct, all_wrong = session.one(
-        render("prompt_skip_state"), {"run": run_id, "step": int(step)}, reads={"prompt_selections", "rollouts"})
+        s.render(), {"run": run_id, "step": int(step)}, reads=set(s.reads))
     start = float(p["skip_explore_start"])
     if last_step is None:
         r = Rates(start, start)
@@ -109,11 +123,13 @@ def state(session, run_id: str, step: int, p: Params) -> SkipState:
     return SkipState(list(recorded), last_position, r)
 
 
-def history(session, run_id: str, step: int, prompt_ids: Sequence[str], window: int) -> dict[str, tuple]:
+def history(session, run_id: str, step: int, prompt_ids: Sequence[str], plan: Plan) -> dict[str, tuple]:
     """prompt_id → (groups_seen, z, kind) for the candidates that have history in the run."""
     session.load("skip_candidates", pa.table({"prompt_id": pa.array(sorted(set(prompt_ids)), pa.string())}))
-    sql = render("prompt_history", {"candidates": "skip_candidates"})
-    t = session.table(sql, {"run": run_id, "step": int(step), "window": int(window)}, reads={"rollouts"})
+    s = plan.steps[0]
+    t = session.table(s.render(candidates="skip_candidates"),
+                      {"run": run_id, "step": int(step), "skip_window": plan.values["skip_window"]},
+                      reads=set(s.reads))
     return {pid: (int(n), int(z), kind) for pid, n, z, kind in zip(*(t.column(c).to_pylist() for c in
                                                                        ("prompt_id", "groups_seen", "z", "kind")))}
 
@@ -135,22 +151,21 @@ class Selection:
         return pa.Table.from_pylist(self.rows, schema=PROMPT_SELECTIONS)
 
 
-def select(session, p: Params, *, run_id: str, step: int, seed: int, stream: Callable[[int], object],
+def select(session, plan: Plan, *, run_id: str, step: int, seed: int, stream: Callable[[int], object],
            start: int, need: int, limit: int, rates: Rates | None = None) -> Selection:
     """Examine the prompts `stream(start)`, `stream(start + 1)`, ... (objects with `prompt_id` and
     `prompt`) until `need` are to be generated or `limit` were examined (see the invariants).
-    `rates`: this step's, when the caller already read its `state`."""
-    if p["prompt_skip"] != "greso":
-        raise ValueError(f"prompt_skip={p['prompt_skip']}: nothing to select")
-    r = rates if rates is not None else state(session, run_id, step, p).rates
+    `plan`: `prompt_plan`'s; `rates`: this step's, when the caller already read its `state`."""
+    p = plan.params
+    r = rates if rates is not None else state(session, run_id, step, plan).rates
     params = json.dumps({**{k: (float(p[k]) if isinstance(p[k], Fraction) else p[k]) for k in SKIP_PARAMS},
-                         "sql_sha256": sql_sha256()}, sort_keys=True)
+                         "sql_sha256": plan.sha256()}, sort_keys=True)
     now = dt.datetime.now(dt.timezone.utc)
     chosen: list = []
     rows: list[dict] = []
     position = start
     candidates = [stream(i) for i in range(start, start + limit)]  # one history query for all of them
-    hist = history(session, run_id, step, [c.prompt_id for c in candidates], p["skip_window"])
+    hist = history(session, run_id, step, [c.prompt_id for c in candidates], plan)
     for c in candidates:
         if len(chosen) >= need:
             break

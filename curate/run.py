@@ -9,7 +9,7 @@ Invariants:
 - Token data is read only where it is needed, and only the `entropies` of the shards that hold a
   selected row, at the selected rows' positions (the candidates' scan kept each row's shard and
   position): once by the token stage's kernels (pyarrow, decoded once into scores for every kernel
-  of the stage, `curate.kernels.scored_chunks`; no token list passes through DuckDB); in a full run
+  of the stage, `curate.entropies.scored_chunks`; no token list passes through DuckDB); in a full run
   the materialisation's kernel `entropies` takes the same rows' entropies from that read (the
   token stage's spill file past its cache, else `column_at`'s cache of its last reads). The
   materialisation writes references (shard, row position, rollout_id) and kept runs, never token
@@ -41,35 +41,25 @@ from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.references import prefetch_logprob_facts
 
 from .custom import choose_custom
-from .finish import (
-    CurationResult,
-    Decided,
-    curated_table,
-    finish_curation,
-    materialised,
-    part_layout,
-    part_name,
-    referenced_paths,
-    rows_per_shard,
-    summarise,
-)
+from .finish import Decided, finish_curation
+from .layout import curated_table, materialised, part_layout, part_name, referenced_paths, rows_per_shard
+from .record import CurationResult, summarise
 from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
-from .kernels import release
+from .entropies import release
 from .steps import (
     Audits,
     Runner,
+    batch_files,
     bound_relations,
     committed_audits,
     latest_checkpoint,
     latest_policy,
     latest_step,
     parquet,
-    run_values,
     verifying_inputs,
-    with_defaults,
 )
 
 # Input shards one materialisation query covers, by their Parquet bytes (several small shards, or
@@ -135,26 +125,24 @@ def curate(
         else:  # a new session: the hashing runs beside its making (~70 ms)
             verified = stack.enter_context(verifying_inputs(snap, dry_run))
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
-        files = snap.files("rollouts")
-        if not files:
-            raise CurationError("empty batch: the snapshot has no rollouts")
+        files = batch_files(snap)
         everything = parquet(files, located=True, numbered=True)
         version = None
         if params["current_version"] is None:  # its default: the newest checkpoint's, else the newest policy_version
             version = latest_checkpoint(session)
             version = version if version is not None else latest_policy(session, everything)
-        params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None, version)
+        params = params.with_defaults(latest_step(session, everything) if params["where"] is None else None, version)
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"], rollouts=parquet(files))
             plan = build(params, recipe, custom_statement(session, recipe))
-            runner = Runner(session, run_values(plan))
+            runner = Runner(session, dict(plan.values))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES),
                  {"rollouts": everything, "selections": Audits(committed_audits(snap))}, results)
         try:
             return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
         finally:
-            release(runner.decoded)  # a spilled token stage's file (`curate.kernels.spill`)
+            release(runner.decoded)  # a spilled token stage's file (`curate.entropies.spill`)
 
 
 def _custom(runner: Runner, step: Step, bound: dict, results: dict) -> None:
@@ -203,7 +191,7 @@ def _output(buf: Buffer, snapshot_seq: int, files: list[str], runner: Runner, pl
     runner.values["curation_id"] = curation_id
     _run(runner, plan, ("record",), {}, results)
     summary = summarise(results)
-    runner.values.update(plan.token_values(summary["tokens_selected"]))
+    runner.values["token_budget"] = plan.params.token_budget(summary["tokens_selected"])  # K
     opened = [f for f in files if f in summary["selected_files"]]
     if not dry_run and opened:  # the selected rows' log-probs, decoded beside the token stage (curated_table checks them)
         # Files checked finite when committed are not decoded again (their sha256 is verified before the commit).

@@ -1,4 +1,4 @@
-"""Running plan steps in one DuckDB session: binding values, guards, the run's defaults.
+"""Running plan steps in one DuckDB session: binding values; what the run's defaults are read from.
 
 Invariants:
 - A step runs exactly the text its plan holds (rendered from the plan's copy of the SQL file, so a
@@ -25,10 +25,11 @@ from rollstore.queries.session import Session, tables_named
 
 from rollstore.storage.snapshot import rollouts_relation, sql_string, string_range, union_option
 
-from .kernels import KERNELS, drop_chunks, run_session
+from .entropies import drop_chunks
+from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
-from .params import CurationError, Params, step_where
-from .plan import Plan, Step
+from .params import EmptyBatch
+from .plan import Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
 CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
@@ -57,11 +58,6 @@ def verifying_inputs(snap, dry_run: bool):
         hashed.result()
 
 
-def run_values(plan: Plan) -> dict:
-    """The values a run starts with: the plan's, and what the merges' errors name."""
-    return {**plan.values, "where_text": plan.params["where"], "token_mode": plan.params["token"]}
-
-
 class Runner:
     """Runs steps in `session` with `values` (a dict the engine extends as the run goes: μ, the
     token threshold, the curation id)."""
@@ -69,7 +65,7 @@ class Runner:
     def __init__(self, session: Session, values: dict):
         self.session = session
         self.values = values
-        self.decoded: dict = {}  # session kernels' decoded input (curate.kernels.scored_chunks), until an SQL step runs
+        self.decoded: dict = {}  # session kernels' decoded input (curate.entropies.scored_chunks), until an SQL step runs
 
     def _session_kernel(self, step: Step) -> pa.Table:
         return run_session(step, self.session, self.values, self.decoded)
@@ -79,17 +75,12 @@ class Runner:
         sql = step.render(**bound)
         return sql, bind(sql, {**self.values, **extra})
 
-    def wanted(self, step: Step) -> bool:
-        """False when the step's guard says it has nothing to do."""
-        return step.guard is None or bool(self.session.one(step.guard)[0])
-
     def run(self, step: Step, bound: dict | None = None, **extra) -> None:
         if step.kernel is not None:  # a session kernel writing a temp table
             self.session.load(KERNELS[step.kernel].into, self._session_kernel(step))
             return
-        if self.wanted(step):
-            sql, args = self._sql(step, bound or {}, extra)
-            self.session.execute(sql, args or None, reads=step_tables(step, bound or {})).fetchall()
+        sql, args = self._sql(step, bound or {}, extra)
+        self.session.execute(sql, args or None, reads=step_tables(step, bound or {})).fetchall()
 
     def rows(self, step: Step, bound: dict | None = None, **extra) -> list[tuple]:
         sql, args = self._sql(step, bound or {}, extra)
@@ -205,13 +196,9 @@ def latest_checkpoint(session: Session) -> int | None:
     return None if row[0] is None else int(row[0])
 
 
-def with_defaults(params: Params, latest: tuple | None, version: int | None) -> Params:
-    """`where` (the latest step) and `current_version` filled when the user left them unset."""
-    values = dict(params.values)
-    if values["where"] is None:
-        if latest is None:
-            raise CurationError("empty batch: the snapshot has no rollouts")
-        values["where"] = step_where(latest[1], latest[2])
-    if values["current_version"] is None:
-        values["current_version"] = version
-    return Params(values, params.user_set)
+def batch_files(snap) -> list[str]:
+    """The snapshot's rollouts shards, which the batch is drawn from; none is an empty batch."""
+    files = snap.files("rollouts")
+    if not files:
+        raise EmptyBatch.of(None)
+    return files

@@ -1,5 +1,5 @@
 -- Pre-rollout prompt selection (docs/curation.md §Before generation): per candidate prompt, its newest
--- $window groups sampled in run $run before step $step. A group is zero-variance when all its rewards
+-- $skip_window groups sampled in run $run before step $step. A group is zero-variance when all its rewards
 -- are equal; z = how many of those groups, consecutive from the newest, were zero-variance (0 when the
 -- newest had variance, or the prompt has no history); kind = all_correct or all_wrong, of the newest
 -- group, when z > 0. History is per run: other runs' groups of the same prompt are not read.
@@ -18,7 +18,7 @@ WITH groups_of AS (
            coalesce(min(r) FILTER (WHERE NOT zero_variance), count(*) + 1) - 1 AS z,
            bool_or(all_correct) FILTER (WHERE r = 1) AS newest_all_correct
     FROM ranked
-    WHERE r <= $window
+    WHERE r <= $skip_window
     GROUP BY prompt_id
 )
 SELECT prompt_id, groups_seen, z,

@@ -15,7 +15,7 @@ quick.
 
 from __future__ import annotations
 
-from importlib import import_module
+from rollstore.storage.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -45,13 +45,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rollstore' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

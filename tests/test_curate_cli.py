@@ -209,7 +209,7 @@ def test_materialisation_groups_of_shards_keep_the_shard_order(tmp_path, monkeyp
     (their references compare by shard order)."""
     import hashlib
 
-    import rollstore.curate.finish as output_module
+    import rollstore.curate.layout as output_module
     import rollstore.curate.run as run_module
 
     monkeypatch.setattr(output_module, "CURATED_SHARD_BYTES", 10_000)
@@ -249,7 +249,7 @@ def test_ahead_keeps_order_and_hands_errors_and_early_stops_back():
     caller that stops early stops the producer and closes its generator."""
     import threading
 
-    from rollstore.curate.finish import ahead
+    from rollstore.curate.threads import ahead
 
     assert list(ahead(iter(range(7)))) == list(range(7))
     assert list(ahead(iter([]))) == []

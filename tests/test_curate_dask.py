@@ -23,7 +23,7 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-import rollstore.curate.finish as output_module  # noqa: E402
+import rollstore.curate.layout as output_module  # noqa: E402
 from rollstore.curate.dask_client import curate_dask  # noqa: E402
 from rollstore.curate.options import Dask, engine_option  # noqa: E402
 from rollstore.curate.params import ParamError, load_recipe  # noqa: E402

@@ -433,9 +433,9 @@ def test_replay_use_caps_hold_under_concurrent_curations(tmp_path, monkeypatch, 
 
 def test_without_the_commit_check_concurrent_curations_break_the_cap(tmp_path, monkeypatch):
     """The harness sees the failure the check prevents (the red team's finding)."""
-    from rollstore.curate import finish
+    from rollstore.curate import publish
 
-    monkeypatch.setattr(finish, "selected_meanwhile", lambda *a: None)
+    monkeypatch.setattr(publish, "selected_meanwhile", lambda *a: None)
     root = str(tmp_path / "buf")
     with Buffer.init(root) as buf:
         buf.append_rollouts(tiny_rows(99, step=0, n_groups=2, group_size=4))

@@ -132,7 +132,7 @@ def test_the_docs_parameter_table_is_the_generated_one():
     regenerate it with `python -c "from rollstore.curate.params import parameter_table as t; print(t())"`."""
     with open(os.path.join(ROOT, "docs", "curation.md"), encoding="utf-8") as fh:
         text = fh.read()
-    start = text.index("| parameter | values (default) | meaning |")
+    start = text.index("| parameter | values (default) | meaning | binds |")
     assert text[start:text.index("\n\n", start)] == parameter_table()
 
 
@@ -162,3 +162,26 @@ def test_each_parameter_is_checked_by_its_table_row(p):
     elif p.kind in ("int", "number"):
         with pytest.raises(ParamError, match=f"parameter {p.name}: expected a decimal number"):
             coerce(p.name, "none")
+
+
+def test_derived_values_are_computed_once_and_explained():
+    """f and κ are derived in `Params` (DERIVED) and bind from there; K = ⌈κ·N⌉ is `Params.token_budget`;
+    `--explain` shows f, and K with its formula (and its value for a concrete N)."""
+    from rollstore.curate.params import Params
+    from rollstore.curate.plan import build, explain
+
+    p = resolve(load_recipe("d3s"), {"progress": "0.5", "where": "true", "current_version": "1"})
+    assert p.derived == {"f": Fraction(5, 8), "κ": Fraction(3, 5)}
+    assert p.bindings()["f_num"] == 5 and p.bindings()["f_den"] == 8 and p.token_budget(11) == 7
+    assert Params(p.values).derived == p.derived  # a copy derives the same, from the same table
+    plan = build(p, load_recipe("d3s"))
+    assert plan.values == p.bindings()
+    uses = [u for row in explain(plan, tokens_selected=11) for u in row["uses"]]
+    assert any(u.startswith("$f_num=5 (f = 5/8") for u in uses)
+    assert any("K = ⌈3/5 (0.6)·11⌉ = 7" in u for u in uses)
+    assert resolve(load_recipe("grpo"), {}).token_budget(100) is None
+    # one $name, one parameter: no binding is named by two
+    from rollstore.curate.params import DERIVED, PARAMETERS
+
+    names = [n for p_ in PARAMETERS for n, _ in p_.binds] + [n for d in DERIVED for n, _ in d.binds]
+    assert len(names) == len(set(names))

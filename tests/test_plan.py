@@ -124,7 +124,7 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
     materialisation, only at the selected rows' positions), no SQL statement reads a token list
     (the candidates' scan names none: the lengths are stored, schema version 3), and
     materialisation reads no Parquet in SQL (the candidates' scan took each row's position)."""
-    from rollstore.curate import kernels
+    from rollstore.curate import entropies
 
     files: list[list[str]] = []
     original = run_module.parquet
@@ -134,14 +134,14 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
         return original(paths, located, numbered)
 
     reads: list[tuple[str, str, int]] = []
-    column_at = kernels.column_at
+    column_at = entropies.column_at
 
     def read_spy(path, positions, column, source):
         reads.append((path, column, len(positions)))
         return column_at(path, positions, column, source)
 
     monkeypatch.setattr(run_module, "parquet", spy)
-    monkeypatch.setattr(kernels, "column_at", read_spy)
+    monkeypatch.setattr(entropies, "column_at", read_spy)
     rec = Recorder(monkeypatch)
     with Buffer.open(steps_buffer) as buf, buf.snapshot() as snap:
         shards = snap.files("rollouts")
@@ -257,17 +257,16 @@ def _outside_plan(sql: str) -> bool:
 
 def _check_engine_ran_the_plan(spy: EngineSpy, plan, ordered: bool) -> None:
     rendered = {sql for _, sql in spy.steps}
-    guards = {s.guard for s in plan.steps if s.guard}
-    stray = [sql for sql in spy.executed if sql not in rendered and sql not in guards and not _outside_plan(sql)]
+    stray = [sql for sql in spy.executed if sql not in rendered and not _outside_plan(sql)]
     assert not stray, f"statements outside the plan: {stray[:3]}"
     ids = [_step_id(s) for s in plan.steps]
     ran = [sid for sid, _ in spy.steps]
     first = [ids.index(sid) for sid in dict.fromkeys(ran)]
     assert first == sorted(first), "steps ran out of the plan's order"
-    # skipped by design: a guard's, the heads' and custom merges' steps, and a step whose relation the engine
+    # skipped by design: the heads' and custom merges' steps, and a step whose relation the engine
     # bound to no file (the uses step when no committed audit meets the batch: `curate.steps.Audits`)
     skippable = {_step_id(s) for s in plan.steps
-                 if s.guard or s.merge in ("heads",) or s.merge == "custom" or "selections" in s.relations}
+                 if s.merge in ("heads",) or s.merge == "custom" or "selections" in s.relations}
     assert set(ids) - set(ran) <= skippable, f"plan steps never run: {set(ids) - set(ran) - skippable}"
     if ordered:
         positions = [ids.index(sid) for sid in ran]

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollstore.curate.params import ParamError, load_recipe, resolve
-from rollstore.curate.prompts import draw, select
+from rollstore.curate.prompts import draw, prompt_plan, select
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer
 from rollstore.builtin.synthetic import rollouts_table
@@ -89,7 +89,7 @@ def test_selection_matches_the_reference(tmp_path_factory, steps, other, window,
         params = resolve(load_recipe("greso"), {"skip_window": window, "skip_explore_start": "0.3"})
         stream = [0, 1, 2, 3, 4, 5, 3, 1]  # prompt 5 has no history; 3 and 1 come twice
         with buf.snapshot() as snap, Session(snap) as session:
-            sel = select(session, params, run_id="run", step=len(steps), seed=seed, stream=lambda k: P(stream[k]),
+            sel = select(session, prompt_plan(params), run_id="run", step=len(steps), seed=seed, stream=lambda k: P(stream[k]),
                          start=0, need=need, limit=len(stream))
     ref = reference(history, {"skip_window": window}, (0.3, 0.3), "run", len(steps), seed, stream, need, len(stream))
     got = [[stream[r["position"]], r["groups_seen"], r["z"], r["kind"], r["p_skip"],
@@ -110,12 +110,12 @@ def test_rates_adapt_per_kind_from_the_previous_selection(tmp_path):
     params = resolve(load_recipe("greso"), {"skip_explore_start": "0.5", "skip_step": "0.2", "skip_target": "0.5"})
     with Buffer.init(root) as buf:
         with buf.snapshot() as snap, Session(snap) as s:
-            sel = select(s, params, run_id="r", step=0, seed=0, stream=lambda k: P(k), start=0, need=4, limit=4)
+            sel = select(s, prompt_plan(params), run_id="r", step=0, seed=0, stream=lambda k: P(k), start=0, need=4, limit=4)
         assert {(r["explore_easy"], r["explore_hard"]) for r in sel.rows} == {(0.5, 0.5)}
         buf.append("prompt_selections", sel.table())
         buf.append_rollouts(step_table("r", 0, [(0, [1.0] * G), (1, [1.0] * G), (2, [1.0] * G), (3, [0.0, 1.0, 1.0])]))
         with buf.snapshot() as snap, Session(snap) as s:
-            sel = select(s, params, run_id="r", step=1, seed=0, stream=lambda k: P(k), start=0, need=4, limit=4)
+            sel = select(s, prompt_plan(params), run_id="r", step=1, seed=0, stream=lambda k: P(k), start=0, need=4, limit=4)
         assert {(round(r["explore_easy"], 9), round(r["explore_hard"], 9)) for r in sel.rows} == {(0.3, 0.7)}
         # prompts 0..2 were all-correct once: p = 1 − 0.3; prompt 3's group had variance: never skipped
         assert [(r["prompt_id"], r["z"], r["kind"], round(r["p_skip"], 6)) for r in sel.rows] == [
@@ -212,3 +212,28 @@ def test_greso_needs_a_pool(tmp_path, default_tiny):  # noqa: F811
     Buffer.init(root).close()
     with pytest.raises(ParamError, match="pool"):
         run_loop(small(root, default_tiny, recipe="greso", pool_size=0))
+
+
+def test_prompt_selection_is_a_plan_and_is_refused_where_it_does_nothing():
+    """Its steps, hash and --explain rows come from one plan object (`prompt_plan`); `generate --follow`
+    refuses it in one line (the TRL plug-in and a many-rank loop call the same `refuse`)."""
+    from typer.testing import CliRunner
+
+    from rollstore.cli import app
+    from rollstore.curate.prompts import refuse
+    from rollstore.loop.generator import Follow
+
+    params = resolve(load_recipe("greso"), {"skip_window": "3"})
+    plan = prompt_plan(params)
+    assert [s.sql for s in plan.steps] == ["prompt_history", "prompt_skip_state"]
+    assert plan.values["skip_window"] == 3 and "$skip_window" in plan.steps[0].text
+    assert prompt_plan(resolve(load_recipe("grpo"), {})) is None
+    res = CliRunner().invoke(app, ["recipes", "--explain", "greso", "--set", "skip_window=3"])
+    assert res.exit_code == 0 and "P1. prompts" in res.output and "$skip_window=3" in res.output
+    assert plan.sha256()[:16] in res.output
+    with pytest.raises(ParamError) as info:
+        Follow(1, "greso")
+    assert "generate --follow" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ParamError, match="the TRL plug-in"):
+        refuse(params, "the TRL plug-in")
+    Follow(1, "d3s", {"prompt_skip": "none"})  # nothing to refuse

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstore.curate import kernels
+from rollstore.curate import entropies, kernels
 from rollstore.curate import tokens as tokens_mod
 from rollstore.curate.merges import MERGES
 from rollstore.curate.plan import Step
@@ -106,8 +106,8 @@ def test_kernels_find_the_sql_threshold_and_kept_counts_across_shards_and_chunks
     want, want_counts = _brute(rows, token, k)
     parts = [rows[a:b] for a, b in zip([0, *cuts], [*cuts, len(rows)])]
     sessions = [_session(p) for p in parts if p]
-    saved = kernels.SCORED_ROWS
-    kernels.SCORED_ROWS = chunk_rows
+    saved = entropies.SCORED_ROWS
+    entropies.SCORED_ROWS = chunk_rows
     try:
         values = {"token_budget": k}
         caches = [{} for _ in sessions]
@@ -128,7 +128,7 @@ def test_kernels_find_the_sql_threshold_and_kept_counts_across_shards_and_chunks
         assert counts == want_counts
         assert sum(counts.values()) == k
     finally:
-        kernels.SCORED_ROWS = saved
+        entropies.SCORED_ROWS = saved
 
 
 def test_past_the_cache_size_the_passes_read_a_spill_file_with_the_same_result(monkeypatch):
@@ -137,11 +137,11 @@ def test_past_the_cache_size_the_passes_read_a_spill_file_with_the_same_result(m
     rows = [{"rollout_id": f"r{i}", "advantage_final": [0.5, -1.0, 2.0][i % 3],
              "entropies": [f32(0.1 * j) for j in range(i % 5 + 1)]} for i in range(30)]
     want, want_counts = _brute(rows, "abs_adv_entropy", 17)
-    monkeypatch.setattr(kernels, "SCORED_ROWS", 4)
-    monkeypatch.setattr(kernels, "SCORED_CACHE_TOKENS", 10)
+    monkeypatch.setattr(entropies, "SCORED_ROWS", 4)
+    monkeypatch.setattr(entropies, "SCORED_CACHE_TOKENS", 10)
     reads = []
-    real = kernels.column_at
-    monkeypatch.setattr(kernels, "column_at", lambda *a, **k: (reads.append(a[0]), real(*a, **k))[1])
+    real = entropies.column_at
+    monkeypatch.setattr(entropies, "column_at", lambda *a, **k: (reads.append(a[0]), real(*a, **k))[1])
     s, cache, values = _session(rows), {}, {"token_budget": 17}
     hist = [tuple(r.values()) for r in kernels.run_session(_step("token_histogram", "abs_adv_entropy"), s, values,
                                                             cache).to_pylist()]
@@ -154,7 +154,7 @@ def test_past_the_cache_size_the_passes_read_a_spill_file_with_the_same_result(m
     table = kernels.run_session(_step("tokens_kept", "abs_adv_entropy"), s, values, cache)
     assert dict(zip(table.column("rollout_id").to_pylist(), table.column("tokens_kept").to_pylist())) == want_counts
     assert len(reads) == 2  # the first pass up to the cache size, then the spill: never once per pass
-    kernels.release(cache)
+    entropies.release(cache)
     assert cache == {} and not os.path.exists(spilled)
 
 
@@ -207,14 +207,14 @@ def test_a_spilled_curation_materialises_from_its_spill_file_with_the_same_rows(
 
     plain = run()
     reads = []
-    real = kernels.column_at
-    monkeypatch.setattr(kernels, "column_at", lambda *a, **k: (reads.append(a[3]), real(*a, **k))[1])
-    monkeypatch.setattr(kernels, "SCORED_CACHE_TOKENS", 50)
+    real = entropies.column_at
+    monkeypatch.setattr(entropies, "column_at", lambda *a, **k: (reads.append(a[3]), real(*a, **k))[1])
+    monkeypatch.setattr(entropies, "SCORED_CACHE_TOKENS", 50)
     spills = []
-    real_spill = kernels.spill
-    monkeypatch.setattr(kernels, "spill", lambda *a, **k: (spills.append(real_spill(*a, **k)), spills[-1])[1])
+    real_spill = entropies.spill
+    monkeypatch.setattr(entropies, "spill", lambda *a, **k: (spills.append(real_spill(*a, **k)), spills[-1])[1])
     spilled = run()
-    assert len(spills) == 1 and not os.path.exists(spills[0]) and kernels._spills == {}
+    assert len(spills) == 1 and not os.path.exists(spills[0]) and entropies._spills == {}
     assert reads and "the curation's materialisation" not in reads, reads
     assert spilled.curated.equals(plain.curated)
     assert {k: v for k, v in spilled.record.items() if k != "created_at"} == \

@@ -272,6 +272,16 @@ def test_curate_without_a_correct_function_is_refused(untrained_tiny, tmp_path):
         make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [scaled], buffer=str(tmp_path / "b"), curate="dapo")
 
 
+def test_prompt_selection_is_refused_in_one_line(untrained_tiny, tmp_path):  # noqa: F811
+    """The plug-in generates what TRL hands it: pre-rollout prompt selection would do nothing there."""
+    from rollstore.curate.params import ParamError
+
+    with pytest.raises(ParamError, match="prompt_skip=greso: .*the TRL plug-in would ignore it") as info:
+        make(RollstoreGRPOTrainer, untrained_tiny, tmp_path / "out", [scaled], buffer=str(tmp_path / "b"),
+             curate="grpo", curate_sets={"prompt_skip": "greso"})
+    assert "\n" not in str(info.value)
+
+
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 

@@ -38,6 +38,8 @@ import tempfile
 import time
 from dataclasses import asdict
 
+from rollstore.builtin import shipped as shipped_copies
+from rollstore.builtin.shipped import TINY_INFO
 from rollstore.storage.errors import RollstoreError
 
 TINY_REF = "builtin:tiny"
@@ -47,7 +49,6 @@ CHAINS_REF = "builtin:chains"
 # built-in policies and prompt sources, by the task (a module of rollout/) they belong to
 TINY_MODELS = {TINY_REF: "arith", "builtin:tiny-carries": "carries", "builtin:tiny-chains": "chains"}
 TASK_PROMPTS = {ARITH_REF: "arith", CARRIES_REF: "carries", CHAINS_REF: "chains"}
-TINY_INFO = "rollstore_tiny.json"
 TINY_BUILD_VERSION = 3  # bump when build_tiny or the arithmetic task changes what a key produces
 DEFAULT_WARMUP_EXAMPLES = 20000
 HELDOUT_EVAL = 500
@@ -204,7 +205,6 @@ def build_tiny_cached(steps: int | None = None, seed: int = 0, examples: int = D
     With `shipped`, a copy of this very key's build that the package carries (rollstore.builtin.shipped)
     is installed instead of building, once verified.
     """
-    from rollstore.builtin import shipped as shipped_copies
     from rollstore.learner.tiny import build_tiny
 
     mod = task_module(task)

@@ -3,7 +3,10 @@
 `build_tiny_cached` (rollstore.builtin.resolve) builds a tiny policy on first use, a few minutes of
 CPU. For the default settings of each built-in policy the package carries the directory such a
 build produced (`models/tiny-<key>/`, about 1.4 MB each), and the first use copies it into the
-cache instead. `python -m rollstore.builtin.shipped` (`make tiny-models`) rebuilds them.
+cache instead. `python -m rollstore.builtin.ship` (`make tiny-models`) rebuilds them.
+
+This module reads the shipped copies and imports nothing of the build (`rollstore.builtin.resolve`
+imports it; the rebuilding tool, `rollstore.builtin.ship`, imports both).
 
 Invariants:
 - A shipped copy is only ever used for the key it was built for: the directory is named by the
@@ -22,13 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 
 SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
 MANIFEST = "SHIPPED.json"
+TINY_INFO = "rollstore_tiny.json"  # the spec a tiny policy's build wrote beside its files (rollstore.builtin.resolve)
 
 
 def _sha256(path: str) -> str:
@@ -42,8 +45,6 @@ def _files(path: str) -> list[str]:
 
 def why_not(path: str, spec: dict) -> str | None:
     """Why the model directory `path` is not a faithful shipped build of `spec`; None when it is."""
-    from rollstore.builtin.resolve import TINY_INFO
-
     try:
         with open(os.path.join(path, MANIFEST)) as fh:
             manifest = json.load(fh)
@@ -86,54 +87,3 @@ def install(spec: dict, final: str, ref: str) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return True
-
-
-def ship(ref: str, root: str = SHIPPED_ROOT) -> str:
-    """Build `ref` with its default settings in an empty cache and write it, with its manifest, under root."""
-    import torch
-    import transformers
-
-    from rollstore.builtin import resolve
-
-    task = resolve.TINY_MODELS[ref]
-    old = os.environ.get("ROLLSTORE_CACHE")
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["ROLLSTORE_CACHE"] = cache
-        try:
-            built = resolve.build_tiny_cached(task=task, shipped=False)
-        finally:
-            if old is None:
-                os.environ.pop("ROLLSTORE_CACHE", None)
-            else:
-                os.environ["ROLLSTORE_CACHE"] = old
-        dest = os.path.join(root, os.path.basename(built))
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(built, dest)
-    manifest = {
-        "ref": ref,
-        "built_by": "rollstore.builtin.resolve.build_tiny_cached, default settings (python -m rollstore.builtin.shipped)",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "machine": platform.machine(),
-        "sha256": {name: _sha256(os.path.join(dest, name)) for name in _files(dest)},
-    }
-    with open(os.path.join(dest, MANIFEST), "w") as fh:
-        json.dump(manifest, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    return dest
-
-
-def main(argv: list[str]) -> None:
-    from rollstore.builtin.resolve import TINY_MODELS
-
-    refs = argv or list(TINY_MODELS)
-    keep = {os.path.basename(ship(ref)) for ref in refs}
-    if not argv:  # a full rebuild: drop copies of keys that no longer exist
-        for name in os.listdir(SHIPPED_ROOT):
-            if name not in keep:
-                shutil.rmtree(os.path.join(SHIPPED_ROOT, name))
-    print(f"shipped: {', '.join(sorted(keep))} in {SHIPPED_ROOT}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

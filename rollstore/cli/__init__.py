@@ -12,14 +12,11 @@ print. The work itself is done below: `rollstore.loop` (generate, train, eval, t
 
 from __future__ import annotations
 
-from importlib import import_module
+from rollstore.storage.lazy import lazy_exports
 
 _PUBLIC = {"app": "rollstore.cli.commands", "main": "rollstore.cli.commands"}
 
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'rollstore.cli' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -35,7 +35,8 @@ def print_summary(result: CurationResult, out: Console) -> None:
         f"candidates    {r['n_candidates']}  ({reasons})",
         f"kept samples  {r['n_selected']}" + (f"  (budget {r['sample_budget']})" if r["sample_budget"] is not None else ""),
         f"kept tokens   {r['tokens_kept']} of {r['tokens_candidate']} ({kept_pct:.1f}%)"
-        + (f"  κ={r['token_fraction']:g}, threshold {fmt(r['token_threshold'])}" if r["token_fraction"] is not None else ""),
+        + (f"  κ={r['token_fraction']:g} (K = ⌈κ·N⌉ = {r['tokens_kept']}, kept exactly), threshold "
+           f"{fmt(r['token_threshold'])}" if r["token_fraction"] is not None else ""),
         f"Var(A)        before {fmt(r['adv_var_before'])}  after {fmt(r['adv_var_after'])}",
     ]
     if r["old_logprobs_fallback"]:

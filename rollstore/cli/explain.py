@@ -10,7 +10,8 @@ from __future__ import annotations
 from rich.console import Console
 
 from rollstore.curate.params import Params, load_recipe, parse_sets, resolve
-from rollstore.curate.plan import build, explain
+from rollstore.curate.plan import Plan, build, explain
+from rollstore.curate.prompts import prompt_plan, rates_text
 
 LATEST = "run_id = <the latest run> AND step = <its latest step>"  # resolved at run time
 
@@ -30,19 +31,24 @@ def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
     if params["current_version"] is None:
         say("current_version: the newest checkpoint's version, else the newest policy_version (at run time)")
     say()
-    if params["prompt_skip"] != "none":
-        from rollstore.curate.prompts import describe
-
-        for line in describe(params):
-            say(line)
-    for row in explain(plan):
-        say(f"{row['step']:>2}. {row['phase']:<11} {row['scope']:<6} {row['sql']}")
-        say(f"      runs {row['at']}")
-        say(f"      reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes'])}")
-        for use in row["uses"]:
-            say(f"      {use}")
+    skipping = prompt_plan(params)
+    if skipping is not None:
+        _rows(skipping, say, "P")
+        say(f"      {rates_text(params)} (prompt selection's plan sha256 {skipping.sha256()[:16]}…)")
+        say()
+    _rows(plan, say)
     say()
     kernels = sum(s.kernel is not None for s in plan.steps)
     say(f"{len(plan.steps)} steps ({len(plan.steps) - kernels} SQL, {kernels} kernel). The curation id hashes their "
         f"text and each kernel's name, version and arguments (plan sha256 {plan.sha256()[:16]}…) with the snapshot, "
         "the recipe name and the parameters.")
+
+
+def _rows(plan: Plan, say, mark: str = "") -> None:
+    """The plan's `explain` rows, one block per step (numbered `mark`1, `mark`2, … when `mark`)."""
+    for row in explain(plan):
+        say(f"{mark + str(row['step']):>2}. {row['phase']:<11} {row['scope']:<6} {row['sql']}")
+        say(f"      runs {row['at']}")
+        say(f"      reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes'])}")
+        for use in row["uses"]:
+            say(f"      {use}")

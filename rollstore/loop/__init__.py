@@ -12,14 +12,11 @@ its progress table. The command line and the Python front door both call these.
 
 from __future__ import annotations
 
-from importlib import import_module
+from rollstore.storage.lazy import lazy_exports
 
 _PUBLIC = {"LoopConfig": "rollstore.loop.run", "run_loop": "rollstore.loop.run"}
 
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'rollstore.loop' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -86,6 +86,14 @@ class Follow:
     recipe: str = "d3s"
     sets: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        """Refuses, in one line, settings it cannot honour: pre-rollout prompt selection (`prompt_skip`)."""
+        from rollstore.curate.params import load_recipe, resolve
+        from rollstore.curate.prompts import refuse
+
+        refuse(resolve(load_recipe(self.recipe), {k: v for k, v in self.sets.items() if k != "progress"}),
+               "generate --follow")
+
 
 def run_generate(buffer: str, model: str, prompts: PromptSource, config: GenerationConfig, run_id: str, steps: int,
                  err: Console, *, policy_version: int | None = None, compact: bool = False,

@@ -37,11 +37,11 @@ def learner_command(cfg: LoopConfig, model_dir: str, run_id: str, ranks: int) ->
 
 def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: float = 3600.0) -> int:
     """Run cfg.iterations steps with an N-rank learner; return the last published version."""
-    from rollstore.curate.params import ParamError, load_recipe, resolve
+    from rollstore.curate.params import load_recipe, resolve
+    from rollstore.curate.prompts import refuse
 
-    if resolve(load_recipe(cfg.recipe), {k: v for k, v in cfg.sets.items() if k != "progress"})["prompt_skip"] != "none":
-        raise ParamError("prompt_skip: pre-rollout prompt selection runs in the one-process loop only, not with "
-                         "--learner-ranks > 1")
+    refuse(resolve(load_recipe(cfg.recipe), {k: v for k, v in cfg.sets.items() if k != "progress"}),
+           "a loop with --learner-ranks > 1")
     import os
 
     from rollstore.learner.checkpoint import latest_checkpoint

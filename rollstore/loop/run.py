@@ -40,6 +40,7 @@ from typing import Callable
 import pyarrow as pa
 
 from rollstore.curate.params import ParamError, load_recipe, resolve
+from rollstore.curate.prompts import prompt_plan
 from rollstore.curate.run import CurationResult
 from rollstore.learner.config import TrainConfig
 from rollstore.queries.session import Session
@@ -327,7 +328,7 @@ class _Run:
         self.retention = cfg.retention()
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
-        self.skipping = effective["prompt_skip"] == "greso"
+        self.skipping = prompt_plan(effective)  # pre-rollout prompt selection's plan, or None
         if self.skipping and not cfg.pool_size:
             raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
                              "history to skip by")
@@ -361,12 +362,12 @@ class _Run:
         cfg = self.cfg
         # The session reads a snapshot that holds every earlier step: the run's start, or the snapshot
         # the previous step's curation was bound to (taken after that step's rows and selection).
-        now = state(self.session, self.run_id, it, self.params)
+        now = state(self.session, self.run_id, it, self.skipping)
         if now.recorded:
             clock.lap("selection")
             return [pool_prompt(cfg, pos) for pos in now.recorded], None
         start = it * cfg.prompts_per_iter if now.last_position is None else now.last_position + 1
-        sel = select(self.session, self.params, run_id=self.run_id, step=it, seed=cfg.seed,
+        sel = select(self.session, self.skipping, run_id=self.run_id, step=it, seed=cfg.seed,
                      stream=lambda pos: pool_prompt(cfg, pos), start=start, need=n, limit=cfg.pool_size,
                      rates=now.rates)
         self.skips.append((it, sel.skipped, len(sel.rows)))

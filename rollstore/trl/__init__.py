@@ -7,7 +7,7 @@ imported on first use, so `rollstore.trl.replay` loads without TRL's trainer.
 
 from __future__ import annotations
 
-from importlib import import_module
+from rollstore.storage.lazy import lazy_exports
 
 _PUBLIC = {
     "CorrectRule": "rollstore.trl.plugin",
@@ -18,7 +18,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'rollstore.trl' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

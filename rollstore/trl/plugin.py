@@ -93,6 +93,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("rollstore.trl needs TRL: pip install -e '.[trl]'") from exc
 
 from rollstore.curate.params import Recipe, load_recipe, resolve, step_where
+from rollstore.curate.prompts import refuse
 from rollstore.curate.run import curate as run_curation
 from rollstore.learner.losses import LossConfig
 from rollstore.rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
@@ -173,8 +174,10 @@ class RollstoreGRPOTrainer(GRPOTrainer):
                 != "sum_then_normalize":
             raise TRLPluginError("curate= needs multi_objective_aggregation='sum_then_normalize' (rollstore curates "
                                  "the summed reward)")
-        self.rollstore_replay = self.rollstore_recipe is not None and \
-            resolve(self.rollstore_recipe, self.rollstore_sets)["replay"] != "none"
+        effective = resolve(self.rollstore_recipe, self.rollstore_sets) if self.rollstore_recipe is not None else None
+        if effective is not None:
+            refuse(effective, "the TRL plug-in")
+        self.rollstore_replay = effective is not None and effective["replay"] != "none"
         self.rollstore_cap = float(decoupled_cap)
         if self.rollstore_replay:
             self._check_replay_supported()

@@ -20,6 +20,8 @@ import zipfile
 
 import pytest
 
+from rollstore.builtin.resolve import TINY_MODELS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("storage", "queries", "curate", "rollout", "learner")
 
@@ -44,7 +46,8 @@ def test_the_wheel_holds_one_top_level_package(wheel):
     assert "rollstore/curate/recipes/d3s.toml" in names
     assert "rollstore/importers/__init__.py" in names and "rollstore/rollout/backends/__init__.py" in names
     shipped = sorted(n for n in names if n.startswith("rollstore/builtin/models/"))
-    assert len(shipped) == 2 * 7 and sum(n.endswith("/model.safetensors") for n in shipped) == 2, shipped
+    policies = len(TINY_MODELS)  # builtin:tiny, builtin:tiny-carries, builtin:tiny-chains
+    assert len(shipped) == policies * 7 and sum(n.endswith("/model.safetensors") for n in shipped) == policies, shipped
 
 
 @pytest.mark.slow

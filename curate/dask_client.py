@@ -63,7 +63,8 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, committed_audits, latest_checkpoint, parquet, run_values, verifying_inputs, with_defaults
+from .steps import (Runner, batch_runs, committed_audits, parquet, run_values, run_version, verifying_inputs,
+                    with_defaults)
 
 
 def require_dask():
@@ -182,16 +183,18 @@ def curate_dask(
 
 
 def _resolve(job: _Run, session: Session, params: Params) -> Params:
-    """The embedded engine's defaults for `where` and `current_version`, merged over shards."""
+    """The embedded engine's defaults: `where` (the latest step, merged over shards) and
+    `current_version` (the batch's run's newest version, `steps.run_version`)."""
     n_shards = len(job.ctx.files.listing["rollouts"])
-    version = latest_checkpoint(session) if params["current_version"] is None else None
-    need_scan = params["where"] is None or (params["current_version"] is None and version is None)
-    scans = job.gather([job.submit(tasks.scan_defaults, job.ctx, i) for i in range(n_shards)]) if need_scan else []
-    latest = max((tuple(row) for row, _ in scans if row is not None), default=None)
-    versions = [v for _, v in scans if v is not None]
-    if version is None and versions:
-        version = max(versions)
-    return with_defaults(params, latest, version)
+    scans = job.gather([job.submit(tasks.scan_defaults, job.ctx, i) for i in range(n_shards)]) \
+        if params["where"] is None else []
+    latest = max((tuple(row) for row in scans if row is not None), default=None)
+    params = with_defaults(params, latest, None)
+    if params["current_version"] is None:
+        everything = parquet(session.snapshot.files("rollouts"))
+        runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
+        params = with_defaults(params, None, run_version(session, everything, runs))
+    return params
 
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,

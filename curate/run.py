@@ -63,11 +63,11 @@ from .steps import (
     Runner,
     bound_relations,
     committed_audits,
-    latest_checkpoint,
-    latest_policy,
+    batch_runs,
     latest_step,
     parquet,
     run_values,
+    run_version,
     verifying_inputs,
     with_defaults,
 )
@@ -139,13 +139,13 @@ def curate(
         if not files:
             raise CurationError("empty batch: the snapshot has no rollouts")
         everything = parquet(files, located=True, numbered=True)
-        version = None
-        if params["current_version"] is None:  # its default: the newest checkpoint's, else the newest policy_version
-            version = latest_checkpoint(session)
-            version = version if version is not None else latest_policy(session, everything)
-        params = with_defaults(params, latest_step(session, everything) if params["where"] is None else None, version)
+        latest = latest_step(session, everything) if params["where"] is None else None
+        params = with_defaults(params, latest, None)
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"], rollouts=parquet(files))
+            if params["current_version"] is None:  # its default: the batch's own run's newest version
+                runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
+                params = with_defaults(params, None, run_version(session, everything, runs))
             plan = build(params, recipe, custom_statement(session, recipe))
             runner = Runner(session, run_values(plan))
             results: dict = {}

@@ -346,6 +346,8 @@ def curate_(
         result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot, dry_run=dry_run,
                         limits=Limits(memory_limit, timeout=timeout or None), engine=chosen)
     print_summary(result, out)
+    if result.refusal():  # the curation is committed (its audit says why per row); nothing of it can be trained
+        fail(result.refusal())
 
 
 @app.command()

@@ -28,7 +28,8 @@ def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
     say(f"recipe {recipe.name}: {recipe.description}")
     say(f"parameters {params.to_json()}")
     if params["current_version"] is None:
-        say("current_version: the newest checkpoint's version, else the newest policy_version (at run time)")
+        say("current_version: the newest version of the batch's own run: its newest checkpoint, else its newest "
+            "policy_version (at run time; docs/choices.md §Runs)")
     say()
     if params["prompt_skip"] != "none":
         from rollstore.curate.prompts import describe

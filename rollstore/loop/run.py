@@ -38,7 +38,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-from rollstore.curate.params import ParamError, load_recipe, resolve
+from rollstore.curate.params import CurationError, ParamError, load_recipe, resolve
 from rollstore.curate.run import CurationResult
 from rollstore.learner.config import TrainConfig
 from rollstore.queries.session import Session
@@ -97,6 +97,35 @@ class LoopConfig:
     @property
     def run_name(self) -> str:
         return self.run_id or f"loop-{self.recipe}-s{self.seed}"
+
+    def settings(self) -> dict:
+        """What this run trains with, as `rollstore compare` and the loop's first lines show it: the
+        recipe, μ and the learning rate in effect (and where each came from), the loss, the batch and
+        the prompt pool."""
+        recipe, train = load_recipe(self.recipe), self.effective_train()
+
+        def origin(given, from_recipe) -> str:
+            return "given" if given is not None else "recipe" if from_recipe is not None else "default"
+
+        return {"run_id": self.run_name, "recipe": self.recipe, "sets": dict(self.sets),
+                "epochs": train.epochs, "epochs_from": origin(self.epochs, recipe.epochs),
+                "lr": train.lr, "lr_from": origin(self.lr, recipe.lr), "loss": train.loss,
+                "prompts_per_iter": self.prompts_per_iter, "group_size": self.generation.group_size,
+                "pool_size": self.pool_size, "iterations": self.iterations, "seed": self.seed,
+                "max_policy_lag": self.max_policy_lag, "model": self.model, "prompts": self.prompts}
+
+    def warnings(self) -> list[str]:
+        """What the settings make pointless, in one line each: greso's skipped prompts come back only
+        when the pool's stream passes them again, which a run shorter than one pass never does."""
+        params = resolve(load_recipe(self.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
+        out = []
+        if params["prompt_skip"] == "greso" and self.pool_size and \
+                self.pool_size / self.prompts_per_iter >= self.iterations:
+            out.append(f"prompt_skip=greso: the pool of {self.pool_size} prompts at {self.prompts_per_iter} an "
+                       f"iteration takes {self.pool_size / self.prompts_per_iter:g} iterations to go round once, and "
+                       f"the run has {self.iterations}: no prompt comes back, so nothing can be skipped (pass a "
+                       "smaller --pool-size or more --iterations)")
+        return out
 
 
 @dataclass
@@ -408,6 +437,10 @@ class _Run:
         if not resumed or _step_rollouts(buf, self.run_id, it) == 0:
             generated, note = self.generate(it, phases)
         cur = self.writer.curate(it, it / cfg.iterations, phases)
+        refused = cur.refusal()
+        if refused:  # nothing of the step can be trained: stop rather than publish an untrained version
+            raise CurationError(f"run {self.run_id}, iteration {it} (curation {cur.curation_id}): {refused}; "
+                                "the loop stopped")
         loss = self.train(it, cur, phases)
         clock = Stopwatch(phases)
         batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)

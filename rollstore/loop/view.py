@@ -43,7 +43,19 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M"
 
 
+def settings_line(cfg: LoopConfig) -> str:
+    """The run's training settings in one line, printed before its first iteration."""
+    s = cfg.settings()
+    pool = f"pool {s['pool_size']} prompts" if s["pool_size"] else "fresh prompts (no pool)"
+    return (f"run {s['run_id']}: recipe {s['recipe']}, μ {s['epochs']} ({s['epochs_from']}), lr {s['lr']:g} "
+            f"({s['lr_from']}), loss {s['loss']}, {s['prompts_per_iter']} prompts × {s['group_size']} an iteration, "
+            f"{pool}, {s['iterations']} iterations, seed {s['seed']}")
+
+
 def run_with_display(cfg: LoopConfig, console: Console) -> dict:
+    console.print(settings_line(cfg), highlight=False, markup=False, soft_wrap=True)
+    for warning in cfg.warnings():
+        console.print(f"warning: {warning}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     rows: list[IterationReport] = []
     evals: list[tuple[int, int, float]] = []
     with Live(_table(cfg, rows, evals), console=console, refresh_per_second=4, transient=False) as live:

@@ -210,6 +210,14 @@ class Buffer:
             schema={"version": pl.Int64, "curation_ids": pl.List(pl.Utf8), "loss": pl.Float64,
                     "tokens": pl.Int64, "path": pl.Utf8})
 
+    def compare_runs(self, a: str, b: str, *, snapshot: int | None = None):
+        """Runs `a` and `b` side by side (`rollstore compare`): a `Comparison` with `.runs`,
+        `.heldout`, `.phases`, `.differ` (setting -> (a, b)) and `.text()`, the command's output."""
+        from rollstore.report.compare import compare_runs
+
+        with self._open() as buf:
+            return compare_runs(buf, a, b, snapshot)
+
     def _curation_id(self, curation) -> str:
         from rollstore.curation import Curation
 

@@ -390,6 +390,22 @@ def report(
 
 @app.command()
 @guarded
+def compare(
+    buffer: str,
+    run_a: str = typer.Argument(..., help="A run id of the buffer (rollouts, checkpoints or evaluations)."),
+    run_b: str = typer.Argument(..., help="Another run id of the same buffer."),
+    snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
+):
+    """Two runs side by side: held-out curves, rollouts, learner tokens, loop time, settings that differ."""
+    from rollstore.report.compare import compare_runs
+
+    with open_buffer(buffer) as buf:
+        result = compare_runs(buf, run_a, run_b, snapshot)
+    out.print(result.text(), highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command()
+@guarded
 def generate(
     buffer: str,
     prompts: str = typer.Option(GENERATE.prompts, "--prompts", help="JSONL/Parquet prompts file or builtin:arith[:split]."),

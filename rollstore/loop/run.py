@@ -332,6 +332,7 @@ class _Run:
         effective = resolve(load_recipe(cfg.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
         self.params = effective
         self.train_config = cfg.effective_train()
+        self.settings = cfg.settings()
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
         self.skipping = effective["prompt_skip"] == "greso"
@@ -413,7 +414,10 @@ class _Run:
         published = train_pending(
             self.writer.buf, model, optimizer, scheduler, self.train_config,
             at=RunPosition(self.run_id, self.version, self.step), pending=Pending([cur.curation_id], per="curation"),
-            tokenizer=self.tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
+            tokenizer=self.tokenizer, context=TrainContext(timings=phases),
+            # the iteration's seconds per phase so far (the optimiser's included: the metrics are written
+            # after it) and the run's settings: what `rollstore compare` reads back
+            extra_metrics={"iteration": it, "phases": phases, "settings": self.settings},
         )
         if not published:
             return None

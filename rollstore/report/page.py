@@ -250,31 +250,41 @@ def section_accuracy(res: dict[str, Result]) -> str:
     ver = res["report_accuracy_by_version"].rows
     step = res["report_accuracy_by_step"].rows
     evals = res["report_evaluations"].rows
-    acc = [Series("sampled accuracy", [(r["policy_version"], r["accuracy"]) for r in ver])]
+    # One colour per run in every chart of the section: sampled solid, held-out dashed, against the
+    # run's own versions (`run_version`; docs/choices.md §Runs), so no run is drawn across another's.
+    colour = {run: PALETTE[i % 8] for i, run in enumerate(sorted({r["run_id"] for r in ver + step + evals}))}
+    many = len(colour) > 1
+    acc = [Series(f"{run} sampled" if many else "sampled accuracy", [(r["run_version"], r["accuracy"]) for r in rows],
+                  colour[run]) for run, rows in _by(ver, "run_id").items()]
     for i, ((run, split, metric), rows) in enumerate(sorted(
             _by([dict(r, key=(r["run_id"], r["split"], r["metric"])) for r in evals
                  if r["policy_version"] is not None], "key").items(), key=lambda kv: str(kv[0]))):
-        label = f"{split or 'eval'} {metric}" + (f" ({run})" if len({e['run_id'] for e in evals}) > 1 else "")
-        acc.append(Series(label, [(r["policy_version"], r["value"]) for r in rows], PALETTE[(i + 1) % 8], dashed=True))
+        label = (f"{run} " if many else "") + f"{split or 'eval'} {metric}"
+        points = [(r["policy_version"] if r["run_version"] is None else r["run_version"], r["value"]) for r in rows]
+        acc.append(Series(label, points, colour.get(run) if many else PALETTE[(i + 1) % 8], dashed=True))
     yr = _unit_range([p[1] for s in acc for p in s.points])
     runs = _by(step, "run_id")
-    step_acc = [Series(f"{run}", [(r["step"], r["accuracy"]) for r in rows]) for run, rows in runs.items()]
-    step_rew = [Series(f"{run}", [(r["step"], r["reward_mean"]) for r in rows]) for run, rows in runs.items()]
+    step_acc = [Series(f"{run}", [(r["step"], r["accuracy"]) for r in rows], colour[run]) for run, rows in runs.items()]
+    step_rew = [Series(f"{run}", [(r["step"], r["reward_mean"]) for r in rows], colour[run]) for run, rows in runs.items()]
+    reward = [Series(f"{run}" if many else "reward mean", [(r["run_version"], r["reward_mean"]) for r in rows], colour[run])
+              for run, rows in _by(ver, "run_id").items()]
     charts = _charts(
-        line_chart(acc, title="Accuracy by policy version (held-out dashed)", x_label="policy version",
+        line_chart(acc, title="Accuracy by version of each run (held-out dashed)", x_label="version of the run",
                    y_label="accuracy", y_range=yr, integer_x=True),
-        line_chart([Series("reward mean", [(r["policy_version"], r["reward_mean"]) for r in ver], PALETTE[1])],
-                   title="Reward by policy version", x_label="policy version", y_label="mean reward", integer_x=True),
+        line_chart(reward, title="Reward by version of each run", x_label="version of the run", y_label="mean reward",
+                   integer_x=True),
         line_chart(step_acc, title="Sampled accuracy by step (per run)", x_label="step", y_label="accuracy",
                    y_range=_unit_range([r["accuracy"] for r in step]), integer_x=True),
         line_chart(step_rew, title="Reward by step (per run)", x_label="step", y_label="mean reward", integer_x=True),
     )
     ev = ("<p class=\"note\">No held-out evaluation in this buffer (<code>rollstore loop --eval-every N</code> "
           "or <code>rollstore eval --buffer</code> records one).</p>" if not evals else
-          "<h3>Held-out evaluations</h3>" + table(evals, ["run_id", "split", "metric", "policy_version", "iteration",
+          "<h3>Held-out evaluations</h3>" + table(evals, ["run_id", "split", "metric", "policy_version", "run_version",
+                                                          "iteration",
                                                           "value", "n_problems", "n_samples"], name="report_evaluations"))
     body = (charts + "<h3>By policy version</h3>"
-            + table(ver, ["policy_version", "rollouts", "groups", "judged", "accuracy", "reward_mean", "reward_std",
+            + table(ver, ["run_id", "policy_version", "run_version", "rollouts", "groups", "judged", "accuracy",
+                          "reward_mean", "reward_std",
                           "mean_response_tokens"], name="report_accuracy_by_version")
             + sql_block(res["report_accuracy_by_version"]) + ev + sql_block(res["report_evaluations"])
             + "<details><summary>By step</summary>"
@@ -282,9 +292,11 @@ def section_accuracy(res: dict[str, Result]) -> str:
                            "accuracy", "reward_mean", "mean_response_tokens"], name="report_accuracy_by_step")
             + "</details>" + sql_block(res["report_accuracy_by_step"]))
     intro = ("Accuracy (mean of <code>correct</code> over judged rollouts) and mean reward of the sampled "
-             "rollouts, by the policy version that sampled them and by generation step; held-out evaluations "
+             "rollouts of each run, by the version that sampled them and by generation step; held-out evaluations "
              "(greedy accuracy of each published version in the loop, pass@k of <code>rollstore eval</code>) "
-             "are drawn dashed against the version they measured.")
+             "are drawn dashed against the version they measured. Versions are numbered buffer-wide, so each run "
+             "is drawn against its own: <code>run_version</code> n is the run's n-th (views.sql "
+             "<code>run_versions</code>; docs/choices.md, Runs).")
     return _section("accuracy", "Accuracy and reward", intro, body)
 
 

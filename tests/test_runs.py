@@ -113,3 +113,24 @@ def test_the_loop_shows_its_settings_and_warns_of_a_pool_greso_cannot_revisit():
     (warning,) = greso.warnings()
     assert "pool of 2048 prompts" in warning and "no prompt comes back" in warning
     assert LoopConfig(buffer="unused", recipe="greso", iterations=17, prompts_per_iter=128).warnings() == []
+
+
+def test_recipes_explain_shows_the_training_settings(cli):
+    res = cli("recipes", "--explain", "grpo")
+    assert res.code == 0 and "training (rollstore loop): epochs μ 4 (the recipe's), lr 0.0002 (the recipe's)" in res.stdout
+    res = cli("recipes", "greso")  # the help's `rollstore recipes NAME` works too
+    assert res.code == 0 and "epochs μ 1 (the loop's default), lr 5e-05 (the loop's default)" in res.stdout
+    line = [x for x in cli("recipes", "d3x").stderr.splitlines() if x.strip()]
+    assert len(line) == 1 and "did you mean 'd3s'" in line[0]
+
+
+def test_audit_compare_lists_how_each_curation_was_trained(two_runs, cli):
+    ids = [c for (c,) in _sql(two_runs, "SELECT curation_id FROM curations ORDER BY created_at")]
+    res = cli("audit", two_runs, ids[0], "--compare", ids[2], "--format", "json")
+    assert res.code == 0
+    params = {r["parameter"]: (r["a"], r["b"]) for r in json.loads(res.stdout)["params"]}
+    assert params["training.epochs"] == ("4", "1") and params["training.lr"] == ("0.0002", "5e-05")
+    assert params["training.run_id"] == ("first", "second") and params["training.optimiser_steps"] == ("4", "1")
+    assert params["prompt_skip"] == ("none", "greso")
+    text = cli("audit", two_runs, ids[0], "--compare", ids[2]).stdout
+    assert "no candidate in common" in text and "rollstore compare" in text and "a_only" not in text

@@ -593,6 +593,7 @@ def demo(
 @app.command()
 @guarded
 def recipes(
+    name: Optional[str] = typer.Argument(None, metavar="[RECIPE]", help="Explain this recipe (= --explain RECIPE)."),
     explain: Optional[str] = typer.Option(None, "--explain", metavar="RECIPE",
                                           help="Print this recipe's plan: each step's SQL file, values, reads and writes."),
     set_: List[str] = typer.Option([], "--set", help="name=value parameter override (with --explain), repeatable."),
@@ -600,6 +601,9 @@ def recipes(
     """List the built-in recipes, or explain one as the plan it runs."""
     from rollstore.curate.params import builtin_recipes, load_recipe
 
+    if name is not None and explain is not None and name != explain:
+        raise RollstoreError(f"recipes: two recipes named ({name} and --explain {explain}); name one")
+    explain = explain if explain is not None else name
     if explain is None:
         if set_:
             raise RollstoreError("--set goes with --explain RECIPE")

@@ -70,11 +70,13 @@ def view(session: Session, name: str, params: dict) -> pa.Table:
     return session.con.sql(load_sql(name), params=params).to_arrow_table()
 
 
+def _text(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def params_diff(a: dict, b: dict) -> pa.Table:
     """The parameters whose effective values differ: words as written, numbers and null as JSON."""
-
-    def text(v) -> str:
-        return v if isinstance(v, str) else json.dumps(v)
+    text = _text
 
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     return pa.table({"parameter": pa.array(keys, pa.string()),
@@ -82,14 +84,37 @@ def params_diff(a: dict, b: dict) -> pa.Table:
                      "b": pa.array([text(b.get(k)) for k in keys], pa.string())})
 
 
+def training(session: Session, cid: str) -> dict:
+    """How curation `cid` was trained (queries/audit_training.sql), as `training.NAME` entries: the
+    run and version that consumed it, its optimiser steps, and the loop's settings (μ `epochs`, `lr`,
+    loss, batch, pool) when a loop trained it; `training.trained: no` when nothing did."""
+    row = session.table(load_sql("audit_training"), {"c": cid}).to_pylist()
+    if not row:
+        return {"training.trained": "no"}
+    r = row[0]
+    out = {"training.run_id": r["run_id"], "training.version": r["version"],
+           "training.optimiser_steps": r["optimiser_steps"]}
+    settings = json.loads(r["settings"] or "{}")
+    for k in ("epochs", "lr", "loss", "prompts_per_iter", "group_size", "pool_size", "recipe"):
+        if k in settings:
+            out[f"training.{k}"] = settings[k]
+    return out
+
+
 def compare_views(session: Session, a: str, b: str) -> list[tuple[str, pa.Table]]:
-    """The four views of `--compare`: summary (one row per side), params (those that differ),
-    reasons (candidates by reason in A and B), differences (rollouts treated differently)."""
+    """The four views of `--compare`: summary (one row per side), params (the curation parameters
+    that differ, then how each was trained: every `training.*` entry, the same or not), reasons
+    (candidates by reason in A and B), differences (rollouts treated differently)."""
     rec_a, rec_b = record(session, a), record(session, b)
     params = {"a": a, "b": b}
+    train_a, train_b = training(session, a), training(session, b)
+    trained = sorted(set(train_a) | set(train_b))
+    both = pa.table({"parameter": trained,
+                     "a": [_text(train_a.get(k)) for k in trained], "b": [_text(train_b.get(k)) for k in trained]},
+                    schema=pa.schema([("parameter", pa.string()), ("a", pa.string()), ("b", pa.string())]))
     return [
         ("summary", view(session, "audit_compare_summary", params)),
-        ("params", params_diff(rec_a["params"], rec_b["params"])),
+        ("params", pa.concat_tables([params_diff(rec_a["params"], rec_b["params"]), both])),
         ("reasons", view(session, "audit_compare_reasons", params)),
         ("differences", view(session, "audit_compare_rows", params)),
     ]
@@ -208,9 +233,14 @@ def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
         fields = [c for c in summary.column_names if c != "side"]
         render_table(pa.table({"": fields, "A": [_cell(side.get("A", {}).get(f)) for f in fields],
                                "B": [_cell(side.get("B", {}).get(f)) for f in fields]}), out, "side by side")
-        render_table(views[1][1], out, "parameters that differ")
+        render_table(views[1][1], out, "parameters that differ; how each was trained (training.*)")
         render_table(views[2][1], out, "candidates by reason in A and in B")
         diff = views[3][1]
+        if not any(r.get("common_candidates") for r in rows):
+            out.print("note: no candidate in common (other batches or runs): every kept row differs; the rows are in "
+                      "--format csv or json. Two runs compare with `rollstore compare BUFFER RUN_A RUN_B`.",
+                      highlight=False, markup=False, soft_wrap=True)
+            return
         shown = diff.select(["kind", "rollout_id", "reason_a", "reason_b", "advantage_a", "advantage_b",
                              "tokens_kept_a", "tokens_kept_b", "tokens_total"])
         render_table(shown.slice(0, TABLE_ROWS), out, "rollouts treated differently (a_only: kept by A only)")

@@ -128,7 +128,8 @@ def test_audit_compare_lists_how_each_curation_was_trained(two_runs, cli):
     ids = [c for (c,) in _sql(two_runs, "SELECT curation_id FROM curations ORDER BY created_at")]
     res = cli("audit", two_runs, ids[0], "--compare", ids[2], "--format", "json")
     assert res.code == 0
-    params = {r["parameter"]: (r["a"], r["b"]) for r in json.loads(res.stdout)["params"]}
+    doc = json.loads(res.stdout)
+    params = {r["parameter"]: (r["a"], r["b"]) for r in doc["params"] + doc["training"]}
     assert params["training.epochs"] == ("4", "1") and params["training.lr"] == ("0.0002", "5e-05")
     assert params["training.run_id"] == ("first", "second") and params["training.optimiser_steps"] == ("4", "1")
     assert params["prompt_skip"] == ("none", "greso")

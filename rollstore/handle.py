@@ -95,13 +95,14 @@ class Buffer:
         `rollstore sql` (docs/usage.md): `rollouts`, `curated`, `selections`, `curations`, `groups`,
         `prompts`, ... and the macros of queries/views.sql. Returns a `SqlResult` (`.pl()`,
         `.arrow()`, `.df()`). A refused or mistyped query raises one line (`SqlRefused`, ...)."""
-        from rollstore.queries.session import Session
+        from rollstore.queries.session import Session, names_commits
         from rollstore.sqlresult import SqlResult
 
         with self._open() as buf, buf.snapshot(snapshot, pin=True) as snap:
             snap.check_present()
+            commits = snap.commits() if names_commits(query) else None
             with Session(snap, memory_limit) as session:
-                table = session.run_user_sql(query, timeout=timeout or None)
+                table = session.run_user_sql(query, timeout=timeout or None, commits=commits)
             return SqlResult(table, query, snap.seq)
 
     def curations(self) -> "pl.DataFrame":

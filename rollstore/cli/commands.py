@@ -46,8 +46,18 @@ def _losses() -> tuple:
 DEBUG = {"on": os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")}
 
 
+def _version(value: bool) -> None:
+    if value:
+        from rollstore import __version__
+
+        print(f"rollstore {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _options(debug: bool = typer.Option(False, "--debug", help="On an unexpected error, show the traceback.")):
+def _options(debug: bool = typer.Option(False, "--debug", help="On an unexpected error, show the traceback."),
+             version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                          help="Print rollstore's version and exit.")):
     """Offline replay buffer and curation engine for GRPO-family RL."""
     if debug:
         DEBUG["on"] = True
@@ -481,28 +491,28 @@ def loop(
                                         "(builtin:tiny-carries for builtin:carries), else builtin:tiny."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith (builtin:carries: the "
                                           "harder task)."),
-    iterations: Optional[int] = count(None, "--iterations", "-k"),
+    iterations: Optional[int] = count(None, "--iterations", "-k", show_default="40"),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
-    prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter"),
-    pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts)."),
-    group_size: Optional[int] = count(None, "--group-size", "-G"),
-    max_new_tokens: Optional[int] = count(None, "--max-new-tokens"),
-    loss: Optional[str] = choice(None, "--loss", choices=_losses),
+    prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter", show_default="128"),
+    pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts).", show_default="2048"),
+    group_size: Optional[int] = count(None, "--group-size", "-G", show_default="8"),
+    max_new_tokens: Optional[int] = count(None, "--max-new-tokens", show_default="8"),
+    loss: Optional[str] = choice(None, "--loss", choices=_losses, show_default="grpo"),
     lr: Optional[float] = positive(None, "--lr", help="Learning rate (default: the recipe's `lr`, else 5e-5)."),
     epochs: Optional[int] = count(None, "--epochs", help="Passes over each curated batch, μ (default: the recipe's "
                                   "`epochs`, else 1)."),
-    warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0),
-    micro_batch_size: Optional[int] = count(None, "--micro-batch-size"),
-    grad_accum: Optional[int] = count(None, "--grad-accum", help="Micro-batches per optimiser step."),
-    max_policy_lag: Optional[int] = count(None, "--max-policy-lag", low=0),
-    max_gen_batches: Optional[int] = count(None, "--max-gen-batches"),
-    eval_every: Optional[int] = count(None, "--eval-every", low=0, help="Held-out evaluation every N iterations (0 = never)."),
-    eval_prompts: Optional[int] = count(None, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
+    warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0, show_default="5"),
+    micro_batch_size: Optional[int] = count(None, "--micro-batch-size", show_default="512"),
+    grad_accum: Optional[int] = count(None, "--grad-accum", help="Micro-batches per optimiser step.", show_default="1"),
+    max_policy_lag: Optional[int] = count(None, "--max-policy-lag", low=0, show_default="none: no bound"),
+    max_gen_batches: Optional[int] = count(None, "--max-gen-batches", show_default="8"),
+    eval_every: Optional[int] = count(None, "--eval-every", low=0, help="Held-out evaluation every N iterations (0 = never).", show_default="5"),
+    eval_prompts: Optional[int] = count(None, "--eval-prompts", help="Distinct held-out prompts per evaluation.", show_default="500"),
     eval_samples: int = count(0, "--eval-samples", low=0, help="Also sample N per prompt for pass@1 / pass@N."),
     seed: int = seed_(0, "--seed"),
-    run_id: Optional[str] = typer.Option(None, "--run-id"),
-    backend: Optional[str] = typer.Option(None, "--backend"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", show_default="loop-RECIPE-sSEED"),
+    backend: Optional[str] = typer.Option(None, "--backend", show_default="hf"),
     threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, Threads)."),
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
 ):
@@ -519,7 +529,6 @@ def loop(
     def given(**kw):
         return {k: v for k, v in kw.items() if v is not None}
 
-    Buffer.init(buffer).close()
     defaults = LoopConfig(buffer=buffer)
     if model is None and prompts is not None:
         from rollstore.builtin.resolve import task_model
@@ -535,6 +544,8 @@ def loop(
         **given(lr=lr, epochs=epochs, model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
                 pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
                 eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads))
+    cfg.check()  # before the buffer is created and anything is loaded
+    Buffer.init(buffer).close()
     if learner_ranks > 1:
         from rollstore.loop.ranks import run_loop_with_ranks
 

@@ -91,6 +91,9 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
                  err: Console, *, policy_version: int | None = None, compact: bool = False,
                  follow: Follow | None = None) -> list[str]:
     """Generate `steps` steps (one shard each) after the run's last; return the shards' paths."""
+    from rollstore.builtin.resolve import check_refs
+
+    check_refs(model, prompts.ref)  # before anything slow or written
     buf = Buffer.open(buffer)
     with contextlib.ExitStack() as stack:
         stack.callback(buf.close)

@@ -98,6 +98,18 @@ class LoopConfig:
     def run_name(self) -> str:
         return self.run_id or f"loop-{self.recipe}-s{self.seed}"
 
+    def check(self) -> None:
+        """Every setting that can be checked without loading or writing anything: the model and
+        prompts references (a did-you-mean for built-in names), the recipe and its parameters, and
+        that greso has a pool to skip in. `rollstore loop` calls it before it creates the buffer."""
+        from rollstore.builtin.resolve import check_refs
+
+        check_refs(self.model, self.prompts)
+        params = resolve(load_recipe(self.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
+        if params["prompt_skip"] == "greso" and not self.pool_size:
+            raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
+                             "history to skip by")
+
     def settings(self) -> dict:
         """What this run trains with, as `rollstore compare` and the loop's first lines show it: the
         recipe, μ and the learning rate in effect (and where each came from), the loss, the batch and
@@ -336,9 +348,7 @@ class _Run:
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
         self.skipping = effective["prompt_skip"] == "greso"
-        if self.skipping and not cfg.pool_size:
-            raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
-                             "history to skip by")
+        cfg.check()
         self.reports: list[IterationReport] = []
         self.evals: list[tuple[int, int, float]] = []
         self.eval_metrics: list[dict] = []

@@ -86,3 +86,20 @@ def test_docs_python_documents_snapshots_and_batch_shapes():
         text = fh.read()
     assert "snapshot=S" in text and "buf.curate(\"d3s\", snapshot=3)" in text
     assert "positions[b, t]" in text and "`input_ids` `[8, 11]`" in text
+
+
+def test_the_loop_display_keeps_iteration_0_and_wraps_its_legend():
+    import io
+
+    from rich.console import Console
+
+    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.view import _table, legend
+
+    cfg = LoopConfig(buffer="b", recipe="grpo")
+    evals = [(i, i, 0.2 + i / 100) for i in range(0, 41, 5)]
+    title = str(_table(cfg, [], evals).title)
+    assert title.startswith("grpo: held-out greedy it 0: 20.0%  …") and title.endswith("it 40: 60.0%")
+    out = io.StringIO()
+    Console(file=out, width=40, soft_wrap=True).print(legend(cfg), highlight=False, markup=False, soft_wrap=True)
+    assert out.getvalue().strip() == legend(cfg)  # one line, not cut at the console's width

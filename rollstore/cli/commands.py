@@ -48,9 +48,9 @@ DEBUG = {"on": os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")}
 
 def _version(value: bool) -> None:
     if value:
-        from rollstore import __version__
+        from importlib.metadata import version
 
-        print(f"rollstore {__version__}")
+        print(f"rollstore {version('rollstore')}")
         raise typer.Exit(0)
 
 
@@ -167,7 +167,10 @@ def import_(
 
     if from_ not in FORMATS:
         fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
-    codec = load_codec(tokenizer, score_model)
+    from rollstore.builtin.resolve import resolve_model
+
+    builtin = lambda ref: resolve_model(ref) if ref and ref.startswith("builtin:") else ref  # noqa: E731
+    codec = load_codec(builtin(tokenizer), builtin(score_model))  # builtin:tiny, as every other command takes
     if rewards is not None and from_ == "prime-rl":
         from rollstore.importers.primerl import load_rewards
 

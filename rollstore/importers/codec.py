@@ -22,21 +22,11 @@ import os
 from .common import ImportRefused, TextCodec
 
 
-def _builtin(ref: str | None) -> str | None:
-    """A `builtin:NAME` model reference (as every other command takes) as its local directory."""
-    if ref is None or not ref.startswith("builtin:"):
-        return ref
-    from rollstore.builtin.resolve import resolve_model
-
-    return resolve_model(ref)
-
-
 def load_codec(tokenizer_dir: str | None, score_model_dir: str | None = None) -> TextCodec | None:
     if tokenizer_dir is None:
         if score_model_dir is not None:
             raise ImportRefused("--score-model needs --tokenizer DIR")
         return None
-    tokenizer_dir, score_model_dir = _builtin(tokenizer_dir), _builtin(score_model_dir)
     if not os.path.isdir(tokenizer_dir):
         raise ImportRefused(f"--tokenizer {tokenizer_dir}: not a directory")
     from transformers import AutoTokenizer

@@ -103,3 +103,16 @@ def test_the_loop_display_keeps_iteration_0_and_wraps_its_legend():
     out = io.StringIO()
     Console(file=out, width=40, soft_wrap=True).print(legend(cfg), highlight=False, markup=False, soft_wrap=True)
     assert out.getvalue().strip() == legend(cfg)  # one line, not cut at the console's width
+
+
+def test_report_y_ticks_stay_short_and_one_run_keeps_its_colour():
+    from rollstore.report.page import Result, run_colours
+    from rollstore.report.svg import tick_text
+
+    assert [tick_text(v) for v in (0.0, 0.25, 1200.0, 9000.0, 12000.0, 1_500_000.0)] == \
+        ["0", "0.25", "1200", "9000", "12k", "1.5M"]
+    assert all(len(tick_text(float(v))) <= 5 for v in range(0, 2_000_000, 7919))
+    res = {"report_training": Result("report_training", "", [{"run_id": "b"}]),
+           "report_accuracy_by_step": Result("report_accuracy_by_step", "", [{"run_id": "a"}, {"run_id": "b"}])}
+    colours = run_colours(res)
+    assert colours["b"] == run_colours({**res, "report_training": Result("report_training", "", [])})["b"]

@@ -227,6 +227,17 @@ def _by(rows: list[dict], key: str) -> dict:
     return groups
 
 
+# The result sets whose rows name a run (`run_id`): every per-run chart takes its colour from here.
+RUN_RESULTS = ("report_accuracy_by_version", "report_accuracy_by_step", "report_evaluations", "report_training",
+               "report_prompt_skips")
+
+
+def run_colours(res: dict[str, Result]) -> dict:
+    """One colour per run of the snapshot, the same in every chart of the page (runs sorted by id)."""
+    runs = sorted({r["run_id"] for name in RUN_RESULTS if name in res for r in res[name].rows}, key=str)
+    return {run: PALETTE[i % 8] for i, run in enumerate(runs)}
+
+
 def _unit_range(values) -> tuple[float, float] | None:
     vals = [v for v in values if isinstance(v, (int, float))]
     return (0.0, 1.0) if vals and all(0 <= v <= 1 for v in vals) else None
@@ -252,8 +263,8 @@ def section_accuracy(res: dict[str, Result]) -> str:
     evals = res["report_evaluations"].rows
     # One colour per run in every chart of the section: sampled solid, held-out dashed, against the
     # run's own versions (`run_version`; docs/choices.md §Runs), so no run is drawn across another's.
-    colour = {run: PALETTE[i % 8] for i, run in enumerate(sorted({r["run_id"] for r in ver + step + evals}))}
-    many = len(colour) > 1
+    colour = run_colours(res)
+    many = len({r["run_id"] for r in ver + step + evals}) > 1
     acc = [Series(f"{run} sampled" if many else "sampled accuracy", [(r["run_version"], r["accuracy"]) for r in rows],
                   colour[run]) for run, rows in _by(ver, "run_id").items()]
     for i, ((run, split, metric), rows) in enumerate(sorted(
@@ -321,8 +332,9 @@ def section_curations(res: dict[str, Result], curation_id: str | None) -> str:
     charts = _charts(
         stacked_bars([str(r["seq"]) for r in rows], [(k, [r[k] for r in rows], REASON_COLORS[k]) for k in reasons],
                      title="Candidates by reason", x_label="curation", y_label="candidates"),
-        line_chart(_per_recipe(rows, [("n_candidates", "candidates"), ("sample_budget", "budget"),
-                                      ("n_selected", "kept")], {"sample_budget"}),
+        # budget drawn last, dashed, so it stays visible where it equals what was kept
+        line_chart(_per_recipe(rows, [("n_candidates", "candidates"), ("n_selected", "kept"),
+                                      ("sample_budget", "budget")], {"sample_budget"}),
                    title="Samples: candidates, budget, kept", x_label="curation", y_label="rollouts", integer_x=True),
         line_chart(_per_recipe(rows, [("progress", "progress t"), ("token_fraction", "κ"),
                                       ("sample_keep_rate", "samples kept"), ("token_keep_rate", "tokens kept")],
@@ -420,7 +432,9 @@ def section_skips(res: dict[str, Result]) -> str:
         return _section("skips", title, intro + " No run of this buffer selected its prompts before generating "
                         "(recipe <code>greso</code>, or <code>--set prompt_skip=greso</code>).",
                         table(rows, columns, name="report_prompt_skips") + sql_block(res["report_prompt_skips"]))
-    series = [Series(run, [(r["step"], r["skip_share"]) for r in rs]) for run, rs in _by(rows, "run_id").items()]
+    colour = run_colours(res)
+    series = [Series(run, [(r["step"], r["skip_share"]) for r in rs], colour[run])
+              for run, rs in _by(rows, "run_id").items()]
     chart = line_chart(series, title="Share of examined prompts skipped", x_label="step", y_label="share",
                        y_range=(0.0, 1.0), integer_x=True)
     return _section("skips", title, intro, _charts(chart) + table(rows, columns, name="report_prompt_skips")
@@ -518,11 +532,11 @@ def section_training(res: dict[str, Result]) -> str:
     if not rows:
         return _section("training", "Training", "No training step in this buffer yet (<code>rollstore train</code> "
                         "or <code>rollstore loop</code>).", sql_block(res["report_training"]))
-    runs = _by(rows, "run_id")
+    runs, colour = _by(rows, "run_id"), run_colours(res)
 
     def chart(col: str, title: str) -> str:
-        return line_chart([Series(run, [(r["step"], r[col]) for r in rs], PALETTE[i % 8]) for i, (run, rs) in
-                           enumerate(runs.items())], title=title, x_label="optimiser step", y_label=col, integer_x=True)
+        return line_chart([Series(run, [(r["step"], r[col]) for r in rs], colour[run]) for run, rs in runs.items()],
+                          title=title, x_label="optimiser step", y_label=col, integer_x=True)
 
     body = (_charts(chart("loss", "Loss"), chart("clip_fraction", "Clip fraction"), chart("approx_kl", "Approx. KL"),
                     chart("entropy", "Entropy of kept tokens"))

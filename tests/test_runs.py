@@ -135,3 +135,18 @@ def test_audit_compare_lists_how_each_curation_was_trained(two_runs, cli):
     assert params["prompt_skip"] == ("none", "greso")
     text = cli("audit", two_runs, ids[0], "--compare", ids[2]).stdout
     assert "no candidate in common" in text and "rollstore compare" in text and "a_only" not in text
+
+
+def test_the_report_page_splits_runs_and_cards_show_the_gold_answer(two_runs, tmp_path):
+    import re
+
+    from rollstore.report.page import build_report
+
+    out = str(tmp_path / "r.html")
+    with Buffer.open(two_runs) as buf:
+        build_report(buf, out)
+    html = open(out, encoding="utf-8").read()
+    assert "Accuracy by version of each run" in html and 'data-series="first sampled"' in html
+    assert 'data-series="second sampled"' in html and 'data-series="second heldout greedy_accuracy"' in html
+    cards = re.findall(r'<div class="card".*?</div></div>', html, re.S)
+    assert cards and all("gold answer <code>" in c for c in cards)

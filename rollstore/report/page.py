@@ -496,7 +496,8 @@ def _token_card(r: dict, text: TokenText, top: float) -> str:
                   f'replayed · age {escape(fmt(r.get("age")))}</span>')
     facts = (f"A<sub>final</sub> {escape(fmt(r['advantage_final']))} · w {escape(fmt(r['amplification']))} · "
              f"group acc {escape(fmt(r['group_accuracy']))} · q̂ {escape(fmt(r['difficulty']))} · "
-             f"tokens kept {r['tokens_kept']}/{r['tokens_total']} · correct {escape(fmt(r['correct']))} · "
+             f"tokens kept {r['tokens_kept']}/{r['tokens_total']} · gold answer "
+             f"<code>{escape(fmt(r.get('gold_answer')))}</code> · correct {escape(fmt(r['correct']))} · "
              f"reward {escape(fmt(r['reward']))} · {escape(r['finish_reason'])}")
     replayed = ' data-replayed="true"' if r.get("replayed") else ""
     return (f'<div class="card" data-rollout="{escape(r["rollout_id"])}"{replayed}>{badge} <code>{escape(r["rollout_id"])}</code> '

@@ -173,8 +173,8 @@ def why_sentence(row: dict, threshold: float | None = None) -> str:
     dropped_to = (b - 1) if b is not None else n
     where = {"top": "inside the kept top block", "bottom": "inside the kept bottom block",
              "middle": f"in the dropped middle (ranks {j + 1}–{dropped_to})"}[row["side"]]
-    return (f"{rid}: {reason}; {value}: {where}. The pool kept {row['budget']} rows, {blocks} — the max-variance "
-            f"subset keeps both ends of the order, ties by rollout_id{tokens}.")
+    return (f"{rid}: {reason}; {value}: {where}. The pool kept its budget of {row['budget']} rows, {blocks} — the "
+            f"max-variance subset keeps both ends of the order, ties by rollout_id{tokens}.")
 
 
 def why_views(session: Session, cid: str, rollout_id: str) -> tuple[dict, pa.Table, float | None]:

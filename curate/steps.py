@@ -27,7 +27,7 @@ from rollstore.storage.snapshot import rollouts_relation, sql_string, string_ran
 
 from .kernels import KERNELS, drop_chunks, run_session
 from .kernels import apply as apply_kernel
-from .params import CurationError, Params, step_where
+from .params import CurationError, Params, run_of_where, step_where
 from .plan import Plan, Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
@@ -187,7 +187,11 @@ def latest_step(session: Session, rollouts: str) -> tuple | None:
 
 
 def batch_runs(session: Session, rollouts: str, where: str) -> list[str]:
-    """The run_ids of the rows `where` matches (queries/curate_batch_runs.sql), sorted."""
+    """The run_ids of the rows `where` matches (queries/curate_batch_runs.sql), sorted; a `where` of
+    `step_where`'s form names its run, so the query is not run (a loop's curation of a step)."""
+    run = run_of_where(where)
+    if run is not None:
+        return [run]
     table = session.table(render("curate_batch_runs", {"rollouts": rollouts, "where": where}), reads=())
     return [str(r) for r in table.column("run_id").to_pylist() if r is not None]
 

@@ -116,3 +116,11 @@ def test_report_y_ticks_stay_short_and_one_run_keeps_its_colour():
            "report_accuracy_by_step": Result("report_accuracy_by_step", "", [{"run_id": "a"}, {"run_id": "b"}])}
     colours = run_colours(res)
     assert colours["b"] == run_colours({**res, "report_training": Result("report_training", "", [])})["b"]
+
+
+def test_top_level_help_lists_each_command_in_unbroken_sentences(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    text = cli("--help").stdout
+    assert any("per file. With --from, convert another framework's dump (docs/importers.md); importing" in line
+               for line in text.splitlines()), text
+    assert any("compare" in line and "Two runs side by side" in line for line in text.splitlines())

@@ -636,6 +636,18 @@ def recipes(
     print_plan(explain, set_, out)
 
 
+def _one_line_summaries() -> None:
+    """`rollstore --help` lists each command with its docstring's first paragraph as one sentence
+    (a docstring wrapped at 110 columns would otherwise break mid-sentence in the list)."""
+    for info in app.registered_commands:
+        if info.short_help is None and info.callback is not None and info.callback.__doc__:
+            first = info.callback.__doc__.strip().split("\n\n", 1)[0]
+            info.short_help = " ".join(first.split())
+
+
+_one_line_summaries()
+
+
 def main() -> None:  # pragma: no cover
     app()
 

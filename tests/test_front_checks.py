@@ -124,3 +124,8 @@ def test_top_level_help_lists_each_command_in_unbroken_sentences(cli, monkeypatc
     assert any("per file. With --from, convert another framework's dump (docs/importers.md); importing" in line
                for line in text.splitlines()), text
     assert any("compare" in line and "Two runs side by side" in line for line in text.splitlines())
+
+
+def test_shell_completion_is_offered(cli):
+    res = cli("--show-completion", "bash")  # (the in-process runner names the program `root`)
+    assert res.code == 0 and "COMPLETE=complete_bash" in res.stdout and "complete -o default -F" in res.stdout

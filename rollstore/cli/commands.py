@@ -30,7 +30,7 @@ if "transformers" in sys.modules:  # imported before us (a notebook, a test): th
     sys.modules["transformers"].utils.logging.disable_progress_bar()
     sys.modules["transformers"].utils.logging.set_verbosity_error()
 
-app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
+app = typer.Typer(cls=OneLineErrors, add_completion=True, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
                   pretty_exceptions_enable=False)
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

@@ -276,6 +276,8 @@ class Curation:
 
         from rollstore.report.audit import why_rows, why_sentence, why_views
 
+        if not isinstance(rollout_id, (str, list, tuple)):
+            raise RollstoreError(f"why: rollout_id: {rollout_id!r} is not a string (or a list of them)")
         self._require_committed("audit to question")
         if not isinstance(rollout_id, str):
             stack, session = self._session()

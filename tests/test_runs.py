@@ -150,3 +150,27 @@ def test_the_report_page_splits_runs_and_cards_show_the_gold_answer(two_runs, tm
     assert 'data-series="second sampled"' in html and 'data-series="second heldout greedy_accuracy"' in html
     cards = re.findall(r'<div class="card".*?</div></div>', html, re.S)
     assert cards and all("gold answer <code>" in c for c in cards)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"a": None, "b": "second"}, "run_a: None is not a run id"), ({"a": "first", "b": 3}, "run_b: 3 is not a run id"),
+    ({"a": "first", "b": ""}, "run_b: '' is not"), ({"a": "first", "b": "second", "snapshot": 1.5}, "snapshot: 1.5"),
+    ({"a": "first", "b": "second", "snapshot": True}, "snapshot: True"),
+    ({"a": "first", "b": "second", "snapshot": -1}, "snapshot: -1"),
+    ({"a": "first", "b": "second", "snapshot": 10**30}, "no snapshot"),
+])
+def test_compare_runs_refuses_hostile_values_with_one_line(two_runs, kwargs, needle):
+    import rollstore as rs
+
+    with pytest.raises(rs.RollstoreError, match=needle) as exc:
+        rs.open(two_runs).compare_runs(**kwargs)
+    assert "\n" not in str(exc.value)
+
+
+def test_why_refuses_what_is_not_an_id(two_runs):
+    import rollstore as rs
+
+    cur = rs.open(two_runs).curation()
+    for bad in (None, 3, b"x"):
+        with pytest.raises(rs.RollstoreError, match="is not a string"):
+            cur.why(bad)

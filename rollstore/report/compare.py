@@ -121,6 +121,11 @@ def _settings(row: dict | None) -> dict:
 
 def compare_runs(buf: Buffer, a: str, b: str, snapshot: int | None = None) -> Comparison:
     """Runs `a` and `b` of `buf` side by side (see the module's invariants)."""
+    for name, value in (("run_a", a), ("run_b", b)):
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise CompareError(f"compare: {name}: {value!r} is not a run id (a non-empty string)")
+    if snapshot is not None and (isinstance(snapshot, bool) or not isinstance(snapshot, int) or snapshot < 0):
+        raise CompareError(f"compare: snapshot: {snapshot!r} is not a snapshot number (an integer ≥ 0)")
     if a == b:
         raise CompareError(f"compare: {a!r} is named twice; name two different runs")
     with buf.snapshot(snapshot) as snap, Session(snap) as s:

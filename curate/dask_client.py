@@ -184,24 +184,25 @@ def curate_dask(
 
 def _resolve(job: _Run, session: Session, params: Params) -> Params:
     """The embedded engine's defaults: `where` (the latest step, merged over shards) and
-    `current_version` (the batch's run's newest version, `steps.run_version`)."""
+    `current_version` (the batch's run's newest version, `steps.run_version`). The user's `where` is
+    checked, and read for the batch's runs, under the run's timeout, as the embedded engine does."""
     n_shards = len(job.ctx.files.listing["rollouts"])
     scans = job.gather([job.submit(tasks.scan_defaults, job.ctx, i) for i in range(n_shards)]) \
         if params["where"] is None else []
     latest = max((tuple(row) for row in scans if row is not None), default=None)
     params = with_defaults(params, latest, None)
-    if params["current_version"] is None:
-        everything = parquet(session.snapshot.files("rollouts"))
-        runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
-        params = with_defaults(params, None, run_version(session, everything, runs))
+    everything = parquet(session.snapshot.files("rollouts"))
+    with session.deadline(job.ctx.timeout):
+        session.check_predicate(params["where"], rollouts=everything)  # as the embedded engine
+        if params["current_version"] is None:
+            runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
+            params = with_defaults(params, None, run_version(session, everything, runs))
     return params
 
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
             dry_run: bool, verified) -> CurationResult:
     params = _resolve(job, session, params)
-    with session.deadline(job.ctx.timeout):
-        session.check_predicate(params["where"], rollouts=parquet(snap.files("rollouts")))  # as the embedded engine
     plan = build(params, recipe)
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):

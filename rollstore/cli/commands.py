@@ -59,8 +59,9 @@ def _options(debug: bool = typer.Option(False, "--debug", help="On an unexpected
              version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                           help="Print rollstore's version and exit.")):
     """Offline replay buffer and curation engine for GRPO-family RL."""
-    if debug:
-        DEBUG["on"] = True
+    # set per invocation: an in-process caller (a test, a notebook) that once passed --debug does not
+    # keep raw tracebacks for every later command
+    DEBUG["on"] = debug or os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -65,7 +65,7 @@ from .merges import MERGES
 from .options import Dask, Limits
 from .params import CurationError, ParamError, Params, Recipe, resolve
 from .plan import ONCE, PER_SELECTED, build
-from .steps import Runner, batch_files, committed_audits, latest_checkpoint, parquet, verifying_inputs
+from .steps import Runner, batch_files, batch_runs, committed_audits, parquet, run_version, verifying_inputs
 
 
 def require_dask():
@@ -184,24 +184,27 @@ def curate_dask(
 
 
 def _resolve(job: _Run, session: Session, params: Params) -> Params:
-    """The embedded engine's defaults for `where` and `current_version`, merged over shards."""
+    """The embedded engine's defaults: `where` (the latest step, merged over shards) and
+    `current_version` (the batch's run's newest version, `steps.run_version`). The user's `where` is
+    checked, and read for the batch's runs, under the run's timeout, as the embedded engine does."""
     n_shards = len(job.ctx.files.listing["rollouts"])
-    version = latest_checkpoint(session) if params["current_version"] is None else None
-    need_scan = params["where"] is None or (params["current_version"] is None and version is None)
-    scans = job.gather([job.submit(tasks.scan_defaults, job.ctx, i) for i in range(n_shards)]) if need_scan else []
-    latest = max((tuple(row) for row, _ in scans if row is not None), default=None)
-    versions = [v for _, v in scans if v is not None]
-    if version is None and versions:
-        version = max(versions)
-    return params.with_defaults(latest, version)
+    scans = job.gather([job.submit(tasks.scan_defaults, job.ctx, i) for i in range(n_shards)]) \
+        if params["where"] is None else []
+    latest = max((tuple(row) for row in scans if row is not None), default=None)
+    params = params.with_defaults(latest, None)
+    everything = parquet(session.snapshot.files("rollouts"))
+    with session.deadline(job.ctx.timeout):
+        session.check_predicate(params["where"], rollouts=everything)  # as the embedded engine
+        if params["current_version"] is None:
+            runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
+            params = params.with_defaults(None, run_version(session, everything, runs))
+    return params
 
 
 def _curate(buf: Buffer, snap, session: Session, job: _Run, recipe: Recipe, params: Params, commit: bool,
             dry_run: bool, verified) -> CurationResult:
     batch_files(snap)  # none: an empty batch, before any task
     params = _resolve(job, session, params)
-    with session.deadline(job.ctx.timeout):
-        session.check_predicate(params["where"], rollouts=parquet(snap.files("rollouts")))  # as the embedded engine
     plan = build(params, recipe)
     curation_id = plan.curation_id(snap.seq)
     if commit and not dry_run and already_committed(buf, curation_id):

@@ -38,7 +38,7 @@ from .layout import PartCounts, audit_path, curated_table, materialised, part_na
 from .record import summarise
 from .merges import MERGES
 from .plan import ON_CLIENT, ONCE, PER_PARTITION, PER_SELECTED, PER_SHARD, Plan, Step
-from .steps import Audits, Runner, bound_relations, latest_policy, latest_step, parquet
+from .steps import Audits, Runner, bound_relations, latest_step, parquet
 
 # ---- what every task gets --------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -130,11 +130,11 @@ def get_item(obj, i: int):
 
 # ---- tasks ------------------------------------------------------------------------------------
 def scan_defaults(ctx: TaskContext, i: int):
-    """The latest (created_at, run_id, step) and the max policy_version of one input shard."""
+    """The latest (created_at, run_id, step) of one input shard, or None."""
     _start(ctx, "scan")
     source = parquet([ctx.shard(i)])
     with _session(ctx) as s:
-        return latest_step(s, source), latest_policy(s, source)
+        return latest_step(s, source)
 
 
 def map_shard(ctx: TaskContext, i: int) -> list[dict[str, pa.Table]]:

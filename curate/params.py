@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -125,7 +126,8 @@ PARAMETERS: tuple[Param, ...] = (
           "row with the greatest (`created_at`, `run_id`, `step`)", nullable=True,
           default_doc="latest step of the latest run", binds=(("where_text", _same),)),
     Param("current_version", "int", None, "\"now\", for staleness and the difficulty window", low=Fraction(0),
-          nullable=True, default_doc="highest `checkpoints.version`, else max `policy_version` of the snapshot",
+          nullable=True, default_doc="the batch's own run's newest version: its newest checkpoint, else a "
+          "learner-only run's, else the newest `policy_version` of its rows; [choices.md](choices.md) §Runs",
           binds=(("current_version", lambda v: 0 if v is None else v),)),
     Param("max_policy_lag", "int", None, "§Eligibility `stale`", low=Fraction(0), nullable=True,
           binds=(("max_policy_lag", _same),)),
@@ -554,3 +556,13 @@ def token_budget(n_tokens: int, kappa: Fraction) -> int:
 def step_where(run_id: str, step: int) -> str:
     """The `where` predicate of one step of one run: the batch a trainer curates after sampling it."""
     return f"run_id = {sql_string(run_id)} AND step = {int(step)}"
+
+
+_STEP_WHERE = re.compile(r"run_id = '((?:[^']|'')*)' AND step = \d+")
+
+
+def run_of_where(where: str) -> str | None:
+    """The run a `where` of `step_where`'s exact form selects (its rows can belong to no other run),
+    else None: the loop's curations learn their run without a query (curate.steps.batch_runs)."""
+    m = _STEP_WHERE.fullmatch(where)
+    return None if m is None else m.group(1).replace("''", "'")

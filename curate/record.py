@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from .plan import Plan
+
+# The reasons that refuse a candidate before any group statistic (docs/curation.md §Eligibility).
+REFUSALS = frozenset({"invalid", "truncated", "stale", "reused"})
 
 
 @dataclass
@@ -30,6 +34,22 @@ class CurationResult:
     audit: pa.Table | None = field(default=None, repr=False)  # a repr stays one screen, whatever the batch
     curated: pa.Table | None = field(default=None, repr=False)
     output_files: list[str] = field(default_factory=list, repr=False)
+
+    def refusal(self) -> str | None:
+        """One line saying why, when the batch had candidates and every one was refused before the
+        pool (`REFUSALS`: nothing of it can ever be trained, whatever the recipe); else None. The
+        curate command and the loop exit non-zero with it (docs/curation.md §Eligibility)."""
+        n = self.record.get("n_candidates") or 0
+        if not n or any(reason not in REFUSALS for reason in self.reasons):
+            return None
+        params = json.loads(self.record["params"]) if isinstance(self.record.get("params"), str) else {}
+        why = {"invalid": "no verdict (correct is null) or a verify_error",
+               "truncated": "finish_reason length or abort, with truncated=drop",
+               "stale": (f"policy_version below current_version {params.get('current_version')} − max_policy_lag "
+                         f"{params.get('max_policy_lag')}"),
+               "reused": f"selected max_reuse = {params.get('max_reuse')} times already"}
+        counts = "; ".join(f"{k} {v}: {why[k]}" for k, v in sorted(self.reasons.items(), key=lambda kv: -kv[1]))
+        return f"every one of {n} candidates was refused before selection ({counts}); nothing to train"
 
 
 def summarise(results: dict) -> dict:

@@ -55,10 +55,10 @@ from .steps import (
     batch_files,
     bound_relations,
     committed_audits,
-    latest_checkpoint,
-    latest_policy,
+    batch_runs,
     latest_step,
     parquet,
+    run_version,
     verifying_inputs,
 )
 
@@ -127,13 +127,13 @@ def curate(
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
         files = batch_files(snap)
         everything = parquet(files, located=True, numbered=True)
-        version = None
-        if params["current_version"] is None:  # its default: the newest checkpoint's, else the newest policy_version
-            version = latest_checkpoint(session)
-            version = version if version is not None else latest_policy(session, everything)
-        params = params.with_defaults(latest_step(session, everything) if params["where"] is None else None, version)
+        latest = latest_step(session, everything) if params["where"] is None else None
+        params = params.with_defaults(latest, None)
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"], rollouts=parquet(files))
+            if params["current_version"] is None:  # its default: the batch's own run's newest version
+                runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
+                params = params.with_defaults(None, run_version(session, everything, runs))
             plan = build(params, recipe, custom_statement(session, recipe))
             runner = Runner(session, dict(plan.values))
             results: dict = {}

@@ -28,7 +28,7 @@ from rollstore.storage.snapshot import rollouts_relation, sql_string, string_ran
 from .entropies import drop_chunks
 from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
-from .params import EmptyBatch
+from .params import EmptyBatch, run_of_where
 from .plan import Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
@@ -177,23 +177,64 @@ def latest_step(session: Session, rollouts: str) -> tuple | None:
     return session.one(render("curate_latest_step", {"rollouts": rollouts}), reads=())  # a relation over files
 
 
-def latest_policy(session: Session, rollouts: str) -> int | None:
-    row = session.one(render("curate_latest_policy", {"rollouts": rollouts}), reads=())  # a relation over files
+def batch_runs(session: Session, rollouts: str, where: str) -> list[str]:
+    """The run_ids of the rows `where` matches (queries/curate_batch_runs.sql), sorted; a `where` of
+    `step_where`'s form names its run, so the query is not run (a loop's curation of a step)."""
+    run = run_of_where(where)
+    if run is not None:
+        return [run]
+    table = session.table(render("curate_batch_runs", {"rollouts": rollouts, "where": where}), reads=())
+    return [str(r) for r in table.column("run_id").to_pylist() if r is not None]
+
+
+# (checkpoint shard path, sha256) -> (run_id, version): a checkpoint shard is immutable and holds one
+# row, so a loop that publishes one a step reads each once per process.
+_CHECKPOINT_RUNS: dict[tuple[str, str], tuple[str, int]] = {}
+
+
+def checkpoint_versions(session: Session) -> dict[str, int]:
+    """The newest checkpoint version of each run_id (queries/curate_checkpoint_runs.sql). Shards
+    known to the manifest are read once per process; a frozen snapshot (a Dask worker's) reads them all."""
+    snap = session.snapshot
+    shards = getattr(snap, "shards", None)
+    if shards is None:
+        keyed = {path: None for path in snap.files("checkpoints")}
+    else:
+        keyed = {os.path.join(snap.root, s.path): (s.path, s.sha256) for s in shards("checkpoints")}
+    missing = [path for path, key in keyed.items() if key is None or key not in _CHECKPOINT_RUNS]
+    read: dict[str, tuple[str, int]] = {}
+    if missing:
+        files = "[" + ", ".join(sql_string(p) for p in missing) + "]"
+        for row in session.table(render("curate_checkpoint_runs", {"files": files}), reads=()).to_pylist():
+            read[row["filename"]] = (str(row["run_id"]), int(row["version"]))
+    newest: dict[str, int] = {}
+    for path, key in keyed.items():
+        run, version = read[path] if path in read else _CHECKPOINT_RUNS[key]
+        if key is not None and path in read:
+            _CHECKPOINT_RUNS[key] = (run, version)
+        newest[run] = max(version, newest.get(run, version))
+    return newest
+
+
+def run_version(session: Session, rollouts: str, runs: list[str]) -> int | None:
+    """The default current_version of a batch whose rows belong to `runs` (docs/choices.md §Runs):
+    the newest checkpoint published under one of those run ids; when none has one, the newest
+    checkpoint of a run that sampled no rollouts (a learner of other runs' rows, such as `rollstore
+    train`'s); else the newest policy_version the runs' rows were sampled with. In a buffer of one run
+    (or of one `generate` run and one `train` run) this is the buffer-wide rule of earlier versions:
+    the newest checkpoint, else the newest policy_version."""
+    checkpoints = checkpoint_versions(session)
+    own = [checkpoints[r] for r in runs if r in checkpoints]
+    if own:
+        return max(own)
+    others = sorted(set(checkpoints) - set(runs))
+    if others:
+        sampled = session.table(render("curate_sampling_runs", {"rollouts": rollouts}), {"runs": others}, reads=())
+        learners = set(others) - {str(r) for r in sampled.column("run_id").to_pylist()}
+        if learners:
+            return max(checkpoints[r] for r in learners)
+    row = session.one(render("curate_latest_policy", {"rollouts": rollouts}), {"runs": list(runs)}, reads=())
     return None if row is None or row[0] is None else int(row[0])
-
-
-def latest_checkpoint(session: Session) -> int | None:
-    """The newest checkpoint's version (queries/curate_latest_checkpoint.sql). From the manifest when
-    it says: every checkpoint is one row in a shard of its own keyed by its version
-    (`learner.checkpoint`), so the largest key is the answer without reading a file per checkpoint
-    (a loop adds one every iteration); else (a frozen snapshot, another kind of shard) the query."""
-    shards = getattr(session.snapshot, "shards", None)
-    if shards is not None:
-        found = shards("checkpoints")
-        if all(s.rows == 1 and s.key is not None and s.key.isascii() and s.key.isdigit() for s in found):
-            return max((int(s.key) for s in found), default=None)
-    row = session.one(load_sql("curate_latest_checkpoint"))
-    return None if row[0] is None else int(row[0])
 
 
 def batch_files(snap) -> list[str]:

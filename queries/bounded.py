@@ -27,7 +27,8 @@ import pyarrow as pa
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.maintenance import spill_prefix
 
-from .session import MemoryLimitError, Session, SqlError, SqlRefused, SqlTimeout, parse_memory_limit
+from .session import (MemoryLimitError, Session, SqlError, SqlRefused, SqlTimeout, names_commits,
+                      parse_memory_limit)
 
 POLL_S = 0.01
 KILL_GRACE_S = 5.0
@@ -42,10 +43,11 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def _child(conn, snapshot, sql: str, timeout: float | None, memory_limit: str, threads: int | None) -> None:
+def _child(conn, snapshot, sql: str, timeout: float | None, memory_limit: str, threads: int | None,
+           commits: pa.Table | None = None) -> None:
     try:
         with Session(snapshot, memory_limit, threads) as session:
-            table = session.run_user_sql(sql, timeout=timeout)
+            table = session.run_user_sql(sql, timeout=timeout, commits=commits)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
@@ -74,7 +76,9 @@ def run_bounded(snapshot, sql: str, timeout: float | None, memory_limit: str,
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     base = _rss(os.getpid())
     cap = base + limit + max(64 << 20, limit // 4)
-    proc = ctx.Process(target=_child, args=(child_conn, snapshot, sql, timeout, memory_limit, threads), daemon=True)
+    commits = snapshot.commits() if names_commits(sql) else None  # the catalog is read here, never in the child
+    proc = ctx.Process(target=_child, args=(child_conn, snapshot, sql, timeout, memory_limit, threads, commits),
+                       daemon=True)
     start = time.monotonic()
     proc.start()
     child_conn.close()

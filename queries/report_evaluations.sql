@@ -1,14 +1,17 @@
 -- Report, accuracy and reward: held-out evaluations (`rollstore loop` every --eval-every
--- iterations, `rollstore eval --buffer`), one row per measurement.
+-- iterations, `rollstore eval --buffer`), one row per measurement; `run_version`: the run's n-th
+-- version (views.sql `run_versions`).
 SELECT
-    run_id,
-    split,
-    metric,
-    policy_version,
-    iteration,
-    value,
-    n_problems,
-    n_samples,
-    created_at
-FROM evaluations
-ORDER BY run_id, split, metric, policy_version, iteration, created_at;
+    e.run_id,
+    e.split,
+    e.metric,
+    e.policy_version,
+    v.run_version,
+    e.iteration,
+    e.value,
+    e.n_problems,
+    e.n_samples,
+    e.created_at
+FROM evaluations AS e
+LEFT JOIN run_versions AS v USING (run_id, policy_version)
+ORDER BY e.run_id, e.split, e.metric, e.policy_version, e.iteration, e.created_at;

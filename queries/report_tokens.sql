@@ -45,6 +45,7 @@ SELECT
     p.replayed,
     p.age,
     r.prompt,
+    r.gold_answer,
     r.response,
     r.correct,
     r.reward,

@@ -374,11 +374,16 @@ class Session:
                 )
         return [st.query for st in statements]
 
-    def run_user_sql(self, sql: str, timeout: float | None = DEFAULT_TIMEOUT) -> "pa.Table":
-        """Run user SQL under the sandbox and a timeout; returns the last statement's result."""
+    def run_user_sql(self, sql: str, timeout: float | None = DEFAULT_TIMEOUT,
+                     commits: "pa.Table | None" = None) -> "pa.Table":
+        """Run user SQL under the sandbox and a timeout; returns the last statement's result.
+        `commits`: the catalog's commit log (`Snapshot.commits`), read before a fork, as the view
+        `commits` (seq, created_at, kind, detail, host); see `names_commits`."""
         if not self.locked:
             self.lock()
         statements = self.check_user_sql(sql)
+        if commits is not None:
+            self._con.register("commits", commits)
         with self.deadline(timeout):
             try:
                 self.bind_named(sql)
@@ -396,6 +401,15 @@ class Session:
             except duckdb.Error as exc:
                 raise SqlError(f"SQL error: {_first_line(exc)}") from None
         return result
+
+
+_COMMITS = re.compile(r"(?<![\w$])commits(?!\w)", re.I)
+
+
+def names_commits(sql: str) -> bool:
+    """True when user SQL may read the `commits` view (the catalog's commit log, not a Parquet table:
+    read from the catalog only for the statements that name it, or may reach it indirectly)."""
+    return bool(_COMMITS.search(sql) or _INDIRECT.search(sql))
 
 
 def explain_permission(message: str, root: str) -> str:

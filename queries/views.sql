@@ -20,6 +20,21 @@ SELECT
 FROM rollouts
 GROUP BY group_id;
 
+-- Each run's policy versions in order (docs/choices.md §Runs): versions are numbered buffer-wide, so
+-- a second run samples at v0 and then publishes v21, v22, … after a 20-version one; `run_version`
+-- n is the run's n-th version (0: the first it sampled, trained or was evaluated with). The report
+-- draws per-version charts against it, one line per run.
+CREATE OR REPLACE VIEW run_versions AS
+SELECT
+    run_id,
+    policy_version,
+    (dense_rank() OVER (PARTITION BY run_id ORDER BY policy_version) - 1)::BIGINT AS run_version
+FROM (
+    SELECT run_id, policy_version FROM rollouts
+    UNION SELECT run_id, version AS policy_version FROM checkpoints
+    UNION SELECT run_id, policy_version FROM evaluations WHERE run_id IS NOT NULL AND policy_version IS NOT NULL
+);
+
 -- Per-prompt history by policy version: judged attempts, correct answers, that version's accuracy,
 -- and the pooled accuracy over every version up to and including it.
 CREATE OR REPLACE VIEW prompts AS

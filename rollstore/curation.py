@@ -47,6 +47,7 @@ class Comparison:
     params: "pl.DataFrame"  # parameters whose effective values differ
     reasons: "pl.DataFrame"  # candidates by reason in A and in B
     differences: "pl.DataFrame"  # rollouts treated differently (kind a_only / b_only / ...)
+    training: "pl.DataFrame | None" = None  # how each was trained: training.* entries (run, version, μ, lr, ...)
 
     def __repr__(self) -> str:
         return (f"<Comparison {self.a} vs {self.b}: {self.differences.height} rollouts treated differently, "
@@ -59,9 +60,12 @@ class Why:
 
     `pool_position` of `pool_size`: its place in its sample-selection pool, ordered by
     `selection_value` (advantage_final, or the reward with PODS) descending; `budget`: the rows the
-    pool kept; a row is kept when its value is ≥ `keep_at_or_above` or ≤ `keep_at_or_below` (the
-    max-variance subset keeps both ends of the order). `token_threshold`: the |A|·H score a token
-    needed to stay in the loss. `tokens`: position, token id, entropy, score and kept per token."""
+    pool kept: the top `top_kept` ranks and the ranks from `bottom_from` on (the max-variance subset
+    keeps both ends of the order); `side`: where the row fell — `top` or `bottom` (kept), `middle`
+    (dropped), `whole pool` (nothing dropped), None (refused before sample selection). A row is kept
+    when its value is ≥ `keep_at_or_above` or ≤ `keep_at_or_below`. `token_threshold`: the |A|·H
+    score a token needed to stay in the loss. `tokens`: position, token id, its `text` (decoded as
+    `rollstore audit --rollout` shows it), entropy, score and kept per token."""
 
     curation_id: str
     rollout_id: str
@@ -80,25 +84,15 @@ class Why:
     response: str
     tokens: "pl.DataFrame" = field(repr=False)
     details: dict = field(repr=False, default_factory=dict)  # every column of queries/audit_why.sql
+    top_kept: int | None = None
+    bottom_from: int | None = None
+    side: str | None = None
 
     def explain(self) -> str:
-        """The answer as one sentence."""
-        if self.pool_position is None:
-            return (f"{self.rollout_id}: {self.reason} before sample selection (advantage_final "
-                    f"{_num(self.advantage_final)}).")
-        ends = " or ".join(x for x in (
-            f"≥ {_num(self.keep_at_or_above)}" if self.keep_at_or_above is not None else "",
-            f"≤ {_num(self.keep_at_or_below)}" if self.keep_at_or_below is not None else "") if x)
-        rule = f"rows with value {ends} were kept, ties by rollout_id" if ends else "the whole pool was kept"
-        kept = int(self.tokens["kept"].sum()) if self.tokens.height else 0
-        return (f"{self.rollout_id}: {self.reason}; value {_num(self.selection_value)} ranks {self.pool_position} of "
-                f"{self.pool_size} in its pool, budget {self.budget} ({rule}); {kept} of {self.tokens.height} "
-                f"tokens kept" + (f" (score threshold {_num(self.token_threshold)})"
-                                  if self.token_threshold is not None else "") + ".")
+        """The answer as one sentence: the reason and which side of the cut-off the row fell on."""
+        from rollstore.report.audit import why_sentence
 
-
-def _num(v) -> str:
-    return "null" if v is None else f"{v:.4g}"
+        return why_sentence(self.details, self.token_threshold)
 
 
 class Curation:
@@ -276,26 +270,43 @@ class Curation:
             views = dict(compare_views(session, self.id, other_id))
         return Comparison(self.id, other_id, **{k: pl.from_arrow(v) for k, v in views.items()})
 
-    def why(self, rollout_id: str) -> Why:
-        """Why `rollout_id` was kept or dropped: its reason, its rank in its selection pool against
-        the budget and the two cut-offs, its tokens' scores and kept marks, the prompt and the gold
-        answer (the data of `rollstore audit ID --rollout R`)."""
+    def why(self, rollout_id: "str | list[str]") -> "Why | pl.DataFrame":
+        """Why a rollout was kept or dropped: its reason, its rank in its selection pool against the
+        budget and the kept blocks of the order (which side of the cut-off it fell on), its tokens'
+        text, scores and kept marks, the prompt and the gold answer (the data of `rollstore audit
+        ID --rollout R`). Given a list of ids (at most 10,000; duplicates once): one query, a Polars
+        frame with one row per id in the order given — the columns of queries/audit_why.sql and
+        `why`, the sentence of `Why.explain`. An id that is not a candidate is refused with one line."""
         import polars as pl
 
         from rollstore import rules
-        from rollstore.report.audit import why_views
+        from rollstore.report.audit import why_rows, why_sentence, why_views
 
-        rollout_id = rules.text("why", "rollout_id", rollout_id)
+        if not isinstance(rollout_id, (list, tuple)):
+            rollout_id = rules.text("why", "rollout_id", rollout_id)
         self._require_committed("audit to question")
+        if not isinstance(rollout_id, str):
+            stack, session = self._session()
+            with stack:
+                rows, threshold = why_rows(session, self.id, list(rollout_id))
+            frame = pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
+            return frame.with_columns(pl.Series("why", [why_sentence(r, threshold) for r in rows], pl.String))
+        from rollstore.report.token_text import TokenText
+
         stack, session = self._session()
         with stack:
             row, tokens, threshold = why_views(session, self.id, rollout_id)
+            text = TokenText.for_snapshot(session)
+        pieces, _ = text.pieces(row["response"] or "", tokens.column("token_id").to_pylist(), tokens.num_rows)
+        frame = pl.from_arrow(tokens)
+        frame = frame.insert_column(2, pl.Series("text", pieces, pl.String))
         return Why(curation_id=self.id, rollout_id=rollout_id, reason=row["reason"], selected=row["selected"],
                    selection_value=row["selection_value"], pool_position=row["pool_position"],
                    pool_size=row["pool_size"], budget=row["budget"], keep_at_or_above=row["keep_at_or_above"],
                    keep_at_or_below=row["keep_at_or_below"], token_threshold=threshold,
                    advantage_final=row["advantage_final"], prompt=row["prompt"], gold_answer=row["gold_answer"],
-                   response=row["response"], tokens=pl.from_arrow(tokens), details=row)
+                   response=row["response"], tokens=frame, details=row, top_kept=row["top_kept"],
+                   bottom_from=row["bottom_from"], side=row["side"])
 
 
 __all__ = ["Comparison", "Curation", "Why"]

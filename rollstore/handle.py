@@ -102,7 +102,7 @@ class Buffer:
         `rollstore sql` (docs/usage.md): `rollouts`, `curated`, `selections`, `curations`, `groups`,
         `prompts`, ... and the macros of queries/views.sql. Returns a `SqlResult` (`.pl()`,
         `.arrow()`, `.df()`). A refused or mistyped query raises one line (`SqlRefused`, ...)."""
-        from rollstore.queries.session import Session, parse_memory_limit
+        from rollstore.queries.session import Session, names_commits, parse_memory_limit
         from rollstore.sqlresult import SqlResult
 
         query = rules.text("sql", "query", query)
@@ -110,8 +110,9 @@ class Buffer:
         parse_memory_limit(rules.text("sql", "memory_limit", memory_limit))
         with self._open() as buf, buf.snapshot(snapshot, pin=True) as snap:
             snap.check_present()
+            commits = snap.commits() if names_commits(query) else None
             with Session(snap, memory_limit) as session:
-                table = session.run_user_sql(query, timeout=timeout or None)
+                table = session.run_user_sql(query, timeout=timeout or None, commits=commits)
             return SqlResult(table, query, snap.seq)
 
     def curations(self) -> "pl.DataFrame":
@@ -242,6 +243,14 @@ class Buffer:
               "path": os.path.join(self.root, ck.path)} for ck in cks],
             schema={"version": pl.Int64, "curation_ids": pl.List(pl.Utf8), "loss": pl.Float64,
                     "tokens": pl.Int64, "path": pl.Utf8})
+
+    def compare_runs(self, a: str, b: str, *, snapshot: int | None = None):
+        """Runs `a` and `b` side by side (`rollstore compare`): a `Comparison` with `.runs`,
+        `.heldout`, `.phases`, `.differ` (setting -> (a, b)) and `.text()`, the command's output."""
+        from rollstore.report.compare import compare_runs
+
+        with self._open() as buf:
+            return compare_runs(buf, a, b, snapshot)
 
     def _curation_id(self, curation, command: str = "train", name: str = "curation") -> str:
         from rollstore.curation import Curation

@@ -570,6 +570,12 @@ class PgManifest(Manifest):
             raise self._fenced_error()
         return int(row[0])
 
+    def commit_log(self, upto: int) -> list[tuple]:
+        """(seq, created_at, kind, detail, host) of every commit up to `upto`: which host committed
+        what, when (the `commits` view of `rollstore sql`)."""
+        return self.con.execute("SELECT seq, created_at, kind, detail, host FROM commits WHERE seq <= ? ORDER BY seq",
+                                (upto,)).fetchall()
+
     def add_shards(self, con, seq: int, shards: list[NewShard]) -> list[int]:
         """As the embedded manifest's, one statement for all: a path another writer committed first
         raises FileExistsError. (`ON CONFLICT DO NOTHING`: a failed INSERT would abort the whole

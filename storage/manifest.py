@@ -321,6 +321,12 @@ class Manifest:
                 self.con.execute("PRAGMA synchronous=FULL")
 
     # ---- commits and snapshots -------------------------------------------------------------
+    def commit_log(self, upto: int) -> list[tuple]:
+        """(seq, created_at, kind, detail, host) of every commit up to `upto`; host is None here (one
+        machine writes an embedded manifest). The `commits` view of `rollstore sql` (docs/usage.md)."""
+        return [(*row, None) for row in self.con.execute(
+            "SELECT seq, created_at, kind, detail FROM commits WHERE seq <= ? ORDER BY seq", (upto,)).fetchall()]
+
     def new_commit(self, con: sqlite3.Connection, kind: str, detail: dict | None = None) -> int:
         cur = con.execute(
             "INSERT INTO commits (created_at, kind, detail) VALUES (?, ?, ?)",

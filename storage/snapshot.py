@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import os
 import sqlite3
@@ -73,6 +74,21 @@ class Snapshot:
         except BaseException:
             self.close()
             raise
+
+    def commits(self) -> pa.Table:
+        """Every commit up to this snapshot: seq, created_at, kind (what: append, curation, checkpoint,
+        compact, ...), detail (JSON) and host (the writing host on a shared catalog; null in an
+        embedded manifest). Read from the catalog, so call it before a fork (`rollstore sql` does)."""
+        rows = self._manifest.commit_log(self.seq)
+        cols = list(zip(*rows)) if rows else [[], [], [], [], []]
+        return pa.table({
+            "seq": pa.array(cols[0], pa.int64()),
+            "created_at": pa.array([dt.datetime.fromtimestamp(t, dt.timezone.utc) for t in cols[1]],
+                                   pa.timestamp("us", tz="UTC")),
+            "kind": pa.array(cols[2], pa.string()),
+            "detail": pa.array(cols[3], pa.string()),
+            "host": pa.array(cols[4], pa.string()),
+        })
 
     def close(self) -> None:
         if self._pin is not None:

@@ -79,7 +79,8 @@ def test_compare_two_recipes_on_one_snapshot(cli, whatif):
     assert only_a and only_b  # the two recipes disagree somewhere
 
     doc = json.loads(cli("audit", root, a, "--compare", b, "--format", "json").stdout)
-    assert set(doc) == {"a", "b", "summary", "params", "reasons", "differences"}
+    assert set(doc) == {"a", "b", "summary", "params", "training", "reasons", "differences"}
+    assert doc["training"] == [{"parameter": "training.trained", "a": "no", "b": "no"}]  # neither was trained
     side = {r["side"]: r for r in doc["summary"]}
     assert side["A"]["recipe"] == "pods" and side["B"]["recipe"] == "dapo"
     assert side["A"]["snapshot_seq"] == side["B"]["snapshot_seq"]
@@ -100,7 +101,7 @@ def test_compare_two_recipes_on_one_snapshot(cli, whatif):
 
     rows = parse_csv(cli("audit", root, a, "--compare", b, "--format", "csv").stdout)
     assert kinds["both_differ"] > 0
-    assert Counter(r["view"] for r in rows) == {"summary": 2, "params": len(doc["params"]),
+    assert Counter(r["view"] for r in rows) == {"summary": 2, "params": len(doc["params"]), "training": 1,
                                                 "reasons": len(doc["reasons"]), "differences": len(doc["differences"])}
     text = cli("audit", root, a, "--compare", b).stdout
     assert "side by side" in text and a in text and b in text and "parameters that differ" in text

@@ -121,14 +121,14 @@ def test_a_shard_is_trained_into_a_run_once(buf):
         publish=Publish(version=2, run_id="run-2", consumed=[consumed_entry("c1", rel[0])], parent_version=0))
     assert [c.version for c in list_checkpoints(buf)] == [1, 2]
     assert latest_checkpoint(buf, RUN).version == 1
-    # a curation's default current_version: the manifest's keys say what the checkpoints table says
+    # a curation's default current_version is per run: each run's newest checkpoint, read once per shard
     from rollstore.curate import steps
     from rollstore.queries.session import Session
 
     with buf.snapshot() as snap, Session(snap) as s:
-        assert steps.latest_checkpoint(s) == s.one("SELECT max(version) FROM checkpoints")[0] == 2
+        assert steps.checkpoint_versions(s) == {RUN: 1, "run-2": 2} == steps.checkpoint_versions(s)  # cached
         with Session(snap.frozen()) as frozen:  # a frozen snapshot (a Dask worker's) has no keys: the query
-            assert not hasattr(frozen.snapshot, "shards") and steps.latest_checkpoint(frozen) == 2
+            assert not hasattr(frozen.snapshot, "shards") and steps.checkpoint_versions(frozen) == {RUN: 1, "run-2": 2}
 
 
 def test_an_orphan_directory_of_a_crashed_save_is_replaced(buf):

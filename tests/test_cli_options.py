@@ -61,7 +61,7 @@ REQUIRED = {  # what each command needs besides the option under test (never rea
     "init": ["B"], "import": ["B", "f.jsonl"], "export": ["B", "--to", "D"], "sql": ["B", "SELECT 1"],
     "info": ["B"], "gc": ["B"], "verify": ["B"], "compact": ["B"], "curate": ["B", "--recipe", "grpo"],
     "audit": ["B"], "report": ["B", "--out", "r.html"], "generate": ["B"], "train": ["B"], "loop": ["B"],
-    "eval": [], "demo": ["B"], "recipes": [],
+    "eval": [], "demo": ["B"], "recipes": [], "compare": ["B", "run-a", "run-b"],
 }
 
 

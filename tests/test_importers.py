@@ -135,7 +135,7 @@ def test_trl_completions_from_a_real_grpo_trainer(tmp_path, cli, buf, tok_dir, m
     (f,) = trl_run(tmp_path / "out", conversational=False)
     table = pd.read_parquet(f)
     assert list(table.columns) == ["step", "prompt", "completion", "length_reward", "constant", "advantage"]
-    res = cli("import", buf, f, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    res = cli("import", buf, f, "--from", "trl-completions", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf)
     assert len(rows) == len(table) == 8  # every logged completion, repeated ones included
@@ -153,7 +153,7 @@ def test_trl_completions_from_a_real_grpo_trainer(tmp_path, cli, buf, tok_dir, m
     assert len(first) == 1 and first[0]["reward"] == json.loads(first[0]["meta"])["rewards"]["length_reward"]
     notes = shard_notes(buf)
     assert [(n["format"], n["file"], n["rows"]) for n in notes] == [("trl-completions", "completions_00001.parquet", 8)]
-    again = cli("import", buf, f, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    again = cli("import", buf, f, "--from", "trl-completions", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert again.code == 0 and "0 new rows" in again.stdout
 
 
@@ -163,7 +163,7 @@ def test_trl_conversational_from_a_real_grpo_trainer(tmp_path, cli, buf, chat_to
     (f,) = trl_run(tmp_path / "out", conversational=True)
     logged = pd.read_parquet(f)
     assert isinstance(logged["prompt"][0][0], dict)  # a list of messages, as TRL logs it
-    res = cli("import", buf, f, "--from", "trl-completions", "--tokenizer", chat_tok_dir, "--score-model", model_dir)
+    res = cli("import", buf, f, "--from", "trl-completions", "--correct-threshold", "1", "--tokenizer", chat_tok_dir, "--score-model", model_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf)
     assert len(rows) == 8 and {r["prompt"] for r in rows} == {"(1+1=)=", "(2*3=)="}
@@ -186,7 +186,7 @@ def test_trl_batch_logged_twice_by_a_real_grpo_trainer(tmp_path, cli, buf, tok_d
     assert [os.path.basename(f) for f in files] == ["completions_00001.parquet", "completions_00002.parquet"]
     a, b = pd.read_parquet(files[0]), pd.read_parquet(files[1])
     assert len(a) == len(b) == 16 and list(a["completion"]) == list(b["completion"])
-    res = cli("import", buf, *files, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    res = cli("import", buf, *files, "--from", "trl-completions", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert res.code == 0, res.stderr
     assert "16 new rows" in res.stdout and "0 new rows, 16 already present" in res.stdout
     rows = rows_of(buf)
@@ -221,7 +221,7 @@ def test_trl_repeated_completions_are_kept(tmp_path, cli, buf, tok_dir, model_di
     f1 = trl_file(tmp_path, 10, g1[0] + g2[0], g1[1] + g2[1], g1[2] + g2[2])
     # steps_per_generation > logging_steps: the deques still hold the same batch at the next log
     f2 = trl_file(tmp_path, 11, g1[0] + g2[0], g1[1] + g2[1], g1[2] + g2[2])
-    res = cli("import", buf, f1, f2, "--from", "trl-completions", "--tokenizer", tok_dir, "--score-model", model_dir)
+    res = cli("import", buf, f1, f2, "--from", "trl-completions", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf)
     assert len(rows) == 8 and len({r["rollout_id"] for r in rows}) == 8
@@ -302,7 +302,7 @@ def test_verl_default_settings_balance_batch_groups_by_step_and_prompt(tmp_path,
     assert cli("curate", buf, "--recipe", "dapo").code == 0
     sel = json.loads(cli("sql", buf, "SELECT reason, count(*) AS n FROM selections GROUP BY 1 ORDER BY 1", "-f", "json").stdout)
     assert {d["reason"]: d["n"] for d in sel} == {"selected": 12, "zero_variance": 4}
-    again = cli("import", buf, f, "--from", "verl-jsonl", "--tokenizer", tok_dir, "--score-model", model_dir)
+    again = cli("import", buf, f, "--from", "verl-jsonl", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert again.code == 0 and "0 new rows" in again.stdout and len(rows_of(buf)) == 16
 
 
@@ -311,7 +311,7 @@ def test_verl_reward_extra_keys_and_uid_groups(tmp_path, cli, buf, tok_dir, mode
     f = verl_file(tmp_path, 3, {"input": ["1+2="] * 2 + ["4-1="] * 2, "output": ["3", "4", "3", "3"],
                                 "gts": ["3", "3", "3", "3"], "score": [1.0, 0.0, 1.0, 1.0],
                                 "step": [3] * 4, "acc": [True, False, True, True], "pred": ["3", "4", "3", "3"]})
-    res = cli("import", buf, f, "--from", "verl-jsonl", "--tokenizer", tok_dir, "--score-model", model_dir)
+    res = cli("import", buf, f, "--from", "verl-jsonl", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf, "prompt, sample_idx")
     assert [(r["prompt"], r["response"], r["reward"], r["correct"], r["gold_answer"]) for r in rows] == [
@@ -321,7 +321,7 @@ def test_verl_reward_extra_keys_and_uid_groups(tmp_path, cli, buf, tok_dir, mode
     assert json.loads(rows[0]["meta"])["pred"] == "3"
     f2 = verl_file(tmp_path, 1, {"input": ["1+2=", "4-1=", "1+2="], "output": ["3", "3", "4"], "gts": [None] * 3,
                                  "score": [1.0, 1.0, 0.0], "step": [1] * 3, "uid": ["a", "b", "a"]})
-    assert cli("import", buf, f2, "--from", "verl-jsonl", "--tokenizer", tok_dir, "--score-model", model_dir).code == 0
+    assert cli("import", buf, f2, "--from", "verl-jsonl", "--correct-threshold", "1", "--tokenizer", tok_dir, "--score-model", model_dir).code == 0
     rows = [r for r in rows_of(buf, "prompt, sample_idx") if r["step"] == 1]
     assert rows[0]["group_id"] == rows[1]["group_id"] != rows[2]["group_id"] and rows[0]["gold_answer"] is None
 
@@ -398,7 +398,7 @@ def test_prime_rl_groups_across_rank_files_with_rewards_file(tmp_path, cli, buf,
         {"step": 4, "rank": 0, "export_sequence_idx": 1, "reward": 1.0},
         {"step": 4, "token_ids": P1 + [7, 7, 7], "reward": 0.0},
         {"token_ids": P2 + [5, EOS], "reward": 1.0}]) + "\n")
-    res = cli("import", buf, f0, f1, "--from", "prime-rl", "--tokenizer", tok_dir, "--rewards", str(rewards))
+    res = cli("import", buf, f0, f1, "--from", "prime-rl", "--correct-threshold", "1", "--tokenizer", tok_dir, "--rewards", str(rewards))
     assert res.code == 0, res.stderr
     assert res.stdout.count("new rows") == 1  # one step directory, imported once
     rows = rows_of(buf, "rollout_id")
@@ -416,7 +416,7 @@ def test_prime_rl_groups_across_rank_files_with_rewards_file(tmp_path, cli, buf,
     assert json.loads(long["meta"])["advantages"] == [-0.5] * 3
     assert by_resp[(6, EOS)]["finish_reason"] == "stop" and by_resp[(6, EOS)]["reward"] == 1.0
     assert "reward taken from the --rewards file" in long["meta"]
-    again = cli("import", buf, os.path.dirname(f0), "--from", "prime-rl", "--tokenizer", tok_dir, "--rewards", str(rewards))
+    again = cli("import", buf, os.path.dirname(f0), "--from", "prime-rl", "--correct-threshold", "1", "--tokenizer", tok_dir, "--rewards", str(rewards))
     assert again.code == 0 and "0 new rows" in again.stdout and len(rows_of(buf)) == 4
 
 
@@ -425,7 +425,7 @@ def test_prime_rl_older_writer_with_rewards(tmp_path, cli, buf, tok_dir):
     recs = [prime_record(2, 0, i, P1, resp, 0.0, rewards=rw, old_writer=True)
             for i, (resp, rw) in enumerate([([6, EOS], 1.0), ([7, EOS], 0.0)])]
     f = prime_file(tmp_path, 2, recs, stable=False)
-    res = cli("import", buf, f, "--from", "prime-rl", "--tokenizer", tok_dir)
+    res = cli("import", buf, f, "--from", "prime-rl", "--correct-threshold", "1", "--tokenizer", tok_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf, "sample_idx")
     assert [r["reward"] for r in rows] == [1.0, 0.0] and len({r["group_id"] for r in rows}) == 1
@@ -494,7 +494,7 @@ def test_nemo_rl(tmp_path, cli, buf, tok_dir):
     p1, p2 = [1, 5, 14, 5, 18], [1, 6, 15, 5, 18]
     f = nemo_file(tmp_path, 7, [(p1, [6, EOS], 1.0), (p1, [7, EOS], 0.0), (p2, [5, EOS], 1.0), (p2, [5], 1.0)])
     assert json.loads(open(f).readline())["rewards"] == [1.0]  # the batch-of-one layout
-    res = cli("import", buf, f, "--from", "nemo-rl", "--tokenizer", tok_dir)
+    res = cli("import", buf, f, "--from", "nemo-rl", "--correct-threshold", "1", "--tokenizer", tok_dir)
     assert res.code == 0, res.stderr
     rows = rows_of(buf, "prompt, sample_idx")
     assert [(r["prompt"], r["response"], r["reward"], r["finish_reason"]) for r in rows] == [
@@ -504,10 +504,10 @@ def test_nemo_rl(tmp_path, cli, buf, tok_dir):
     assert rows[0]["entropies"] is None
     meta = json.loads(rows[0]["meta"])
     assert meta["advantages"] == [0.5, 0.5] and meta["idx"] == 0 and meta["sample_loss_mask"] == 1.0
-    again = cli("import", buf, f, "--from", "nemo-rl", "--tokenizer", tok_dir)
+    again = cli("import", buf, f, "--from", "nemo-rl", "--correct-threshold", "1", "--tokenizer", tok_dir)
     assert again.code == 0 and "0 new rows" in again.stdout and len(rows_of(buf)) == 4
     ds = nemo_file(tmp_path, 8, [(p1, [6, EOS], 1.0), (p1, [7, EOS], 0.0)], dynamic_sampling=True)
-    assert cli("import", buf, ds, "--from", "nemo-rl", "--tokenizer", tok_dir).code == 0
+    assert cli("import", buf, ds, "--from", "nemo-rl", "--correct-threshold", "1", "--tokenizer", tok_dir).code == 0
     assert json.loads(rows_of(buf, "step DESC, sample_idx")[0]["meta"])["filtered_rewards"] == 1.0
 
 
@@ -557,3 +557,22 @@ def test_nemo_rl_refusals(tmp_path, cli, buf, tok_dir):
     line = one_error_line(cli("import", buf, f, "--from", "nemo-rl", "--tokenizer", tok_dir, "--rewards", f))
     assert line == "error: --rewards is for --from prime-rl (the nemo-rl dump holds its rewards)"
     assert rows_of(buf) == []
+
+
+def test_no_verdict_without_a_threshold_is_refused_and_a_reimport_cannot_rederive(tmp_path, cli, buf):
+    """A file whose format gives no verdict is refused without --correct-threshold (every row would be
+    `invalid`), nothing written; a re-import with another threshold is refused (rows are written once);
+    `--tokenizer builtin:tiny` is a tokenizer like any other command's model reference."""
+    f = trl_file(tmp_path, 1, ["1+1="] * 2, ["2", "3"], [1.0, 0.0])
+    args = ("--from", "trl-completions", "--tokenizer", "builtin:tiny", "--score-model", "builtin:tiny")
+    line = one_error_line(cli("import", buf, f, *args))
+    assert f in line and "no verdict" in line and "--correct-threshold" in line and "nothing was written" in line
+    assert rows_of(buf) == []
+    res = cli("import", buf, f, *args, "--correct-threshold", "1")
+    assert res.code == 0 and "2 new rows" in res.stdout, res.stderr
+    assert [r["correct"] for r in rows_of(buf)] == [True, False]
+    assert "0 new rows, 2 already present" in cli("import", buf, f, *args, "--correct-threshold", "1").stdout
+    line = one_error_line(cli("import", buf, f, *args, "--correct-threshold", "2"))
+    assert "already in the buffer with other verdicts" in line and "--correct-threshold 2" in line
+    assert "nothing was written" in line
+    assert [r["correct"] for r in rows_of(buf)] == [True, False]

@@ -559,12 +559,12 @@ def test_byte_identical_nemo_rl_dumps_of_two_steps_are_both_imported(cli, buffer
     other.mkdir()
     second = str(other / "train_data_step4.jsonl")
     open(second, "wb").write(open(first, "rb").read())  # the same bytes, another step
-    res = cli("import", buffer_dir, first, second, "--from", "nemo-rl", "--tokenizer", tok)
+    res = cli("import", buffer_dir, first, second, "--from", "nemo-rl", "--correct-threshold", "1", "--tokenizer", tok)
     assert res.code == 0, res.stderr
     assert res.stdout.count("2 new rows, 0 already present") == 2, res.stdout
     res = cli("sql", buffer_dir, "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step", "--format", "csv")
     assert res.stdout.split() == ['"step","n"', "3,2", "4,2"], res.stdout
-    again = cli("import", buffer_dir, second, "--from", "nemo-rl", "--tokenizer", tok)
+    again = cli("import", buffer_dir, second, "--from", "nemo-rl", "--correct-threshold", "1", "--tokenizer", tok)
     assert "0 new rows, 2 already present" in again.stdout  # re-importing a file still adds nothing
 
 

@@ -69,7 +69,7 @@ def test_a_framework_import_refuses_a_non_finite_log_prob(cli, buffer_dir, tmp_p
     with open(path, "w") as fh:
         fh.writelines(json.dumps(line) + "\n" for line in lines)
     seq = seq_of(buffer_dir)
-    line = one_error_line(cli("import", buffer_dir, path, "--from", "nemo-rl", "--tokenizer", tok))
+    line = one_error_line(cli("import", buffer_dir, path, "--from", "nemo-rl", "--correct-threshold", "1", "--tokenizer", tok))
     assert path in line and "'old_logprobs'" in line and "NaN or infinity" in line, line
     assert seq_of(buffer_dir) == seq and _rollout_files(buffer_dir) == []
 

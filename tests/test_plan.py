@@ -246,7 +246,8 @@ def _step_id(step) -> str:
 
 # What a run executes outside the plan: the defaults it resolves before the plan exists, and the
 # session's own introspection.
-OUTSIDE_PLAN = ("curate_latest_step", "curate_latest_policy", "curate_latest_checkpoint", "curate_work_range")
+OUTSIDE_PLAN = ("curate_latest_step", "curate_latest_policy", "curate_batch_runs", "curate_checkpoint_runs",
+                "curate_sampling_runs", "curate_work_range")
 
 
 def _outside_plan(sql: str) -> bool:

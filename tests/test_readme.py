@@ -33,6 +33,18 @@ def test_python_quick_start_runs(tmp_path, monkeypatch):
     assert len(rows) == cur.summary["n_selected"][0] == dict(cur.reasons.select("reason", "candidates").iter_rows())["selected"]
     assert {r["curation_id"] for r in rows} == {cur.id}
     assert all(len(r["loss_mask"]) == len(r["response_token_ids"]) for r in rows)
+    # the comment after print(...) shows what the line prints: an id, then {reason: candidates} with
+    # the reasons a dapo curation of the quick start's buffer gives (its numbers are that buffer's;
+    # this synthetic buffer also has invalid rows)
+    import ast
+    import re
+
+    comment = code.split("print(cur.id", 1)[1].split("# ", 1)[1].splitlines()[0]
+    shown_id, shown = re.fullmatch(r"(cur-[0-9a-f]+)…\s+(\{.*\})", comment.strip()).groups()
+    printed = dict(cur.reasons.select("reason", "candidates").iter_rows())
+    assert cur.id.startswith("cur-") and len(shown_id) > 4
+    assert set(ast.literal_eval(shown)) <= set(printed), (shown, printed)
+    assert all(isinstance(v, int) for v in ast.literal_eval(shown).values())
 
 
 def _broken_links(path: str) -> list[str]:

@@ -260,6 +260,40 @@ def tiny_info(model_dir: str) -> dict | None:
         return json.load(fh)
 
 
+def _splits(task_ref: str) -> list[str]:
+    """The splits a built-in task's reference may name (`builtin:arith:harder`): its training splits
+    and their held-out ones."""
+    names = list(task_module(TASK_PROMPTS[task_ref]).SPLITS)
+    return names + ["heldout"] + [f"heldout-{n}" for n in names if n != "train"]
+
+
+def check_refs(model: str | None = None, prompts: str | None = None) -> None:
+    """Refuse a model or prompts reference that cannot resolve, at once, before anything slow (a
+    model build or load) or anything written: a `builtin:` name that is not one (with a did-you-mean:
+    `builtin:carry` -> `builtin:carries`), a directory or file that does not exist."""
+    from rollstore.storage.errors import did_you_mean
+
+    if model is not None and not model.startswith("checkpoint:"):
+        if model.startswith("builtin:"):
+            if model not in TINY_MODELS:
+                raise RollstoreError(f"--model {model}: no such built-in policy{did_you_mean(model, TINY_MODELS)} "
+                                     f"(built-in: {', '.join(TINY_MODELS)}; or a local model directory)")
+        elif not os.path.isdir(model):
+            raise RollstoreError(f"--model {model}: no such model directory (give a local model directory or one "
+                                 f"of {', '.join(TINY_MODELS)})")
+    if prompts is not None:
+        if prompts.startswith("builtin:"):
+            base = next((b for b in TASK_PROMPTS if prompts == b or prompts.startswith(b + ":")), None)
+            splits = {b: _splits(b) for b in TASK_PROMPTS}
+            known = list(TASK_PROMPTS) + [f"{b}:{s}" for b in TASK_PROMPTS for s in splits[b]]
+            if base is None or (prompts != base and prompts.split(":", 2)[2] not in splits[base]):
+                raise RollstoreError(f"--prompts {prompts}: no such built-in task{did_you_mean(prompts, known)} "
+                                     f"(built-in: {', '.join(TASK_PROMPTS)}; or a JSONL/Parquet file)")
+        elif not os.path.isfile(prompts):
+            raise RollstoreError(f"--prompts {prompts}: no such file (a JSONL/Parquet file of prompts, or one of "
+                                 f"{', '.join(TASK_PROMPTS)})")
+
+
 def resolve_model(ref: str, *, steps: int | None = None, seed: int = 0, quiet: bool = False) -> str:
     """A local model directory for a built-in policy (built and cached) or an existing directory."""
     if ref in TINY_MODELS:

@@ -31,7 +31,7 @@ if "transformers" in sys.modules:  # imported before us (a notebook, a test): th
     sys.modules["transformers"].utils.logging.disable_progress_bar()
     sys.modules["transformers"].utils.logging.set_verbosity_error()
 
-app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
+app = typer.Typer(cls=OneLineErrors, add_completion=True, no_args_is_help=True, help="Offline replay buffer and curation engine for GRPO-family RL.",
                   pretty_exceptions_enable=False)
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -47,11 +47,22 @@ def _losses() -> tuple:
 DEBUG = {"on": os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")}
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"rollstore {version('rollstore')}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _options(debug: bool = typer.Option(False, "--debug", help="On an unexpected error, show the traceback.")):
+def _options(debug: bool = typer.Option(False, "--debug", help="On an unexpected error, show the traceback."),
+             version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                          help="Print rollstore's version and exit.")):
     """Offline replay buffer and curation engine for GRPO-family RL."""
-    if debug:
-        DEBUG["on"] = True
+    # set per invocation: an in-process caller (a test, a notebook) that once passed --debug does not
+    # keep raw tracebacks for every later command
+    DEBUG["on"] = debug or os.environ.get("ROLLSTORE_DEBUG", "") not in ("", "0")
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -158,7 +169,10 @@ def import_(
 
     if from_ not in FORMATS:
         fail(f"--from {from_}: unknown format (one of {', '.join(FORMATS)})")
-    codec = load_codec(tokenizer, score_model)
+    from rollstore.builtin.resolve import resolve_model
+
+    builtin = lambda ref: resolve_model(ref) if ref and ref.startswith("builtin:") else ref  # noqa: E731
+    codec = load_codec(builtin(tokenizer), builtin(score_model))  # builtin:tiny, as every other command takes
     if rewards is not None and from_ == "prime-rl":
         from rollstore.importers.primerl import load_rewards
 
@@ -396,6 +410,8 @@ def curate_(
         result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot, dry_run=dry_run,
                         limits=Limits(memory_limit, timeout=timeout or None), engine=chosen)
     print_summary(result, out)
+    if result.refusal():  # the curation is committed (its audit says why per row); nothing of it can be trained
+        fail(result.refusal())
 
 
 @app.command()
@@ -434,6 +450,22 @@ def report(
         info = build_report(buf, out_file, curation_id=curation, snapshot=snapshot)
     out.print(f"wrote {info.path} ({info.bytes / 1024:.0f} KiB, snapshot {info.snapshot_seq}, "
               f"{info.seconds:.2f} s)", highlight=False, markup=False)
+
+
+@app.command()
+@guarded
+def compare(
+    buffer: str,
+    run_a: str = typer.Argument(..., help="A run id of the buffer (rollouts, checkpoints or evaluations)."),
+    run_b: str = typer.Argument(..., help="Another run id of the same buffer."),
+    snapshot: Optional[int] = seq(None, "--snapshot", help="Manifest sequence number to read (default: latest)."),
+):
+    """Two runs side by side: held-out curves, rollouts, learner tokens, loop time, settings that differ."""
+    from rollstore.report.compare import compare_runs
+
+    with open_buffer(buffer) as buf:
+        result = compare_runs(buf, run_a, run_b, snapshot)
+    out.print(result.text(), highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -515,28 +547,28 @@ def loop(
                                         "(builtin:tiny-carries for builtin:carries), else builtin:tiny."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith (builtin:carries: the "
                                           "harder task)."),
-    iterations: Optional[int] = count(None, "--iterations", "-k"),
+    iterations: Optional[int] = count(None, "--iterations", "-k", show_default="40"),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
-    prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter"),
-    pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts)."),
-    group_size: Optional[int] = count(None, "--group-size", "-G"),
-    max_new_tokens: Optional[int] = count(None, "--max-new-tokens"),
-    loss: Optional[str] = choice(None, "--loss", choices=_losses),
+    prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter", show_default="128"),
+    pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts).", show_default="2048"),
+    group_size: Optional[int] = count(None, "--group-size", "-G", show_default="8"),
+    max_new_tokens: Optional[int] = count(None, "--max-new-tokens", show_default="8 (builtin:chains: 40)"),
+    loss: Optional[str] = choice(None, "--loss", choices=_losses, show_default="grpo"),
     lr: Optional[float] = ruled(None, "--lr", rule=rules.TRAIN["lr"], help="Learning rate (default: the recipe's `lr`, else 5e-5)."),
     epochs: Optional[int] = ruled(None, "--epochs", rule=rules.TRAIN["epochs"], help="Passes over each curated batch, μ (default: the recipe's "
                                   "`epochs`, else 1)."),
-    warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0),
-    micro_batch_size: Optional[int] = ruled(None, "--micro-batch-size", rule=rules.TRAIN["micro_batch_size"]),
-    grad_accum: Optional[int] = ruled(None, "--grad-accum", rule=rules.TRAIN["grad_accum"], help="Micro-batches per optimiser step."),
-    max_policy_lag: Optional[int] = count(None, "--max-policy-lag", low=0),
-    max_gen_batches: Optional[int] = count(None, "--max-gen-batches"),
-    eval_every: Optional[int] = count(None, "--eval-every", low=0, help="Held-out evaluation every N iterations (0 = never)."),
-    eval_prompts: Optional[int] = count(None, "--eval-prompts", help="Distinct held-out prompts per evaluation."),
+    warmup_steps: Optional[int] = count(None, "--warmup-steps", low=0, show_default="5"),
+    micro_batch_size: Optional[int] = ruled(None, "--micro-batch-size", rule=rules.TRAIN["micro_batch_size"], show_default="512"),
+    grad_accum: Optional[int] = ruled(None, "--grad-accum", rule=rules.TRAIN["grad_accum"], help="Micro-batches per optimiser step.", show_default="1"),
+    max_policy_lag: Optional[int] = count(None, "--max-policy-lag", low=0, show_default="none: no bound"),
+    max_gen_batches: Optional[int] = count(None, "--max-gen-batches", show_default="8"),
+    eval_every: Optional[int] = count(None, "--eval-every", low=0, help="Held-out evaluation every N iterations (0 = never).", show_default="5"),
+    eval_prompts: Optional[int] = count(None, "--eval-prompts", help="Distinct held-out prompts per evaluation.", show_default="500"),
     eval_samples: int = count(0, "--eval-samples", low=0, help="Also sample N per prompt for pass@1 / pass@N."),
     seed: int = seed_(0, "--seed"),
-    run_id: Optional[str] = typer.Option(None, "--run-id"),
-    backend: Optional[str] = typer.Option(None, "--backend"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", show_default="loop-RECIPE-sSEED"),
+    backend: Optional[str] = typer.Option(None, "--backend", show_default="hf"),
     threads: Optional[int] = count(None, "--threads", help="torch threads (default 1: see docs/loop.md, Threads)."),
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
     keep_checkpoints: int = count(3, "--keep-checkpoints", help="Only the newest K checkpoints keep their files "
@@ -555,7 +587,6 @@ def loop(
     def given(**kw):
         return {k: v for k, v in kw.items() if v is not None}
 
-    Buffer.init(buffer).close()
     defaults = LoopConfig(buffer=buffer, **given(prompts=prompts))  # a built-in task's token budget
     if model is None and prompts is not None:
         from rollstore.builtin.resolve import task_model
@@ -572,6 +603,8 @@ def loop(
                 pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
                 eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads,
                 keep_checkpoints=keep_checkpoints))
+    cfg.check()  # before the buffer is created and anything is loaded
+    Buffer.init(buffer).close()
     if learner_ranks > 1:
         from rollstore.loop.ranks import run_loop_with_ranks
 
@@ -630,6 +663,7 @@ def demo(
 @app.command()
 @guarded
 def recipes(
+    name: Optional[str] = typer.Argument(None, metavar="[RECIPE]", help="Explain this recipe (= --explain RECIPE)."),
     explain: Optional[str] = typer.Option(None, "--explain", metavar="RECIPE",
                                           help="Print this recipe's plan: each step's SQL file, values, reads and writes."),
     set_: List[str] = typer.Option([], "--set", help="name=value parameter override (with --explain), repeatable."),
@@ -637,6 +671,9 @@ def recipes(
     """List the built-in recipes, or explain one as the plan it runs."""
     from rollstore.curate.params import builtin_recipes, load_recipe
 
+    if name is not None and explain is not None and name != explain:
+        raise RollstoreError(f"recipes: two recipes named ({name} and --explain {explain}); name one")
+    explain = explain if explain is not None else name
     if explain is None:
         if set_:
             raise RollstoreError("--set goes with --explain RECIPE")
@@ -653,6 +690,18 @@ def recipes(
     from rollstore.cli.explain import print_plan
 
     print_plan(explain, set_, out)
+
+
+def _one_line_summaries() -> None:
+    """`rollstore --help` lists each command with its docstring's first paragraph as one sentence
+    (a docstring wrapped at 110 columns would otherwise break mid-sentence in the list)."""
+    for info in app.registered_commands:
+        if info.short_help is None and info.callback is not None and info.callback.__doc__:
+            first = info.callback.__doc__.strip().split("\n\n", 1)[0]
+            info.short_help = " ".join(first.split())
+
+
+_one_line_summaries()
 
 
 def main() -> None:  # pragma: no cover

@@ -5,6 +5,8 @@ Invariants: `curate` prints the curation id alone on the last line of stdout.
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console
 
 from rollstore.curate.params import parse_sets
@@ -30,8 +32,10 @@ def print_summary(result: CurationResult, out: Console) -> None:
 
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(result.reasons.items(), key=lambda kv: -kv[1]))
     kept_pct = 100.0 * r["tokens_kept"] / r["tokens_candidate"] if r["tokens_candidate"] else 0.0
+    params = json.loads(r["params"])
     lines = [
         f"recipe        {r['recipe']}  (snapshot {r['snapshot_seq']}, progress {r['progress']:g})",
+        f"batch         where {params['where']}  (current_version {params['current_version']})",
         f"candidates    {r['n_candidates']}  ({reasons})",
         f"kept samples  {r['n_selected']}" + (f"  (budget {r['sample_budget']})" if r["sample_budget"] is not None else ""),
         f"kept tokens   {r['tokens_kept']} of {r['tokens_candidate']} ({kept_pct:.1f}%)"

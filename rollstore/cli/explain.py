@@ -16,6 +16,18 @@ from rollstore.curate.prompts import prompt_plan, rates_text
 LATEST = "run_id = <the latest run> AND step = <its latest step>"  # resolved at run time
 
 
+def training_line(recipe) -> str:
+    """What `rollstore loop` trains a recipe's curations with: μ and the learning rate of its TOML, or
+    the loop's defaults where the recipe sets none (`LoopConfig.effective_train`)."""
+    from rollstore.loop.run import LoopConfig
+
+    train = LoopConfig(buffer="", recipe=recipe.name if recipe.sql is None else "grpo").train
+    epochs = f"{recipe.epochs} (the recipe's)" if recipe.epochs is not None else f"{train.epochs} (the loop's default)"
+    lr = f"{recipe.lr:g} (the recipe's)" if recipe.lr is not None else f"{train.lr:g} (the loop's default)"
+    return (f"training (rollstore loop): epochs μ {epochs}, lr {lr}, loss {train.loss}; --epochs / --lr override "
+            "them; `rollstore train` takes its own")
+
+
 def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
     recipe = load_recipe(recipe_ref)
     params = resolve(recipe, parse_sets(sets))
@@ -28,8 +40,10 @@ def print_plan(recipe_ref: str, sets: list[str], out: Console) -> None:
     say = lambda text="": out.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     say(f"recipe {recipe.name}: {recipe.description}")
     say(f"parameters {params.to_json()}")
+    say(training_line(recipe))
     if params["current_version"] is None:
-        say("current_version: the newest checkpoint's version, else the newest policy_version (at run time)")
+        say("current_version: the newest version of the batch's own run: its newest checkpoint, else its newest "
+            "policy_version (at run time; docs/choices.md §Runs)")
     say()
     skipping = prompt_plan(params)
     if skipping is not None:

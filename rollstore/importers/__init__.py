@@ -68,11 +68,35 @@ def import_file(buf, path: str, fmt: str, codec: TextCodec | None, run_id: str |
     if correct_threshold is not None:
         derive_correct(rows, correct_threshold)
     table = rows.table()
+    if "correct" not in table.column_names or table.column("correct").null_count == table.num_rows:
+        raise ImportRefused(f"{path}: {fmt} gives no verdict (`correct`) for any row, so curation would count every "
+                            "row invalid; pass --correct-threshold T (correct = reward >= T); nothing was written")
     n_file = table.num_rows
     table, present = drop_present(table, buf.manifest.existing_ids)
+    if present:
+        _same_verdicts(buf, path, rows.table(), correct_threshold)
     if table.num_rows == 0:
         return ImportResult(0, present, None, rows.lossy)
     note = {"format": fmt, "file": os.path.basename(path), "rows": table.num_rows, "lossy": list(rows.lossy)}
     shard = buf.append_rollouts(table, source=path, compact=compact,
                                 metadata={METADATA_KEY: json.dumps(note, sort_keys=True, ensure_ascii=False)})
     return ImportResult(shard.rows, n_file - shard.rows, shard, rows.lossy)
+
+
+def _same_verdicts(buf, path: str, table, threshold: float | None) -> None:
+    """Refuse a re-import whose rows are already in the buffer with other verdicts (another
+    `--correct-threshold`): a row is written once and never changed (docs/importers.md §Verdicts),
+    so the new verdicts could not be stored; one line, nothing written."""
+    from rollstore.queries import load_sql
+    from rollstore.queries.session import Session
+
+    new = dict(zip(table.column("rollout_id").to_pylist(), table.column("correct").to_pylist()))
+    with buf.snapshot() as snap, Session(snap) as s:
+        stored = s.table(load_sql("import_verdicts"), {"ids": list(new)}).to_pylist()
+    differ = [r["rollout_id"] for r in stored if r["correct"] != new[r["rollout_id"]]]
+    if differ:
+        rule = "no --correct-threshold" if threshold is None else f"--correct-threshold {threshold:g}"
+        raise ImportRefused(f"{path}: {len(differ)} of its rows are already in the buffer with other verdicts "
+                            f"(`correct`; e.g. {differ[0]}) than {rule} gives; a row is written once and never "
+                            "re-derived: import into a new buffer (or rerun with the first import's threshold); "
+                            "nothing was written")

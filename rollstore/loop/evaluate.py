@@ -33,8 +33,9 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
              buffer: str | None, fmt: str, out: Console) -> dict:
     """pass@k and avg@n of `config.group_size` samples per prompt (at `config.temperature`, up to
     `config.max_new_tokens` tokens, seeded by `config.seed`); printed, and recorded in `buffer` if given."""
-    from rollstore.builtin.resolve import resolve_model, resolve_prompts
+    from rollstore.builtin.resolve import check_refs, resolve_model, resolve_prompts
 
+    check_refs(model, prompts_ref)  # a misspelt built-in name is refused before a model is built or loaded
     samples, temperature, seed = config.group_size, config.temperature, config.seed
 
     if any(k > samples for k in ks):

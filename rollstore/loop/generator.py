@@ -5,11 +5,14 @@ model directory), else 0.
 
 Invariants: one shard per step (a step's groups arrive in one append); with --follow, step i is
 generated only once the learner has published version ≥ i − max_policy_lag, so no curated row is
-more than max_policy_lag versions older than the weights it trains.
+more than max_policy_lag versions older than the weights it trains. On a shared catalog one writer
+at a time generates a run (an intent on the run id, taken before any model is loaded); a run that
+would sample a step with the seed another run used is warned of on the first line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -99,13 +102,57 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
                  err: Console, *, policy_version: int | None = None, compact: bool = False,
                  follow: Follow | None = None) -> list[str]:
     """Generate `steps` steps (one shard each) after the run's last; return the shards' paths."""
+    from rollstore.builtin.resolve import check_refs
+
+    check_refs(model, prompts.ref)  # before anything slow or written
+    buf = Buffer.open(buffer)
+    with contextlib.ExitStack() as stack:
+        stack.callback(buf.close)
+        _claim_run(buf, run_id, stack)  # before anything slow: a second writer of the run is refused at once
+        first = _next_step(buf, run_id)
+        other = _same_seed(buf, run_id, first, config.seed * 7919 + first)
+        if other is not None:
+            err.print(f"warning: run {run_id!r} samples step {first} with the seed run {other!r} used (--seed "
+                      f"{config.seed}): the same prompts and, from the same model, the same samples; pass another "
+                      "--seed to differ", highlight=False, markup=False, soft_wrap=True)
+        return _generate(buf, model, prompts, config, run_id, steps, err, first, policy_version, compact, follow)
+
+
+def _claim_run(buf: Buffer, run_id: str, stack) -> None:
+    """An intent on the run in a shared catalog (PostgreSQL), held while this process generates: a
+    second writer of the same run id is refused with one line instead of failing at its first append
+    (`rollout_id already in the buffer`). The embedded manifest has one host and takes no intent."""
+    from urllib.parse import quote
+
+    from rollstore.storage.catalog import holding
+
+    try:
+        stack.enter_context(holding(buf.manifest, f"tmp/runs/{quote(run_id, safe='')}"))
+    except FileExistsError:
+        raise RollstoreError(f"run {run_id!r} is being generated into this buffer by another writer right now "
+                             "(another host or process): give each host its own --run-id NAME and --seed N (the "
+                             "same seed samples the same data); nothing was written") from None
+
+
+def _same_seed(buf: Buffer, run_id: str, step: int, seed: int) -> str | None:
+    """Another run that sampled `step` with the derived seed `seed` (queries/generate_same_seed.sql)."""
+    from rollstore.queries import load_sql
+    from rollstore.queries.session import Session
+
+    with buf.snapshot() as snap, Session(snap) as s:
+        row = s.one(load_sql("generate_same_seed"), {"run_id": run_id, "step": step, "seed": seed})
+    return None if row is None else str(row[0])
+
+
+def _generate(buf: Buffer, model: str, prompts: PromptSource, config: GenerationConfig, run_id: str, steps: int,
+              err: Console, first: int, policy_version: int | None, compact: bool, follow: Follow | None) -> list[str]:
+    """run_generate's body, with the run claimed."""
     from rollstore.learner.checkpoint import latest_checkpoint
     from rollstore.rollout.backends import get_backend
     from rollstore.rollout.reward import RewardPool
     from rollstore.builtin.resolve import resolve_model, resolve_prompts
     from rollstore.loop.step import StepWriter
 
-    buf = Buffer.open(buffer)
     model_dir = _checkpoint_dir(buf, model) if model.startswith(CHECKPOINT) else resolve_model(model)
     version = checkpoint_version(model_dir) if policy_version is None else policy_version
     if follow:
@@ -113,7 +160,6 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
         if ck is not None:
             model_dir, version = ck.dir, ck.version
     backend = get_backend(config.backend, model_dir)
-    first = _next_step(buf, run_id)
     written = []
     with RewardPool() as pool, Progress(console=err, transient=True) as bar:
         lag = follow.max_policy_lag if follow else 0
@@ -136,7 +182,6 @@ def run_generate(buffer: str, model: str, prompts: PromptSource, config: Generat
                 err.print(f"step {step}: curation {cur.curation_id} kept {cur.record['n_selected']} samples",
                           highlight=False)
             bar.advance(task)
-    buf.close()
     return written
 
 

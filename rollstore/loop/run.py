@@ -39,7 +39,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-from rollstore.curate.params import ParamError, load_recipe, resolve
+from rollstore.curate.params import CurationError, ParamError, load_recipe, resolve
 from rollstore.curate.prompts import prompt_plan
 from rollstore.curate.run import CurationResult
 from rollstore.learner.config import TrainConfig
@@ -118,6 +118,47 @@ class LoopConfig:
     @property
     def run_name(self) -> str:
         return self.run_id or f"loop-{self.recipe}-s{self.seed}"
+
+    def check(self) -> None:
+        """Every setting that can be checked without loading or writing anything: the model and
+        prompts references (a did-you-mean for built-in names), the recipe and its parameters, and
+        that greso has a pool to skip in. `rollstore loop` calls it before it creates the buffer."""
+        from rollstore.builtin.resolve import check_refs
+
+        check_refs(self.model, self.prompts)
+        params = resolve(load_recipe(self.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
+        if params["prompt_skip"] == "greso" and not self.pool_size:
+            raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
+                             "history to skip by")
+
+    def settings(self) -> dict:
+        """What this run trains with, as `rollstore compare` and the loop's first lines show it: the
+        recipe, μ and the learning rate in effect (and where each came from), the loss, the batch and
+        the prompt pool."""
+        recipe, train = load_recipe(self.recipe), self.effective_train()
+
+        def origin(given, from_recipe) -> str:
+            return "given" if given is not None else "recipe" if from_recipe is not None else "default"
+
+        return {"run_id": self.run_name, "recipe": self.recipe, "sets": dict(self.sets),
+                "epochs": train.epochs, "epochs_from": origin(self.epochs, recipe.epochs),
+                "lr": train.lr, "lr_from": origin(self.lr, recipe.lr), "loss": train.loss,
+                "prompts_per_iter": self.prompts_per_iter, "group_size": self.generation.group_size,
+                "pool_size": self.pool_size, "iterations": self.iterations, "seed": self.seed,
+                "max_policy_lag": self.max_policy_lag, "model": self.model, "prompts": self.prompts}
+
+    def warnings(self) -> list[str]:
+        """What the settings make pointless, in one line each: greso's skipped prompts come back only
+        when the pool's stream passes them again, which a run shorter than one pass never does."""
+        params = resolve(load_recipe(self.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
+        out = []
+        if params["prompt_skip"] == "greso" and self.pool_size and \
+                self.pool_size / self.prompts_per_iter >= self.iterations:
+            out.append(f"prompt_skip=greso: the pool of {self.pool_size} prompts at {self.prompts_per_iter} an "
+                       f"iteration takes {self.pool_size / self.prompts_per_iter:g} iterations to go round once, and "
+                       f"the run has {self.iterations}: no prompt comes back, so nothing can be skipped (pass a "
+                       "smaller --pool-size or more --iterations)")
+        return out
 
 
 @dataclass
@@ -326,12 +367,14 @@ class _Run:
         self.params = effective
         self.train_config = cfg.effective_train()
         self.retention = cfg.retention()
+        self.settings = cfg.settings()
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
         self.skipping = prompt_plan(effective)  # pre-rollout prompt selection's plan, or None
         if self.skipping and not cfg.pool_size:
             raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
                              "history to skip by")
+        cfg.check()
         self.reports: list[IterationReport] = []
         self.evals: list[tuple[int, int, float]] = []
         self.eval_metrics: list[dict] = []
@@ -408,8 +451,10 @@ class _Run:
         published = train_pending(
             self.writer.buf, model, optimizer, scheduler, self.train_config,
             at=RunPosition(self.run_id, self.version, self.step), pending=Pending([cur.curation_id], per="curation"),
-            tokenizer=self.tokenizer, extra_metrics={"iteration": it}, context=TrainContext(timings=phases),
-            retention=self.retention,
+            tokenizer=self.tokenizer, context=TrainContext(timings=phases), retention=self.retention,
+            # the iteration's seconds per phase so far (the optimiser's included: the metrics are written
+            # after it) and the run's settings: what `rollstore compare` reads back
+            extra_metrics={"iteration": it, "phases": phases, "settings": self.settings},
         )
         if not published:
             return None, 0
@@ -445,6 +490,10 @@ class _Run:
         cur = self.resumed_curation(it) if resumed else None
         if cur is None:
             cur = self.writer.curate(it, it / cfg.iterations, phases)
+        refused = cur.refusal()
+        if refused:  # nothing of the step can be trained: stop rather than publish an untrained version
+            raise CurationError(f"run {self.run_id}, iteration {it} (curation {cur.curation_id}): {refused}; "
+                                "the loop stopped")
         loss, positions = self.train(it, cur, phases)
         clock = Stopwatch(phases)
         batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)

@@ -72,8 +72,9 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     from rollstore.learner.consume import resume, train_pending
     from rollstore.learner.policy_loading import load_policy
     from rollstore.learner.trainer import make_optimizer
-    from rollstore.builtin.resolve import resolve_model
+    from rollstore.builtin.resolve import check_refs, resolve_model
 
+    check_refs(model)  # before ranks start or a model is built
     dist = ranks.init(parallel)
     if dist.active and dist.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollstore.output.outfile import check_output_dir, partial_dir
+from rollstore.storage.errors import RollstoreError
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.references import read_curated_file
 from rollstore.storage.schema import READ_SCHEMAS, SCHEMA_VERSION, TABLES
@@ -46,8 +47,11 @@ class ExportInfo:
 
 def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
     target = check_output_dir(to, "--to")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = partial_dir(target)
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = partial_dir(target)
+    except OSError as exc:  # the error names the user's path, not the partial folder beside it
+        raise RollstoreError(f"--to {to}: cannot write there ({exc.strerror or exc}); nothing was written") from None
     try:
         with buf.snapshot(seq, pin=True) as snap:
             snap.verify()
@@ -68,8 +72,11 @@ def export_snapshot(buf: Buffer, to: str, seq: int | None = None) -> ExportInfo:
         if os.path.lexists(target):
             os.rmdir(target)  # the empty directory we were given (checked above)
         os.rename(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and str(getattr(exc, "filename", "") or "").startswith(tmp):
+            raise RollstoreError(f"--to {to}: writing the export failed ({exc.strerror or exc}); nothing was "
+                                 "written") from None
         raise
     return ExportInfo(target, seq_done, rows)
 

@@ -70,11 +70,13 @@ def view(session: Session, name: str, params: dict) -> pa.Table:
     return session.con.sql(load_sql(name), params=params).to_arrow_table()
 
 
+def _text(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def params_diff(a: dict, b: dict) -> pa.Table:
     """The parameters whose effective values differ: words as written, numbers and null as JSON."""
-
-    def text(v) -> str:
-        return v if isinstance(v, str) else json.dumps(v)
+    text = _text
 
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     return pa.table({"parameter": pa.array(keys, pa.string()),
@@ -82,32 +84,105 @@ def params_diff(a: dict, b: dict) -> pa.Table:
                      "b": pa.array([text(b.get(k)) for k in keys], pa.string())})
 
 
+def training(session: Session, cid: str) -> dict:
+    """How curation `cid` was trained (queries/audit_training.sql), as `training.NAME` entries: the
+    run and version that consumed it, its optimiser steps, and the loop's settings (μ `epochs`, `lr`,
+    loss, batch, pool) when a loop trained it; `training.trained: no` when nothing did."""
+    row = session.table(load_sql("audit_training"), {"c": cid}).to_pylist()
+    if not row:
+        return {"training.trained": "no"}
+    r = row[0]
+    out = {"training.run_id": r["run_id"], "training.version": r["version"],
+           "training.optimiser_steps": r["optimiser_steps"]}
+    settings = json.loads(r["settings"] or "{}")
+    for k in ("epochs", "lr", "loss", "prompts_per_iter", "group_size", "pool_size", "recipe"):
+        if k in settings:
+            out[f"training.{k}"] = settings[k]
+    return out
+
+
 def compare_views(session: Session, a: str, b: str) -> list[tuple[str, pa.Table]]:
-    """The four views of `--compare`: summary (one row per side), params (those that differ),
+    """The five views of `--compare`: summary (one row per side), params (the curation parameters
+    that differ), training (how each was trained: every `training.*` entry, the same or not),
     reasons (candidates by reason in A and B), differences (rollouts treated differently)."""
     rec_a, rec_b = record(session, a), record(session, b)
     params = {"a": a, "b": b}
+    train_a, train_b = training(session, a), training(session, b)
+    trained = sorted(set(train_a) | set(train_b))
+    both = pa.table({"parameter": trained,
+                     "a": [_text(train_a.get(k)) for k in trained], "b": [_text(train_b.get(k)) for k in trained]},
+                    schema=pa.schema([("parameter", pa.string()), ("a", pa.string()), ("b", pa.string())]))
     return [
         ("summary", view(session, "audit_compare_summary", params)),
         ("params", params_diff(rec_a["params"], rec_b["params"])),
+        ("training", both),
         ("reasons", view(session, "audit_compare_reasons", params)),
         ("differences", view(session, "audit_compare_rows", params)),
     ]
 
 
-def why_views(session: Session, cid: str, rollout_id: str) -> tuple[dict, pa.Table, float | None]:
-    """Why `rollout_id` was kept or dropped by `cid`: the row of queries/audit_why.sql (reason, rank
-    in its selection pool, budget, cut-offs, prompt, gold answer), its tokens (audit_rollout.sql)
-    and the curation's token threshold. A rollout that is not a candidate is one line."""
+# The most rollout ids one `why` call answers (`Curation.why(ids)`): one query; past it, split the list.
+MAX_WHY_IDS = 10_000
+
+
+def why_rows(session: Session, cid: str, rollout_ids: list[str]) -> tuple[list[dict], float | None]:
+    """Why each of `rollout_ids` was kept or dropped by `cid`, in one query (queries/audit_why.sql:
+    reason, rank in its selection pool, budget, which block of the order was kept, the side the row
+    fell on, prompt, gold answer), in the order given, and the curation's token threshold. More
+    than MAX_WHY_IDS ids, or an id that is not a candidate, is refused with one line."""
+    ids = list(dict.fromkeys(rollout_ids))
+    if len(ids) > MAX_WHY_IDS:
+        raise RollstoreError(f"why: {len(ids)} rollout ids in one call; at most {MAX_WHY_IDS:,} (split the list)")
+    if not all(isinstance(r, str) for r in ids):
+        bad = next(r for r in ids if not isinstance(r, str))
+        raise RollstoreError(f"why: rollout ids are strings, not {type(bad).__name__} ({bad!r})")
     rec = record(session, cid)
     sample = rec["params"].get("sample")
-    rows = view(session, "audit_why", {"curation_id": cid, "rollout_id": rollout_id,
+    rows = view(session, "audit_why", {"curation_id": cid, "rollout_ids": ids,
                                        "by_group": sample in ("in_group", "pods"),
                                        "by_reward": sample == "pods"}).to_pylist()
-    if not rows:
-        raise RollstoreError(f"rollout {rollout_id!r} is not a candidate of curation {cid}")
+    found = {r["rollout_id"]: r for r in rows}
+    missing = [r for r in ids if r not in found]
+    if missing:
+        raise RollstoreError(f"rollout {missing[0]!r} is not a candidate of curation {cid}"
+                             + (f" (nor are {len(missing) - 1} more of the {len(ids)} ids)" if len(missing) > 1 else ""))
+    return [jsonable(found[r]) for r in ids], rec["token_threshold"]
+
+
+def why_sentence(row: dict, threshold: float | None = None) -> str:
+    """One row of `why_rows` as one plain sentence: the reason, and which side of the cut-off the row
+    fell on (the kept top block, the kept bottom block, or the dropped middle), with the ranks each
+    block covers; then the tokens kept."""
+    def num(v) -> str:
+        return "null" if v is None else f"{v:.4g}"
+
+    rid, reason = row["rollout_id"], row["reason"]
+    tokens = (f"; {row['tokens_kept']} of {row['tokens_total']} tokens kept"
+              + (f" (score threshold {num(threshold)})" if threshold is not None and row["selected"] else "")
+              if row.get("tokens_total") is not None else "")
+    if row["pool_position"] is None:
+        return (f"{rid}: {reason}, refused before sample selection (age {row['age']}, advantage_final "
+                f"{num(row['advantage_final'])}){tokens}.")
+    k, n, j, b = row["pool_position"], row["pool_size"], row["top_kept"], row["bottom_from"]
+    value = f"value {num(row['selection_value'])} ranks {k} of {n} in its pool (by value, highest first)"
+    if row["side"] == "whole pool":
+        return f"{rid}: {reason}; {value}, and the pool kept all {n} rows{tokens}."
+    blocks = " and ".join(x for x in (
+        f"ranks 1–{j} (value ≥ {num(row['keep_at_or_above'])})" if j else "",
+        f"ranks {b}–{n} (value ≤ {num(row['keep_at_or_below'])})" if b is not None else "") if x)
+    dropped_to = (b - 1) if b is not None else n
+    where = {"top": "inside the kept top block", "bottom": "inside the kept bottom block",
+             "middle": f"in the dropped middle (ranks {j + 1}–{dropped_to})"}[row["side"]]
+    return (f"{rid}: {reason}; {value}: {where}. The pool kept its budget of {row['budget']} rows, {blocks} — the "
+            f"max-variance subset keeps both ends of the order, ties by rollout_id{tokens}.")
+
+
+def why_views(session: Session, cid: str, rollout_id: str) -> tuple[dict, pa.Table, float | None]:
+    """Why `rollout_id` was kept or dropped by `cid`: its row of `why_rows`, its tokens
+    (audit_rollout.sql) and the curation's token threshold. A rollout that is not a candidate is one line."""
+    rows, threshold = why_rows(session, cid, [rollout_id])
     tokens = view(session, "audit_rollout", {"curation_id": cid, "rollout_id": rollout_id})
-    return jsonable(rows[0]), tokens, rec["token_threshold"]
+    return rows[0], tokens, threshold
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -170,17 +245,7 @@ def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console)
         out.print(f"curation {cid}  rollout {rollout_id}  reason {reason}  advantage_final {adv}", highlight=False, markup=False)
         out.print(f"prompt {why['prompt']!r}  gold answer {why['gold_answer']!r}  reward {why['reward']}",
                   highlight=False, markup=False)
-        if why["pool_position"] is not None:
-            ends = " or ".join(x for x in (
-                f">= {_cell(why['keep_at_or_above'])}" if why["keep_at_or_above"] is not None else "",
-                f"<= {_cell(why['keep_at_or_below'])}" if why["keep_at_or_below"] is not None else "") if x)
-            out.print(f"selection value {_cell(why['selection_value'])} ranks {why['pool_position']} of "
-                      f"{why['pool_size']} in its pool; budget {why['budget']} "
-                      f"({'kept: value ' + ends + ', ties by rollout_id' if ends else 'the whole pool was kept'})"
-                      + (f"; token score threshold {_cell(threshold)}" if threshold is not None else ""),
-                      highlight=False, markup=False)
-        else:
-            out.print("did not reach sample selection", highlight=False, markup=False)
+        out.print(why_sentence(why, threshold), highlight=False, markup=False, soft_wrap=True)
         out.print(render_marked(response, tokens.to_pylist(), TokenText.for_snapshot(s)))
         render_table(tokens, out, title="tokens (kept = in the loss)")
 
@@ -189,7 +254,8 @@ def audit_rollout(s: Session, cid: str, rollout_id: str, fmt: str, out: Console)
 
 # The fields of queries/audit_why.sql that `--rollout` shows (json: in the head object).
 WHY_FIELDS = ("reason", "selected", "advantage_final", "selection_value", "pool_position", "pool_size", "budget",
-              "keep_at_or_above", "keep_at_or_below", "prompt", "gold_answer", "response", "reward")
+              "top_kept", "bottom_from", "side", "keep_at_or_above", "keep_at_or_below", "prompt", "gold_answer",
+              "response", "reward")
 
 
 def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
@@ -209,8 +275,14 @@ def audit_compare(s: Session, a: str, b: str, fmt: str, out: Console) -> None:
         render_table(pa.table({"": fields, "A": [_cell(side.get("A", {}).get(f)) for f in fields],
                                "B": [_cell(side.get("B", {}).get(f)) for f in fields]}), out, "side by side")
         render_table(views[1][1], out, "parameters that differ")
-        render_table(views[2][1], out, "candidates by reason in A and in B")
-        diff = views[3][1]
+        render_table(views[2][1], out, "how each was trained (the checkpoint that consumed it; the loop's settings)")
+        render_table(views[3][1], out, "candidates by reason in A and in B")
+        diff = views[4][1]
+        if not any(r.get("common_candidates") for r in rows):
+            out.print("note: no candidate in common (other batches or runs): every kept row differs; the rows are in "
+                      "--format csv or json. Two runs compare with `rollstore compare BUFFER RUN_A RUN_B`.",
+                      highlight=False, markup=False, soft_wrap=True)
+            return
         shown = diff.select(["kind", "rollout_id", "reason_a", "reason_b", "advantage_a", "advantage_b",
                              "tokens_kept_a", "tokens_kept_b", "tokens_total"])
         render_table(shown.slice(0, TABLE_ROWS), out, "rollouts treated differently (a_only: kept by A only)")

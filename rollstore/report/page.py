@@ -227,6 +227,17 @@ def _by(rows: list[dict], key: str) -> dict:
     return groups
 
 
+# The result sets whose rows name a run (`run_id`): every per-run chart takes its colour from here.
+RUN_RESULTS = ("report_accuracy_by_version", "report_accuracy_by_step", "report_evaluations", "report_training",
+               "report_prompt_skips")
+
+
+def run_colours(res: dict[str, Result]) -> dict:
+    """One colour per run of the snapshot, the same in every chart of the page (runs sorted by id)."""
+    runs = sorted({r["run_id"] for name in RUN_RESULTS if name in res for r in res[name].rows}, key=str)
+    return {run: PALETTE[i % 8] for i, run in enumerate(runs)}
+
+
 def _unit_range(values) -> tuple[float, float] | None:
     vals = [v for v in values if isinstance(v, (int, float))]
     return (0.0, 1.0) if vals and all(0 <= v <= 1 for v in vals) else None
@@ -250,31 +261,41 @@ def section_accuracy(res: dict[str, Result]) -> str:
     ver = res["report_accuracy_by_version"].rows
     step = res["report_accuracy_by_step"].rows
     evals = res["report_evaluations"].rows
-    acc = [Series("sampled accuracy", [(r["policy_version"], r["accuracy"]) for r in ver])]
+    # One colour per run in every chart of the section: sampled solid, held-out dashed, against the
+    # run's own versions (`run_version`; docs/choices.md §Runs), so no run is drawn across another's.
+    colour = run_colours(res)
+    many = len({r["run_id"] for r in ver + step + evals}) > 1
+    acc = [Series(f"{run} sampled" if many else "sampled accuracy", [(r["run_version"], r["accuracy"]) for r in rows],
+                  colour[run]) for run, rows in _by(ver, "run_id").items()]
     for i, ((run, split, metric), rows) in enumerate(sorted(
             _by([dict(r, key=(r["run_id"], r["split"], r["metric"])) for r in evals
                  if r["policy_version"] is not None], "key").items(), key=lambda kv: str(kv[0]))):
-        label = f"{split or 'eval'} {metric}" + (f" ({run})" if len({e['run_id'] for e in evals}) > 1 else "")
-        acc.append(Series(label, [(r["policy_version"], r["value"]) for r in rows], PALETTE[(i + 1) % 8], dashed=True))
+        label = (f"{run} " if many else "") + f"{split or 'eval'} {metric}"
+        points = [(r["policy_version"] if r["run_version"] is None else r["run_version"], r["value"]) for r in rows]
+        acc.append(Series(label, points, colour.get(run) if many else PALETTE[(i + 1) % 8], dashed=True))
     yr = _unit_range([p[1] for s in acc for p in s.points])
     runs = _by(step, "run_id")
-    step_acc = [Series(f"{run}", [(r["step"], r["accuracy"]) for r in rows]) for run, rows in runs.items()]
-    step_rew = [Series(f"{run}", [(r["step"], r["reward_mean"]) for r in rows]) for run, rows in runs.items()]
+    step_acc = [Series(f"{run}", [(r["step"], r["accuracy"]) for r in rows], colour[run]) for run, rows in runs.items()]
+    step_rew = [Series(f"{run}", [(r["step"], r["reward_mean"]) for r in rows], colour[run]) for run, rows in runs.items()]
+    reward = [Series(f"{run}" if many else "reward mean", [(r["run_version"], r["reward_mean"]) for r in rows], colour[run])
+              for run, rows in _by(ver, "run_id").items()]
     charts = _charts(
-        line_chart(acc, title="Accuracy by policy version (held-out dashed)", x_label="policy version",
+        line_chart(acc, title="Accuracy by version of each run (held-out dashed)", x_label="version of the run",
                    y_label="accuracy", y_range=yr, integer_x=True),
-        line_chart([Series("reward mean", [(r["policy_version"], r["reward_mean"]) for r in ver], PALETTE[1])],
-                   title="Reward by policy version", x_label="policy version", y_label="mean reward", integer_x=True),
+        line_chart(reward, title="Reward by version of each run", x_label="version of the run", y_label="mean reward",
+                   integer_x=True),
         line_chart(step_acc, title="Sampled accuracy by step (per run)", x_label="step", y_label="accuracy",
                    y_range=_unit_range([r["accuracy"] for r in step]), integer_x=True),
         line_chart(step_rew, title="Reward by step (per run)", x_label="step", y_label="mean reward", integer_x=True),
     )
     ev = ("<p class=\"note\">No held-out evaluation in this buffer (<code>rollstore loop --eval-every N</code> "
           "or <code>rollstore eval --buffer</code> records one).</p>" if not evals else
-          "<h3>Held-out evaluations</h3>" + table(evals, ["run_id", "split", "metric", "policy_version", "iteration",
+          "<h3>Held-out evaluations</h3>" + table(evals, ["run_id", "split", "metric", "policy_version", "run_version",
+                                                          "iteration",
                                                           "value", "n_problems", "n_samples"], name="report_evaluations"))
     body = (charts + "<h3>By policy version</h3>"
-            + table(ver, ["policy_version", "rollouts", "groups", "judged", "accuracy", "reward_mean", "reward_std",
+            + table(ver, ["run_id", "policy_version", "run_version", "rollouts", "groups", "judged", "accuracy",
+                          "reward_mean", "reward_std",
                           "mean_response_tokens"], name="report_accuracy_by_version")
             + sql_block(res["report_accuracy_by_version"]) + ev + sql_block(res["report_evaluations"])
             + "<details><summary>By step</summary>"
@@ -282,9 +303,11 @@ def section_accuracy(res: dict[str, Result]) -> str:
                            "accuracy", "reward_mean", "mean_response_tokens"], name="report_accuracy_by_step")
             + "</details>" + sql_block(res["report_accuracy_by_step"]))
     intro = ("Accuracy (mean of <code>correct</code> over judged rollouts) and mean reward of the sampled "
-             "rollouts, by the policy version that sampled them and by generation step; held-out evaluations "
+             "rollouts of each run, by the version that sampled them and by generation step; held-out evaluations "
              "(greedy accuracy of each published version in the loop, pass@k of <code>rollstore eval</code>) "
-             "are drawn dashed against the version they measured.")
+             "are drawn dashed against the version they measured. Versions are numbered buffer-wide, so each run "
+             "is drawn against its own: <code>run_version</code> n is the run's n-th (views.sql "
+             "<code>run_versions</code>; docs/choices.md, Runs).")
     return _section("accuracy", "Accuracy and reward", intro, body)
 
 
@@ -309,8 +332,9 @@ def section_curations(res: dict[str, Result], curation_id: str | None) -> str:
     charts = _charts(
         stacked_bars([str(r["seq"]) for r in rows], [(k, [r[k] for r in rows], REASON_COLORS[k]) for k in reasons],
                      title="Candidates by reason", x_label="curation", y_label="candidates"),
-        line_chart(_per_recipe(rows, [("n_candidates", "candidates"), ("sample_budget", "budget"),
-                                      ("n_selected", "kept")], {"sample_budget"}),
+        # budget drawn last, dashed, so it stays visible where it equals what was kept
+        line_chart(_per_recipe(rows, [("n_candidates", "candidates"), ("n_selected", "kept"),
+                                      ("sample_budget", "budget")], {"sample_budget"}),
                    title="Samples: candidates, budget, kept", x_label="curation", y_label="rollouts", integer_x=True),
         line_chart(_per_recipe(rows, [("progress", "progress t"), ("token_fraction", "κ"),
                                       ("sample_keep_rate", "samples kept"), ("token_keep_rate", "tokens kept")],
@@ -408,7 +432,9 @@ def section_skips(res: dict[str, Result]) -> str:
         return _section("skips", title, intro + " No run of this buffer selected its prompts before generating "
                         "(recipe <code>greso</code>, or <code>--set prompt_skip=greso</code>).",
                         table(rows, columns, name="report_prompt_skips") + sql_block(res["report_prompt_skips"]))
-    series = [Series(run, [(r["step"], r["skip_share"]) for r in rs]) for run, rs in _by(rows, "run_id").items()]
+    colour = run_colours(res)
+    series = [Series(run, [(r["step"], r["skip_share"]) for r in rs], colour[run])
+              for run, rs in _by(rows, "run_id").items()]
     chart = line_chart(series, title="Share of examined prompts skipped", x_label="step", y_label="share",
                        y_range=(0.0, 1.0), integer_x=True)
     return _section("skips", title, intro, _charts(chart) + table(rows, columns, name="report_prompt_skips")
@@ -470,7 +496,8 @@ def _token_card(r: dict, text: TokenText, top: float) -> str:
                   f'replayed · age {escape(fmt(r.get("age")))}</span>')
     facts = (f"A<sub>final</sub> {escape(fmt(r['advantage_final']))} · w {escape(fmt(r['amplification']))} · "
              f"group acc {escape(fmt(r['group_accuracy']))} · q̂ {escape(fmt(r['difficulty']))} · "
-             f"tokens kept {r['tokens_kept']}/{r['tokens_total']} · correct {escape(fmt(r['correct']))} · "
+             f"tokens kept {r['tokens_kept']}/{r['tokens_total']} · gold answer "
+             f"<code>{escape(fmt(r.get('gold_answer')))}</code> · correct {escape(fmt(r['correct']))} · "
              f"reward {escape(fmt(r['reward']))} · {escape(r['finish_reason'])}")
     replayed = ' data-replayed="true"' if r.get("replayed") else ""
     return (f'<div class="card" data-rollout="{escape(r["rollout_id"])}"{replayed}>{badge} <code>{escape(r["rollout_id"])}</code> '
@@ -506,11 +533,11 @@ def section_training(res: dict[str, Result]) -> str:
     if not rows:
         return _section("training", "Training", "No training step in this buffer yet (<code>rollstore train</code> "
                         "or <code>rollstore loop</code>).", sql_block(res["report_training"]))
-    runs = _by(rows, "run_id")
+    runs, colour = _by(rows, "run_id"), run_colours(res)
 
     def chart(col: str, title: str) -> str:
-        return line_chart([Series(run, [(r["step"], r[col]) for r in rs], PALETTE[i % 8]) for i, (run, rs) in
-                           enumerate(runs.items())], title=title, x_label="optimiser step", y_label=col, integer_x=True)
+        return line_chart([Series(run, [(r["step"], r[col]) for r in rs], colour[run]) for run, rs in runs.items()],
+                          title=title, x_label="optimiser step", y_label=col, integer_x=True)
 
     body = (_charts(chart("loss", "Loss"), chart("clip_fraction", "Clip fraction"), chart("approx_kl", "Approx. KL"),
                     chart("entropy", "Entropy of kept tokens"))

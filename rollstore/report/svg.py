@@ -73,6 +73,20 @@ def fmt(v, digits: int = 4) -> str:
     return str(v)
 
 
+def tick_text(v: float) -> str:
+    """A y tick's label, at most 5 characters for the counts the report draws, so it stays clear of the
+    rotated axis label at its left: whole values as integers (`1200`, not `1.2e+03`), from 10 000 on in
+    thousands (`12k`) or millions (`1.2M`); other values with 3 significant digits."""
+    if isinstance(v, (int, float)) and math.isfinite(v) and float(v) == round(v):
+        n = int(round(v))
+        if abs(n) >= 1_000_000:
+            return f"{n / 1e6:.3g}M"
+        if abs(n) >= 10_000:
+            return f"{n / 1e3:.3g}k"
+        return str(n)
+    return fmt(v, 3)
+
+
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     """About `count` round tick values covering [lo, hi]."""
     if not (finite(lo) and finite(hi)):
@@ -111,7 +125,7 @@ def _axes(p: Plot, xticks: list[float], yticks: list[float], x_label: str, y_lab
     for t in yticks:
         y = p.sy(t)
         out.append(f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-        out.append(f'<text x="{left - 5}" y="{y + 3.5:.1f}" text-anchor="end" class="tick">{escape(fmt(t, 3))}</text>')
+        out.append(f'<text x="{left - 5}" y="{y + 3.5:.1f}" text-anchor="end" class="tick">{escape(tick_text(t))}</text>')
     for t in xticks:
         x = p.sx(t)
         label = xtick_text(t) if xtick_text else fmt(t, 3)
@@ -121,7 +135,7 @@ def _axes(p: Plot, xticks: list[float], yticks: list[float], x_label: str, y_lab
     out.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{bottom}" class="axis"/>')
     out.append(f'<text x="{(left + right) / 2:.1f}" y="{p.height - 8}" text-anchor="middle" class="al">{escape(x_label)}</text>')
     cy = (top + bottom) / 2
-    out.append(f'<text x="13" y="{cy:.1f}" text-anchor="middle" transform="rotate(-90 13 {cy:.1f})" class="al">'
+    out.append(f'<text x="11" y="{cy:.1f}" text-anchor="middle" transform="rotate(-90 11 {cy:.1f})" class="al">'
                f"{escape(y_label)}</text>")
     return out
 

@@ -47,6 +47,7 @@ HOSTILE = {
     "train": {"curation": [3, 2.5, b"x", ["cur-nope"], [3], "cur-nope", object()], "model": NOT_TEXT,
               "loss": NOT_TEXT + ["nope"], "lr": POSITIVE, "epochs": COUNT, "micro_batch_size": COUNT,
               "grad_accum": COUNT, "run_id": NOT_TEXT},
+    "compare_runs": {"a": NOT_TEXT + ["no-such-run"], "b": NOT_TEXT + ["no-such-run"], "snapshot": SNAPSHOT},
 }
 # the curation handle's methods (rs.Curation), called on the buffer's latest curation
 ON_CURATION = {
@@ -60,7 +61,8 @@ HOSTILE.update(ON_CURATION)
 RECIPE_PARAMS = {"sample_fraction": [NAN, INF, -1, 2, True, "x"], "skip_explore_min": [NAN, -1, 2],
                  "max_policy_lag": [-1, NAN, 2.5, 10**30], "where": [3, "no_such_column > 1", "1; DROP TABLE x"],
                  "no_such_parameter": [1]}
-VALID = {"sql": {"query": "SELECT 1"}, "curate": {"recipe": "grpo"}, "batches": {"batch_size": 4}}
+VALID = {"sql": {"query": "SELECT 1"}, "curate": {"recipe": "grpo"}, "batches": {"batch_size": 4},
+         "compare_runs": {"a": "fd", "b": "fd2"}}
 
 
 def _calls():
@@ -76,6 +78,7 @@ def filled(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("rules") / "buf")
     with Buffer.init(root) as buf:
         buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=1, run_id="fd"))
+        buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, seed=2, run_id="fd2"))  # compare_runs' second
     rs.open(root).curate("grpo")
     return root
 

@@ -553,7 +553,8 @@ def loop(
     prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter", show_default="128"),
     pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts).", show_default="2048"),
     group_size: Optional[int] = count(None, "--group-size", "-G", show_default="8"),
-    max_new_tokens: Optional[int] = count(None, "--max-new-tokens", show_default="8 (builtin:chains: 40)"),
+    max_new_tokens: Optional[int] = count(None, "--max-new-tokens", show_default="8",
+                                         help="Tokens sampled per response (a built-in task's own budget: builtin:chains 40)."),
     loss: Optional[str] = choice(None, "--loss", choices=_losses, show_default="grpo"),
     lr: Optional[float] = ruled(None, "--lr", rule=rules.TRAIN["lr"], help="Learning rate (default: the recipe's `lr`, else 5e-5)."),
     epochs: Optional[int] = ruled(None, "--epochs", rule=rules.TRAIN["epochs"], help="Passes over each curated batch, μ (default: the recipe's "

@@ -283,7 +283,8 @@ def coerce(name: str, value: object) -> object:
 class Recipe:
     """A recipe: parameter presets (or a custom SELECT), and the training it is meant for: `epochs`
     (μ, passes per curated batch) and `lr`, used by the loop unless `--epochs` / `--lr` are given;
-    `recommended` marks the recipe the README recommends for fewer generated rollouts."""
+    `recommended` marks a recipe the README recommends, and `recommended_for` says for which tasks
+    (recipes are recommended by the shape of the task: bench/RESULTS.md, "The reasoning testbed")."""
 
     name: str
     description: str
@@ -292,6 +293,7 @@ class Recipe:
     epochs: int | None = None
     lr: float | None = None
     recommended: bool = False
+    recommended_for: str | None = None
 
 
 def builtin_recipes() -> list[str]:
@@ -302,7 +304,7 @@ def builtin_recipes() -> list[str]:
 # The keys a recipe file may hold at its top level, and the type of each (`params` is a table
 # whose keys are parameter names, checked by `coerce`). Anything else is refused, naming the key.
 RECIPE_KEYS = {"name": str, "description": str, "params": dict, "sql": str, "sql_file": str, "epochs": int,
-               "lr": (int, float), "recommended": bool}
+               "lr": (int, float), "recommended": bool, "recommended_for": str}
 _KIND_WORDS = {str: "string", dict: "table", int: "positive integer", (int, float): "positive number",
                bool: "boolean (true or false)"}
 
@@ -347,8 +349,10 @@ def _recipe_from_toml(name: str, text: str, origin: str) -> Recipe:
         sql = _read_text(recipe_sql_path(origin, data["sql_file"]))
     epochs = check_epochs(data["epochs"], origin) if "epochs" in data else None
     lr = check_lr(data["lr"], origin) if "lr" in data else None
+    if "recommended_for" in data and not data.get("recommended", False):
+        raise ParamError(f"{origin}: 'recommended_for' goes with recommended = true")
     return Recipe(data.get("name", name), data.get("description", ""), presets, sql, epochs, lr,
-                  data.get("recommended", False))
+                  data.get("recommended", False), data.get("recommended_for"))
 
 
 def recipe_sql_path(origin: str, sql_file: str) -> str:

@@ -111,20 +111,31 @@ def test_set_parsing_and_json_record():
     assert rec["difficulty_window"] == 4 and isinstance(rec["sample_fraction_end"], int)
 
 
-def test_one_builtin_recipe_is_recommended_and_recipes_says_so(cli):
-    """`rollstore recipes` marks the recommended recipe with the μ and learning rate it is meant for;
-    names of any length stay aligned."""
+def test_the_recommended_recipes_say_for_what_and_recipes_shows_it(cli):
+    """`rollstore recipes` marks each recommended recipe with the tasks it is recommended for and the
+    μ and learning rate it is meant for; the loop's default recipe is a recommended one; names of any
+    length stay aligned."""
+    from rollstore.loop.run import LoopConfig
+
     marked = [n for n in ALL if load_recipe(n).recommended]
-    assert len(marked) == 1
-    r = load_recipe(marked[0])
-    assert r.epochs >= 1 and r.lr > 0
+    assert marked and LoopConfig(buffer="b").recipe in marked
     res = cli("recipes")
     assert res.code == 0
     lines = {ln.split()[0]: ln for ln in res.stdout.splitlines()}
     assert set(lines) == set(ALL)
-    assert f"[recommended: epochs {r.epochs}, lr {r.lr:g}]" in lines[marked[0]]
-    assert sum("recommended" in ln for ln in lines.values()) == 1
+    for name in marked:
+        r = load_recipe(name)
+        assert r.epochs >= 1 and r.lr > 0 and r.recommended_for
+        assert f"[recommended for {r.recommended_for}: epochs {r.epochs}, lr {r.lr:g}]" in lines[name]
+    assert sum("recommended" in ln for ln in lines.values()) == len(marked)
     assert len({ln.index(load_recipe(n).description) for n, ln in lines.items()}) == 1
+
+
+def test_recommended_for_needs_recommended(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('description = "x"\nrecommended_for = "anything"\n[params]\n')
+    with pytest.raises(ParamError, match="recommended_for"):
+        load_recipe(str(path))
 
 
 def test_the_docs_parameter_table_is_the_generated_one():

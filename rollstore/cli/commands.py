@@ -548,7 +548,7 @@ def loop(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Default builtin:arith (builtin:carries: the "
                                           "harder task)."),
     iterations: Optional[int] = count(None, "--iterations", "-k", show_default="40"),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Default d3s (recommended for long reasoning chains; grpo for short answers: `rollstore recipes`)."),
     set_: List[str] = typer.Option([], "--set", help="Curation parameter override name=value (repeatable)."),
     prompts_per_iter: Optional[int] = count(None, "--prompts-per-iter", show_default="128"),
     pool_size: Optional[int] = count(None, "--pool-size", low=0, help="Train on a pool of N prompts in epochs (0: fresh prompts).", show_default="2048"),
@@ -685,7 +685,8 @@ def recipes(
             mark = ""
             if r.recommended:
                 meant = ", ".join(f"{k} {v:g}" for k, v in (("epochs", r.epochs), ("lr", r.lr)) if v is not None)
-                mark = "  [recommended" + (f": {meant}" if meant else "") + "]"
+                mark = ("  [recommended" + (f" for {r.recommended_for}" if r.recommended_for else "")
+                        + (f": {meant}" if meant else "") + "]")
             out.print(f"{name:{width}s}  {r.description}{mark}", highlight=False, markup=False)
         return
     from rollstore.cli.explain import print_plan

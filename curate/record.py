@@ -38,9 +38,10 @@ class CurationResult:
     def refusal(self) -> str | None:
         """One line saying why, when the batch had candidates and every one was refused before the
         pool (`REFUSALS`: nothing of it can ever be trained, whatever the recipe); else None. The
-        curate command and the loop exit non-zero with it (docs/curation.md §Eligibility)."""
+        curate command and the loop exit non-zero with it (docs/curation.md §Eligibility). A result
+        without its reasons (a committed curation a resumed loop step reuses) says nothing: None."""
         n = self.record.get("n_candidates") or 0
-        if not n or any(reason not in REFUSALS for reason in self.reasons):
+        if not n or not self.reasons or any(reason not in REFUSALS for reason in self.reasons):
             return None
         params = json.loads(self.record["params"]) if isinstance(self.record.get("params"), str) else {}
         why = {"invalid": "no verdict (correct is null) or a verify_error",

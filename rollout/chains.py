@@ -52,19 +52,15 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import random
-from typing import Iterator
 
-from .prompts import Prompt, prompt_hash, task_levels
+from .addition import OPERANDS, AdditionTask  # noqa: F401  (OPERANDS: the operands, for callers)
 
 SOURCE = "builtin:chains"
 HELDOUT_PERCENT = 20
 SLIP_HARD, SLIP_MEDIUM, SLIP_EASY = 0.9, 0.4, 0.1
 TEACHER_SLIP = {"hard (10-12)": SLIP_HARD, "medium (13-15)": SLIP_MEDIUM, "easy (16-19)": SLIP_EASY}
 MAX_NEW_TOKENS = 40  # the longest response is 33 tokens with its end-of-sequence token
-OPERANDS = range(100, 1000)
-_MAX_TRIES = 1000  # draws spent looking for an unseen training expression before accepting a repeat
 
 LEVELS: dict[int, str] = {
     0: "no carry decision",
@@ -137,64 +133,9 @@ def teacher_accuracy_of(a: int, b: int) -> float:
     return p
 
 
-def is_heldout(prompt_text: str) -> bool:
-    """Whether a prompt text belongs to the fixed held-out partition (~HELDOUT_PERCENT % of expressions)."""
-    digest = hashlib.sha256(b"rollstore-chains-heldout:" + prompt_text.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
-
-
-def make_prompt(text: str) -> Prompt:
-    """A `Prompt` for an expression `a+b=`, with its level and (true) gold answer."""
-    a, b = (int(x) for x in text.rstrip("=").split("+"))
-    return Prompt(prompt_id=prompt_hash(text), prompt=text, gold_answer=str(a + b), source=SOURCE,
-                  difficulty=level_of(a, b))
-
-
-def _draw(rng: random.Random, level: int, heldout: bool) -> tuple[int, int, str]:
-    """One expression of `level` in the chosen partition, by rejection from uniform operand pairs."""
-    while True:
-        a, b = rng.choice(OPERANDS), rng.choice(OPERANDS)
-        if level_of(a, b) == level:
-            text = f"{a}+{b}="
-            if is_heldout(text) == heldout:
-                return a, b, text
-
-
-def _levels_of(split: str, levels: tuple[int, ...] | None) -> tuple[int, ...]:
-    return task_levels(SOURCE, LEVELS, SPLITS, split, levels)
-
-
-def _round_robin(stream: str, levels: tuple[int, ...], heldout: bool, unique: bool) -> Iterator[tuple[int, int, str]]:
-    """Expressions of the levels in turn, each level from its own seeded stream."""
-    rngs = {lv: random.Random(f"{stream}:{lv}") for lv in levels}
-    seen: set[str] = set()
-    i = 0
-    while True:
-        level = levels[i % len(levels)]
-        a, b, text = _draw(rngs[level], level, heldout)
-        for _ in range(_MAX_TRIES if unique else 0):
-            if text not in seen:
-                break
-            a, b, text = _draw(rngs[level], level, heldout)
-        seen.add(text)
-        yield a, b, text
-        i += 1
-
-
-def _take(it: Iterator[tuple[int, int, str]], n: int) -> list[tuple[int, int, str]]:
-    return [next(it) for _ in range(n)]
-
-
-def train_prompts(n: int, seed: int = 0, split: str = "train", levels: tuple[int, ...] | None = None) -> list[Prompt]:
-    """n training prompts (never held-out ones), deterministic by seed, distinct while possible."""
-    lv = _levels_of(split, levels)
-    return [make_prompt(t) for _, _, t in _take(_round_robin(f"chains:train:{lv}:{seed}", lv, False, True), n)]
-
-
-def heldout_prompts(n: int, split: str = "train", levels: tuple[int, ...] | None = None) -> list[Prompt]:
-    """The first n prompts of the fixed held-out list (same on every call), all distinct."""
-    lv = _levels_of(split, levels)
-    return [make_prompt(t) for _, _, t in _take(_round_robin(f"chains:heldout:{lv}", lv, True, True), n)]
+TASK = AdditionTask("chains", SOURCE, LEVELS, SPLITS, level_of, HELDOUT_PERCENT)
+is_heldout, make_prompt = TASK.is_heldout, TASK.make_prompt
+train_prompts, heldout_prompts = TASK.train_prompts, TASK.heldout_prompts
 
 
 def warmup_examples(n: int, seed: int = 0, split: str = "train", levels: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
@@ -202,10 +143,10 @@ def warmup_examples(n: int, seed: int = 0, split: str = "train", levels: tuple[i
 
     Each carry decision of each example is forgotten with its sum's probability (`slip_of`), seeded.
     """
-    lv = _levels_of(split, levels)
+    lv = TASK.levels_of(split, levels)
     rng = random.Random(f"chains:teacher:{lv}:{seed}")
     out = []
-    for a, b, text in _take(_round_robin(f"chains:warmup:{lv}:{seed}", lv, False, False), n):
+    for a, b, text in TASK.warmup_operands(n, seed, lv):
         forget, carry, x, y = [], 0, a, b
         for _ in range(2):
             s = x % 10 + y % 10 + carry

@@ -169,7 +169,7 @@ def _loop(root: str, recipe: str, iterations: int, point: str | None, nth: int, 
 def _train(root: str, run_id: str) -> int:
     from rich.console import Console
 
-    from rollstore.cli.defaults import train_config
+    from rollstore.rules.defaults import train_config
     from rollstore.loop.trainer import run_train
 
     import io
@@ -197,7 +197,7 @@ def _learn(root: str, point: str | None, nth: int, max_idle: float) -> int:
 
     from rich.console import Console
 
-    from rollstore.cli.defaults import train_config
+    from rollstore.rules.defaults import train_config
     from rollstore.loop.trainer import run_train
     from rollstore.storage.buffer import Buffer
 

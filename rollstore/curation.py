@@ -105,6 +105,12 @@ class Curation:
         self._cache: dict[str, Any] = {}
 
     @property
+    def result(self) -> "CurationResult | None":
+        """What the `Buffer.curate` call that made this handle returned (its record, reasons, dry-run
+        state; what `rollstore curate` prints); None for a handle opened by id."""
+        return self._result
+
+    @property
     def committed(self) -> bool:
         """False for a dry run (nothing written)."""
         return self._result is None or self._result.committed

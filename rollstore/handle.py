@@ -2,11 +2,13 @@
 
 One object a user holds, as DuckDB's connection or TorchRL's replay buffer: `sql`, `generate`,
 `curate`, `train`, and `curation(id)` for a curation handle (rollstore/curation.py). A thin layer
-over the packages below: each method calls what the matching command calls, with the defaults of
-`rollstore/cli/defaults.py` (the command line's).
+over the packages below, with the defaults of `rollstore/rules/defaults.py`. The command line is a
+client of this door: `rollstore curate`, `train` and `generate` call these methods (with a console
+to print to), so both doors assemble a curation, a training run or a generation in one place.
 
 Invariants:
-- Nothing prints to stdout; every method returns a value (Polars / Arrow, or a handle). The first
+- Nothing prints to stdout (unless the handle was made with a console: the command line's);
+  every method returns a value (Polars / Arrow, or a handle). The first
   build of `builtin:tiny` writes one progress line to stderr (as the command line does).
 - Every failure is one typed `RollstoreError` (`NotABuffer`, `UnknownRecipe`, `UnknownParameter`,
   `UnknownCuration`, `SqlRefused`, `OptionError`, ...) whose text is the command line's line for the
@@ -25,10 +27,10 @@ from __future__ import annotations
 import io
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from rollstore import rules
-from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
+from rollstore.rules.defaults import CURATE, GENERATE, SQL, TRAIN
 from rollstore.storage.buffer import Buffer as _StorageBuffer
 from rollstore.storage.errors import RollstoreError, unknown_curation
 
@@ -65,11 +67,29 @@ def _quiet():
     return Console(file=io.StringIO(), soft_wrap=True, force_jupyter=False, force_terminal=False)
 
 
+def _param_values(sets: Mapping[str, Any] | None, **more: Any) -> dict[str, Any]:
+    """Recipe parameter overrides: `sets` (the command line's `--set name=value`, any name) and the
+    keyword parameters, None meaning the parameter's "none"; a name given twice is refused."""
+    if sets is not None and not isinstance(sets, Mapping):
+        raise rules.OptionError(f"sets: {sets!r} is not a mapping of parameter names to values")
+    values = {}
+    for name, value in [*(sets or {}).items(), *more.items()]:
+        name = rules.text("curate", "parameter name", name)
+        if name in values:
+            raise RollstoreError(f"parameter {name!r} given twice")
+        values[name] = "none" if value is None else value
+    return values
+
+
 class Buffer:
     """A handle to one buffer directory (see `rollstore.open`)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, console: "Console | None" = None):
         self.root = os.path.abspath(root)
+        self._console = console  # where progress goes (the command line's); None: nowhere
+
+    def _out(self) -> "Console":
+        return self._console if self._console is not None else _quiet()
 
     @contextmanager
     def _open(self) -> Iterator[_StorageBuffer]:
@@ -145,16 +165,20 @@ class Buffer:
                  steps: int = GENERATE.steps, max_new_tokens: int = GENERATE.max_new_tokens,
                  temperature: float = GENERATE.temperature, top_p: float = GENERATE.top_p, seed: int = GENERATE.seed,
                  run_id: str = GENERATE.run_id, policy_version: int | None = None, backend: str = GENERATE.backend,
-                 template: str | None = None, compact_entropies: bool = False) -> "pl.DataFrame":
+                 template: str | None = None, compact_entropies: bool = False, follow: bool = False,
+                 max_policy_lag: int = GENERATE.max_policy_lag, recipe: str = GENERATE.recipe,
+                 sets: Mapping[str, Any] | None = None) -> "pl.DataFrame":
         """Sample `group_size` responses for each of `num_prompts` prompts per step, judge and score
-        them, append one shard per step (as `rollstore generate`). `policy_version` defaults to the
+        them, append one shard per step (as `rollstore generate`). With `follow`, the generator of the
+        two-process loop: it loads each newly published checkpoint, waits while the learner is more
+        than `max_policy_lag` versions behind, and curates each step with `recipe` and `sets`. `policy_version` defaults to the
         model's checkpoint version (a `BUFFER/checkpoints/vN` directory), else 0. Returns one row per
         written shard: step, policy_version, rows, tokens, path."""
         import polars as pl
         import pyarrow.parquet as pq
 
-        from rollstore.cli.defaults import generation_config
-        from rollstore.loop.generator import PromptSource, run_generate
+        from rollstore.loop.generate import GenerationConfig
+        from rollstore.loop.generator import Follow, PromptSource, run_generate
 
         rules.check("generate", rules.GENERATE, {
             "num_prompts": num_prompts, "group_size": group_size, "steps": steps, "max_new_tokens": max_new_tokens,
@@ -165,11 +189,21 @@ class Buffer:
         rules.text("generate", "template", template, optional=True)
         rules.one_of("generate", "backend", backend, ("hf", "vllm"))
         rules.flag("generate", "compact_entropies", compact_entropies)
+        rules.check("generate", rules.GENERATE, {"max_policy_lag": max_policy_lag})
+        rules.text("generate", "recipe", recipe)
+        if rules.flag("generate", "follow", follow):
+            follow = Follow(max_policy_lag, recipe, _param_values(sets))
+        elif sets:
+            raise rules.OptionError("generate: sets: curation parameters go with follow=True")
+        else:
+            _param_values(sets)
+            follow = None
         prompts, model = os.fspath(prompts), os.fspath(model)
-        config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, seed=seed)
+        config = GenerationConfig(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, seed=seed)
         paths = run_generate(self.root, model, PromptSource(prompts, num_prompts, template), config, run_id, steps,
-                             _quiet(), policy_version=policy_version, compact=compact_entropies)
+                             self._out(), policy_version=policy_version, compact=compact_entropies,
+                             follow=follow)
         rows = []
         with self._open() as buf:
             by_path = {os.path.join(buf.root, s.path): s for s in buf.manifest.shards("rollouts")}
@@ -186,11 +220,16 @@ class Buffer:
 
     def curate(self, recipe: str, progress: float | None = None, *, snapshot: int | None = None,
                dry_run: bool = False, memory_limit: str = CURATE.memory_limit, timeout: float = CURATE.timeout,
-               engine: str = CURATE.engine, **params) -> "Curation":
+               engine: str = CURATE.engine, scheduler: str | None = CURATE.scheduler,
+               partitions: int | None = CURATE.partitions, sets: Mapping[str, Any] | None = None,
+               **params) -> "Curation":
         """Run a recipe (a built-in name, a .toml or a .sql file) over a snapshot (default: the
         latest), as `rollstore curate`: `progress` is the schedule position t, every other keyword
-        a recipe parameter (`sample_fraction=0.5`, `where="step > 2"`). Returns the curation's handle.
-        An unknown recipe or parameter raises `UnknownRecipe` / `UnknownParameter`."""
+        a recipe parameter (`sample_fraction=0.5`, `where="step > 2"`); `sets` gives parameters by
+        name (`{"progress": "0.3"}`, any name, as `--set`). `engine="dask"` runs it on
+        dask.distributed (`scheduler`: an address or `local:N`; `partitions` of the batch), with the
+        same result. Returns the curation's handle. An unknown recipe or parameter raises
+        `UnknownRecipe` / `UnknownParameter`."""
         from rollstore.curate.options import Limits, engine_option
         from rollstore.curate.params import load_recipe
         from rollstore.curate.run import curate
@@ -198,45 +237,55 @@ class Buffer:
         from rollstore.queries.session import parse_memory_limit
 
         recipe = rules.text("curate", "recipe", recipe)
-        rules.check("curate", rules.CURATE, {"snapshot": snapshot, "timeout": timeout}, optional={"snapshot"})
+        rules.check("curate", rules.CURATE, {"snapshot": snapshot, "timeout": timeout, "partitions": partitions},
+                    optional={"snapshot", "partitions"})
         rules.flag("curate", "dry_run", dry_run)
         parse_memory_limit(rules.text("curate", "memory_limit", memory_limit))
         rules.one_of("curate", "engine", engine, ("embedded", "dask"))
-        values = {k: ("none" if v is None else v) for k, v in params.items()}
-        if progress is not None:
-            values["progress"] = progress
+        rules.text("curate", "scheduler", scheduler, optional=True)
+        values = _param_values(sets, **params, **({} if progress is None else {"progress": progress}))
+        chosen = engine_option(engine, scheduler, partitions)
         loaded = load_recipe(os.fspath(recipe))
         with self._open() as buf:
             result = curate(buf, loaded, values, snapshot, dry_run=dry_run,
-                            limits=Limits(memory_limit, timeout=timeout or None), engine=engine_option(engine))
+                            limits=Limits(memory_limit, timeout=timeout or None), engine=chosen)
         return Curation(self, result.curation_id, result=result)
 
     def train(self, curation: "Curation | str | list | None" = None, *, model: str = TRAIN.model,
               loss: str = TRAIN.loss, lr: float = TRAIN.lr, epochs: int = TRAIN.epochs,
               micro_batch_size: int = TRAIN.micro_batch_size, grad_accum: int = TRAIN.grad_accum,
-              run_id: str = TRAIN.run_id) -> "pl.DataFrame":
+              run_id: str = TRAIN.run_id, keep_checkpoints: int | None = TRAIN.keep_checkpoints,
+              follow: bool = False, poll: float = TRAIN.poll, max_idle: float = TRAIN.max_idle,
+              parallel: str = TRAIN.parallel) -> "pl.DataFrame":
         """Train `model` on the curated shards of `curation` (a handle, an id, a list of them; default:
         every pending curation) exactly once each, publishing one checkpoint per curation, as
-        `rollstore train`. Returns one row per published checkpoint: version, curations, loss,
-        tokens, path. Nothing curated raises one line."""
+        `rollstore train`; only the newest `keep_checkpoints` versions of the run keep their files
+        (None: all). With `follow`, the learner of the two-process loop: it leases curations as they
+        appear, polling every `poll` seconds, until `max_idle` idle seconds (0: never). `parallel`:
+        "ddp" / "fsdp" under torchrun. Returns one row per published checkpoint: version,
+        curations, loss, tokens, path. Nothing curated raises one line."""
         import polars as pl
 
-        from rollstore.cli.defaults import train_config
         from rollstore.learner.losses import LOSSES
         from rollstore.loop.trainer import check_curations, run_train
+        from rollstore.rules.defaults import train_config
 
         rules.check("train", rules.TRAIN, {"lr": lr, "epochs": epochs, "micro_batch_size": micro_batch_size,
-                                           "grad_accum": grad_accum})
+                                           "grad_accum": grad_accum, "keep_checkpoints": keep_checkpoints,
+                                           "poll": poll, "max_idle": max_idle}, optional={"keep_checkpoints"})
         rules.one_of("train", "loss", loss, sorted(LOSSES))
+        rules.one_of("train", "parallel", parallel, ("none", "ddp", "fsdp"))
+        rules.flag("train", "follow", follow)
         rules.text("train", "model", model)
         rules.text("train", "run_id", run_id)
         ids = [self._curation_id(c) for c in (curation if isinstance(curation, (list, tuple)) else
                                               ([] if curation is None else [curation]))]
-        if ids:
+        if ids and "LOCAL_RANK" not in os.environ:  # (under torchrun: rank 0 of the launcher checked them)
             check_curations(self.root, ids)
         config = train_config(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size,
                               grad_accum=grad_accum)
-        cks = run_train(self.root, model, config, run_id, ids, _quiet())
+        cks = run_train(self.root, model, config, run_id, ids, self._out(), follow=follow, poll=poll,
+                        max_idle=max_idle, parallel=parallel, keep_checkpoints=keep_checkpoints)
         return pl.DataFrame(
             [{"version": ck.version, "curation_ids": sorted({c["curation_id"] for c in ck.consumed}),
               "loss": ck.metrics.get("loss"), "tokens": ck.metrics.get("tokens"),

@@ -178,7 +178,7 @@ def test_defaults_are_shared_with_the_command_line():
     import typer.main
 
     from rollstore.cli import app
-    from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
+    from rollstore.rules.defaults import CURATE, GENERATE, SQL, TRAIN
     from rollstore.handle import Buffer as Handle
 
     group = typer.main.get_command(app)
@@ -189,7 +189,7 @@ def test_defaults_are_shared_with_the_command_line():
         for field, value in vars(defaults).items():
             assert params[field] == value, (command, field)
             assert keywords[field].default == value, (command, field)
-    from rollstore.cli.defaults import train_config
+    from rollstore.rules.defaults import train_config
 
     assert (train_config().lr, train_config().micro_batch_size) == (2e-5, 64)
 

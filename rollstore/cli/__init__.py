@@ -2,12 +2,13 @@
 and `python -m rollstore.cli`.
 
 `commands` declares every command (typer) and turns each failure into one line; `options` checks
-its numbers; `defaults` holds the defaults of the everyday commands, which the Python front door
-(`rollstore.open`) reads too; `curate`, `info`, `explain` and `demo` print what their commands
-print. The work itself is done below: `rollstore.loop` (generate, train, eval, the loop),
-`rollstore.report` (report, audit), `rollstore.output` (export, result formats), the layers.
+its numbers; `curate`, `info`, `explain` and `demo` print what their commands print. The command
+line is a client of the Python front door: `curate`, `train` and `generate` call the methods of
+`rollstore.open(BUF)` (rollstore/handle.py), whose defaults live in `rollstore/rules/defaults.py`.
+The rest of the work is done below: `rollstore.loop` (eval, the loop, the learner's torchrun
+entry), `rollstore.report` (report, audit), `rollstore.output` (export, result formats), the layers.
 
-`app` and `main` are imported on first use, so reading `rollstore.cli.defaults` loads no command.
+`app` and `main` are imported on first use, so importing `rollstore.cli` loads no command.
 """
 
 from __future__ import annotations

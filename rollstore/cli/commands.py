@@ -17,7 +17,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from rollstore.cli.defaults import CURATE, GENERATE, SQL, TRAIN
+from rollstore.rules.defaults import CURATE, GENERATE, RECIPE, SQL, TRAIN
 from rollstore import rules
 from rollstore.cli.options import (OneLineErrors, choice, count, fraction, interval, memory, positive, real, ruled,
                                seconds, seed as seed_, seq)
@@ -120,6 +120,14 @@ def open_buffer(path: str):
     from rollstore.storage.buffer import Buffer
 
     return Buffer.open(path)
+
+
+def front_door(path: str, console=None):
+    """The front door's handle of the buffer at `path` (`rollstore.open`), printing to `console`
+    (default: stdout's): `curate`, `train` and `generate` are its methods, called as a user would."""
+    from rollstore.handle import Buffer, open as open_handle
+
+    return Buffer(open_handle(path).root, console=out if console is None else console)
 
 
 @app.command()
@@ -396,22 +404,18 @@ def curate_(
     memory_limit: str = memory(CURATE.memory_limit, "--memory-limit", help="DuckDB memory limit; beyond it, it spills to BUFFER/tmp."),
     engine: str = typer.Option(CURATE.engine, "--engine", help="embedded (DuckDB in this process) or dask (dask.distributed; same result)."),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="With --engine dask: a scheduler ADDRESS (tcp://host:8786) or local:N."),
-    partitions: Optional[int] = count(None, "--partitions", help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
+    partitions: Optional[int] = ruled(None, "--partitions", rule=rules.CURATE["partitions"], help="With --engine dask: hash partitions of the batch (default 2 per worker)."),
     timeout: float = ruled(CURATE.timeout, "--timeout", rule=rules.CURATE["timeout"], help="Seconds the user SQL (where, a custom recipe) may run (0: no limit; on Dask: per task)."),
 ):
     """Run a curation recipe over a snapshot; prints a summary and the curation id last."""
-    from rollstore.curate.options import Limits, engine_option
-    from rollstore.curate.params import load_recipe
-    from rollstore.curate.run import curate
     from rollstore.cli.curate import curation_values, print_summary
 
-    chosen = engine_option(engine, scheduler, partitions)
-    with open_buffer(buffer) as buf:
-        result = curate(buf, load_recipe(recipe), curation_values(set_, progress), snapshot, dry_run=dry_run,
-                        limits=Limits(memory_limit, timeout=timeout or None), engine=chosen)
-    print_summary(result, out)
-    if result.refusal():  # the curation is committed (its audit says why per row); nothing of it can be trained
-        fail(result.refusal())
+    cur = front_door(buffer).curate(recipe, snapshot=snapshot, dry_run=dry_run, memory_limit=memory_limit,
+                                    timeout=timeout, engine=engine, scheduler=scheduler, partitions=partitions,
+                                    sets=curation_values(set_, progress))
+    print_summary(cur.result, out)
+    if cur.result.refusal():  # the curation is committed (its audit says why per row); nothing of it can be trained
+        fail(cur.result.refusal())
 
 
 @app.command()
@@ -486,21 +490,19 @@ def generate(
     top_p: float = ruled(GENERATE.top_p, "--top-p", rule=rules.GENERATE["top_p"]),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: a format string with {prompt}."),
     follow: bool = typer.Option(False, "--follow", help="Keep generating; load each newly published checkpoint."),
-    max_policy_lag: int = count(1, "--max-policy-lag", low=0, help="With --follow: wait while the learner is this many versions behind."),
+    max_policy_lag: int = ruled(GENERATE.max_policy_lag, "--max-policy-lag", rule=rules.GENERATE["max_policy_lag"], help="With --follow: wait while the learner is this many versions behind."),
     compact_entropies: bool = typer.Option(False, "--compact-entropies"),
-    recipe: str = typer.Option("d3s", "--recipe", help="With --follow: the recipe that curates each step."),
+    recipe: str = typer.Option(GENERATE.recipe, "--recipe", help="With --follow: the recipe that curates each step."),
     set_: List[str] = typer.Option([], "--set", help="With --follow: curation parameter overrides."),
 ):
     """Sample groups of responses, judge them with math-verify, score them, append one shard per step."""
     from rollstore.curate.params import parse_sets
-    from rollstore.cli.defaults import generation_config
-    from rollstore.loop.generator import Follow, PromptSource, run_generate
 
-    config = generation_config(backend=backend, group_size=group_size, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed)
-    run_generate(buffer, model, PromptSource(prompts, num_prompts, template), config, run_id, steps, err,
-                 policy_version=policy_version, compact=compact_entropies,
-                 follow=Follow(max_policy_lag, recipe, parse_sets(set_)) if follow else None)
+    front_door(buffer, err).generate(
+        prompts=prompts, model=model, num_prompts=num_prompts, group_size=group_size, steps=steps,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, run_id=run_id,
+        policy_version=policy_version, backend=backend, template=template, compact_entropies=compact_entropies,
+        follow=follow, max_policy_lag=max_policy_lag, recipe=recipe, sets=parse_sets(set_))
 
 
 @app.command()
@@ -516,27 +518,36 @@ def train(
     grad_accum: int = ruled(TRAIN.grad_accum, "--grad-accum", rule=rules.TRAIN["grad_accum"]),
     run_id: str = typer.Option(TRAIN.run_id, "--run-id"),
     follow: bool = typer.Option(False, "--follow", help="Keep leasing curations as they appear."),
-    poll: float = interval(1.0, "--poll", help="Seconds between polls with --follow."),
-    max_idle: float = seconds(0.0, "--max-idle", help="With --follow: stop after this many idle seconds (0 = never)."),
-    parallel: str = choice("none", "--parallel", choices=("none", "ddp", "fsdp"), help="none | ddp | fsdp (under torchrun, or with --nproc)."),
+    poll: float = ruled(TRAIN.poll, "--poll", rule=rules.TRAIN["poll"], help="Seconds between polls with --follow."),
+    max_idle: float = ruled(TRAIN.max_idle, "--max-idle", rule=rules.TRAIN["max_idle"], help="With --follow: stop after this many idle seconds (0 = never)."),
+    parallel: str = choice(TRAIN.parallel, "--parallel", choices=("none", "ddp", "fsdp"), help="none | ddp | fsdp (under torchrun, or with --nproc)."),
     nproc: int = count(0, "--nproc", low=0, help="Launch this many ranks with torchrun (default --parallel ddp)."),
-    keep_checkpoints: int = count(3, "--keep-checkpoints", help="Only the newest K checkpoints of the run keep "
-                                  "their files (their rows, lineage and ledger stay; docs/loop.md)."),
+    keep_checkpoints: int = ruled(TRAIN.keep_checkpoints, "--keep-checkpoints", rule=rules.TRAIN["keep_checkpoints"],
+                                  help="Only the newest K checkpoints of the run keep their files (their rows, "
+                                  "lineage and ledger stay; docs/loop.md)."),
 ):
     """Train on curated shards exactly once each; publish a checkpoint per curation.
 
     --micro-batch-size x --grad-accum is the global batch of one optimiser step, whatever the
     number of ranks; each rank trains its block of it in micro-batches of --micro-batch-size."""
-    from rollstore.cli.defaults import train_config
-    from rollstore.loop.trainer import check_curations, launch_torchrun, run_train
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # a learner of N processes: torchrun's
+        import subprocess
 
-    if curation and "LOCAL_RANK" not in os.environ:
-        check_curations(buffer, curation)
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        raise typer.Exit(launch_torchrun(nproc, "ddp" if parallel == "none" else parallel))
-    config = train_config(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
-    run_train(buffer, model, config, run_id, curation, out, follow=follow, poll=poll, max_idle=max_idle,
-              parallel=parallel, keep_checkpoints=keep_checkpoints)
+        from rollstore.loop import learner_main
+        from rollstore.loop.trainer import check_curations
+        from rollstore.rules.defaults import train_config
+
+        if curation:
+            check_curations(buffer, curation)
+        config = train_config(loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size,
+                              grad_accum=grad_accum)
+        learner = learner_main.spec(buffer, model, config, run_id, curation, follow=follow, poll=poll,
+                                    max_idle=max_idle, parallel="ddp" if parallel == "none" else parallel,
+                                    keep_checkpoints=keep_checkpoints)
+        raise typer.Exit(subprocess.call(learner_main.command(nproc, learner)))
+    front_door(buffer).train(curation, model=model, loss=loss, lr=lr, epochs=epochs, micro_batch_size=micro_batch_size,
+                             grad_accum=grad_accum, run_id=run_id, keep_checkpoints=keep_checkpoints, follow=follow,
+                             poll=poll, max_idle=max_idle, parallel=parallel)
 
 
 @app.command()
@@ -651,7 +662,7 @@ def eval_(
 def demo(
     buffer: str = typer.Argument("demo-buffer", help="Where to put the demo buffer (replaced if it is a previous demo's)."),
     iterations: int = count(40, "--iterations", "-k"),
-    recipe: str = typer.Option("d3s", "--recipe"),
+    recipe: str = typer.Option(RECIPE, "--recipe"),
     model: str = typer.Option("builtin:tiny", "--model"),
     seed: int = seed_(0, "--seed", help="Seed of the prompts and samples (the warm start is shared)."),
 ):

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from rollstore.loop.generate import GenerationConfig, StepStamp
+from rollstore.rules.defaults import RECIPE
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError
 
@@ -86,7 +87,7 @@ class Follow:
     newly published checkpoint, and curate each step with `recipe` and the overrides `sets`."""
 
     max_policy_lag: int = 1
-    recipe: str = "d3s"
+    recipe: str = RECIPE
     sets: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -163,7 +164,7 @@ def _generate(buf: Buffer, model: str, prompts: PromptSource, config: Generation
     written = []
     with RewardPool() as pool, Progress(console=err, transient=True) as bar:
         lag = follow.max_policy_lag if follow else 0
-        writer = StepWriter(buf, backend, pool, config, run_id, compact=compact, recipe=follow.recipe if follow else "d3s",
+        writer = StepWriter(buf, backend, pool, config, run_id, compact=compact, recipe=follow.recipe if follow else RECIPE,
                             sets={**follow.sets, "max_policy_lag": str(lag)} if follow else None)
         task = bar.add_task(f"generate {run_id}", total=steps)
         for i in range(steps):

@@ -3,7 +3,7 @@
 The loop becomes the two-process mode with no staleness: this process generates, judges, appends
 and curates step i once the learner has published version ≥ i (`max_policy_lag` 0, so it
 alternates with the learner exactly as the one-process loop does), and the learner is
-`rollstore train --follow --parallel ddp` under torchrun with N ranks.
+the named entry `rollstore.loop.learner_main` (following, DDP) under torchrun with N ranks.
 
 Invariants:
 - The buffer is the only channel between the two sides; every curation is trained exactly once
@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 import tempfile
 import time
 
 from rich.console import Console
 
+from rollstore.loop import learner_main
 from rollstore.loop.run import LoopConfig
 
 
 def learner_command(cfg: LoopConfig, model_dir: str, run_id: str, ranks: int) -> list[str]:
-    train = cfg.effective_train()
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            "-m", "rollstore.cli", "train", cfg.buffer, "--model", model_dir, "--follow", "--parallel", "ddp",
-            "--run-id", run_id, "--loss", train.loss, "--lr", repr(train.lr), "--epochs", str(train.epochs),
-            "--micro-batch-size", str(train.micro_batch_size), "--grad-accum", str(train.grad_accum), "--poll", "0.2"]
+    """torchrun starting the learner's named entry (`rollstore.loop.learner_main`) on `ranks` ranks,
+    with the loop's whole training configuration."""
+    return learner_main.command(ranks, learner_main.spec(cfg.buffer, model_dir, cfg.effective_train(), run_id,
+                                                         follow=True, poll=0.2, parallel="ddp"))
 
 
 def run_loop_with_ranks(cfg: LoopConfig, ranks: int, err: Console, timeout: float = 3600.0) -> int:

@@ -39,6 +39,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from rollstore.rules.defaults import RECIPE
 from rollstore.curate.params import CurationError, ParamError, load_recipe, resolve
 from rollstore.curate.prompts import prompt_plan
 from rollstore.curate.run import CurationResult
@@ -71,7 +72,7 @@ class LoopConfig:
     model: str = "builtin:tiny"
     prompts: str = "builtin:arith"
     iterations: int = 40
-    recipe: str = "d3s"
+    recipe: str = RECIPE
     sets: dict = field(default_factory=dict)
     generation: GenerationConfig | None = None  # None: _loop_generation(prompts)
     train: TrainConfig = field(default_factory=_loop_training)

@@ -22,6 +22,7 @@ from dataclasses import replace
 import pyarrow as pa
 
 from rollstore.curate.params import load_recipe, step_where
+from rollstore.rules.defaults import RECIPE
 from rollstore.curate.run import CurationResult, curate
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
@@ -42,7 +43,7 @@ class StepWriter:
     for all the run's curations, when given)."""
 
     def __init__(self, buf: Buffer, backend: Backend, pool: RewardPool, config: GenerationConfig, run_id: str, *,
-                 recipe: str = "d3s", sets: dict | None = None, session=None, compact: bool = False):
+                 recipe: str = RECIPE, sets: dict | None = None, session=None, compact: bool = False):
         self.buf, self.backend, self.pool, self.config, self.run_id = buf, backend, pool, config, run_id
         self.recipe, self.sets, self.session, self.compact = load_recipe(recipe), dict(sets or {}), session, compact
 

@@ -5,8 +5,9 @@ Invariants: each unit (one curation's shards) is trained once and published as o
 together with its consumed ledger (and, with --follow, the ack of its leases) in one manifest commit.
 Curated shards are verified against the manifest (size and sha256) before they are trained on.
 Under torchrun (`--parallel ddp|fsdp`), rank 0 verifies, leases, prints and publishes; every rank
-trains its block of each global step (learner/parallel.py). `--nproc N` re-runs the same command
-under `python -m torch.distributed.run --standalone --nproc-per-node N`.
+trains its block of each global step (learner/parallel.py). `--nproc N` starts the learner's named
+entry (`rollstore.loop.learner_main`) under `python -m torch.distributed.run --standalone
+--nproc-per-node N`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import subprocess
 import sys
 import time
 
@@ -38,23 +38,6 @@ def check_curations(buffer: str, curations: list[str]) -> None:
         for cid in curations:
             if buf.manifest.live_key_count("curations", cid) == 0:
                 raise unknown_curation(buf.root, cid, [s.key for s in buf.manifest.shards("curations")])
-
-
-def launch_torchrun(nproc: int, parallel: str) -> int:
-    """Re-run this `train` command under torchrun with `nproc` ranks; return its exit status."""
-    argv = sys.argv[sys.argv.index("train"):]
-    keep: list[str] = []
-    skip = False
-    for arg in argv:  # drop --nproc and --parallel (with their values): torchrun's ranks get --parallel
-        if skip:
-            skip = False
-        elif arg in ("--nproc", "--parallel"):
-            skip = True
-        elif not arg.startswith(("--nproc=", "--parallel=")):
-            keep.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "rollstore.cli", *keep, "--parallel", parallel]
-    return subprocess.call(cmd)
 
 
 def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curations: list[str], out: Console, *,

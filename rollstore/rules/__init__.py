@@ -85,12 +85,15 @@ LR = positive()
 TEMPERATURE = positive()
 SQL_TIMEOUT = seconds("no limit")
 CURATE_TIMEOUT = seconds("no limit")
+POLL = Rule(low=0, low_open=True, high=MAX_SECONDS, note=" (seconds)")  # a polling interval
+MAX_IDLE = seconds("never")
 
 # The front door's keywords (rollstore/handle.py) and the command line's options of the same name.
-TRAIN = {"lr": LR, "epochs": COUNT, "micro_batch_size": COUNT, "grad_accum": COUNT}
+TRAIN = {"lr": LR, "epochs": COUNT, "micro_batch_size": COUNT, "grad_accum": COUNT, "poll": POLL,
+         "max_idle": MAX_IDLE, "keep_checkpoints": COUNT}
 GENERATE = {"group_size": COUNT, "num_prompts": COUNT, "policy_version": VERSION, "seed": SEED, "steps": COUNT,
-            "max_new_tokens": COUNT, "temperature": TEMPERATURE, "top_p": FRACTION}
-CURATE = {"snapshot": SEQ, "timeout": CURATE_TIMEOUT}
+            "max_new_tokens": COUNT, "temperature": TEMPERATURE, "top_p": FRACTION, "max_policy_lag": VERSION}
+CURATE = {"snapshot": SEQ, "timeout": CURATE_TIMEOUT, "partitions": COUNT}
 SQL = {"snapshot": SEQ, "timeout": SQL_TIMEOUT}
 BATCHES = {"batch_size": COUNT, "shuffle_seed": SEED, "pad_id": VERSION}  # Curation.batches (no command)
 

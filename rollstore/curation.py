@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import pyarrow as pa
 
@@ -29,8 +30,20 @@ if TYPE_CHECKING:
     import polars as pl
 
     from rollstore.curate.run import CurationResult
-    from rollstore.handle import Buffer
     from rollstore.learner.batches import Batch
+    from rollstore.storage.buffer import Buffer as StorageBuffer
+
+class Buffer(Protocol):
+    """What a curation handle asks of the buffer handle that made it (`rollstore.handle.Buffer`;
+    named here so that this module does not import the one that imports it)."""
+
+    root: str
+
+    def _open(self) -> AbstractContextManager["StorageBuffer"]: ...
+    def _curation_id(self, curation: "Curation | str", command: str = ..., name: str = ...) -> str: ...
+    def curations(self) -> "pl.DataFrame": ...
+    def curation(self, curation_id: str | None = None) -> "Curation": ...
+
 
 RECORD_FIELDS = ("curation_id", "recipe", "created_at", "snapshot_seq", "progress", "n_candidates", "n_selected",
                  "sample_budget", "tokens_candidate", "tokens_kept", "token_fraction", "token_threshold",

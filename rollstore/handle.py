@@ -36,6 +36,7 @@ from rollstore.storage.errors import RollstoreError, unknown_curation
 
 if TYPE_CHECKING:
     import polars as pl
+    from rich.console import Console
 
     from rollstore.curation import Curation
     from rollstore.sqlresult import SqlResult

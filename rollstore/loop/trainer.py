@@ -50,8 +50,7 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     import torch
 
     from rollstore.learner import parallel as ranks
-    from rollstore.learner import retention
-    from rollstore.learner.config import Pending, RunPosition, TrainContext
+    from rollstore.learner.config import TrainContext
     from rollstore.learner.consume import resume, train_pending
     from rollstore.learner.policy_loading import load_policy
     from rollstore.learner.trainer import make_optimizer
@@ -74,7 +73,6 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
     train = functools.partial(train_pending, buf, model_obj, optimizer, scheduler, config, tokenizer=tokenizer,
                               context=TrainContext(dist=dist),
                               retention=None if keep_checkpoints is None else (keep_checkpoints, 0))
-    published = []
 
     def report(cks):
         if not dist.is_main:
@@ -86,19 +84,43 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
 
     try:
         if not follow:
-            if dist.is_main:
-                wanted = [s for s in buf.manifest.shards("curated") if not curations or s.key in curations]
-                cache_shards(buf.root, buf.manifest, wanted)  # a store's buffer: into this host's cache, verified
-                verify_shards(buf.root, wanted)
-            dist.barrier()
-            cks = train(at=RunPosition(run_id, version, step), pending=Pending(curations or None, per="curation"))
-            report(cks)
-            if not cks and dist.is_main:
-                out.print("nothing to train: every curated shard is already in this run's ledger")
-            return cks
-        consumer, group = dist.broadcast(f"{run_id}-{os.getpid()}"), f"learner:{run_id}"
-        idle_since = time.monotonic()
-        held: tuple[int, float] | None = None  # (version, when) of this learner's hold on its version
+            return _train_once(buf, dist, train, report, out, run_id, version, step, curations)
+        return _follow(buf, dist, train, report, run_id, version, step, curations, poll, max_idle)
+    finally:
+        buf.close()
+        if sys.exc_info()[0] is None:  # on an error the launcher tears the ranks down
+            ranks.close(dist)
+
+
+def _train_once(buf, dist, train, report, out: Console, run_id: str, version: int, step: int,
+                curations: list[str]) -> list:
+    """Every pending unit of `curations` (all when empty), once, in this call."""
+    from rollstore.learner.config import Pending, RunPosition
+
+    if dist.is_main:
+        wanted = [s for s in buf.manifest.shards("curated") if not curations or s.key in curations]
+        cache_shards(buf.root, buf.manifest, wanted)  # a store's buffer: into this host's cache, verified
+        verify_shards(buf.root, wanted)
+    dist.barrier()
+    cks = train(at=RunPosition(run_id, version, step), pending=Pending(curations or None, per="curation"))
+    report(cks)
+    if not cks and dist.is_main:
+        out.print("nothing to train: every curated shard is already in this run's ledger")
+    return cks
+
+
+def _follow(buf, dist, train, report, run_id: str, version: int, step: int, curations: list[str],
+            poll: float, max_idle: float) -> list:
+    """Lease curated shards as they appear and train them, until `max_idle` idle seconds (0: never);
+    rank 0 holds the version it trains from against pruning and releases it at the end."""
+    from rollstore.learner import retention
+    from rollstore.learner.config import Pending, RunPosition
+
+    consumer, group = dist.broadcast(f"{run_id}-{os.getpid()}"), f"learner:{run_id}"
+    idle_since = time.monotonic()
+    held: tuple[int, float] | None = None  # (version, when) of this learner's hold on its version
+    published = []
+    try:
         while True:
             if dist.is_main and version and (held is None or held[0] != version
                                              or time.monotonic() - held[1] > retention.HOLD_TTL_S / 4):
@@ -123,14 +145,10 @@ def run_train(buffer: str, model: str, config: TrainConfig, run_id: str, curatio
                     report(cks)
                 idle_since = time.monotonic()
             elif stop:
-                break
+                return published
             else:
                 time.sleep(poll)
     finally:
-        if follow and dist.is_main:
+        if dist.is_main:
             with contextlib.suppress(Exception):  # (an unreleased hold expires by itself)
                 retention.release(buf, f"learner {consumer}")
-        buf.close()
-        if sys.exc_info()[0] is None:  # on an error the launcher tears the ranks down
-            ranks.close(dist)
-    return published

@@ -218,10 +218,9 @@ class S3Store:
 def cache_shards(root: str, manifest, shards) -> None:
     """A store's buffer (`manifest.store`): the files of `shards` in this host's cache at `root`,
     downloaded and verified when missing. Nothing for a buffer whose shards are in its folder."""
-    store = getattr(manifest, "store", None)
-    if store is not None:
+    if manifest.store is not None:
         for s in shards:
-            store.fetch(root, s.path, s.sha256, s.bytes, getattr(manifest, "holding", None))
+            manifest.store.fetch(root, s.path, s.sha256, s.bytes, manifest.holding)
 
 
 def open_store(url: str | None) -> S3Store | None:

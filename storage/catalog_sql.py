@@ -16,9 +16,11 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Iterable
 
-from .catalog import Catalog, NewShard, Shard
+from .catalog import Catalog, Shard
 from .dialect import Dialect
 from .errors import CatalogReadOnly
 
@@ -193,8 +195,6 @@ class SqlCatalog(Catalog):
     # ---- leases and pins (on the dialect's clock) ----------------------------------------------
     def lease(self, table: str, n: int, consumer: str, group: str = "default", ttl: float = 600.0) -> tuple[str, list[Shard]]:
         """Lease up to n live shards of `table` not acked or leased (unexpired) in `group`."""
-        import uuid
-
         lease_id = uuid.uuid4().hex
         cols = ", ".join("s." + c.strip() for c in SHARD_COLS.split(","))
         with self.transaction() as con:
@@ -220,8 +220,6 @@ class SqlCatalog(Catalog):
         return {int(r[0]) for r in (con or self.con).execute("SELECT DISTINCT shard_id FROM leases")}
 
     def pin(self, seq: int, ttl: float = 3600.0) -> str:
-        import uuid
-
         pin_id = uuid.uuid4().hex
         clock, args = self.dialect.now()
         with self._pin_transaction() as con:
@@ -261,8 +259,6 @@ class SqlCatalog(Catalog):
         return {int(r[0]) for r in self.con.execute("SELECT shard_id FROM verified")}
 
     def record_verified(self, shard_ids: list[int]) -> None:
-        import time
-
         known = self.verified_ids()
         new = [(int(i), time.time()) for i in shard_ids if int(i) not in known]
         with self._pin_transaction() as con:
@@ -396,6 +392,3 @@ class SqlCatalog(Catalog):
         con.executemany("INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
                         ((r, g, shard_id) for r, g in pairs))
         con.executemany("INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)", ((g, shard_id) for g in groups))
-
-    def _new_shard_args(self, s: NewShard, seq: int) -> tuple:
-        return (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq)

@@ -8,8 +8,8 @@ Invariants:
 - The commit refuses when a rollouts shard the curated rows refer to was retired while the
   curation ran, so a committed curation's references name live shards (`retired_paths`); with a use
   cap, when a curation committed meanwhile selected one of its candidates (`selected_meanwhile`).
-- `retired_paths` and `selected_meanwhile` hold catalog SQL run inside the commit's transaction:
-  it stays here until the catalog offers these checks as operations of its own (issue 48, item 1).
+- `retired_paths` and `selected_meanwhile` ask the catalog inside the commit's transaction
+  (`Catalog.retired_paths`, `Catalog.committed_since`); no SQL runs here.
 """
 
 from __future__ import annotations
@@ -35,13 +35,7 @@ def already_committed(buf: Buffer, curation_id: str) -> bool:
 def retired_paths(con, paths, manifest) -> list[str]:
     """Of the rollouts shard `paths`, those no live manifest row names and whose rows no compaction
     moved into another shard (inside `con`'s transaction; references to a moved shard resolve)."""
-    live = {r[0] for r in con.execute(
-        "SELECT path FROM shards WHERE table_name = 'rollouts' AND removed_seq IS NULL")}
-    gone = [p for p in paths if p not in live]
-    if gone:
-        moved = manifest.moves(con)
-        gone = [p for p in gone if p not in moved]
-    return gone
+    return manifest.retired_paths(con, list(paths))
 
 
 class _AlreadyCommitted(Exception):
@@ -54,11 +48,7 @@ def selected_meanwhile(buf: Buffer, con, snapshot_seq: int, curation_id: str, ro
     live curation committed after `snapshot_seq` selected, or None. Runs inside the commit's
     manifest transaction (`con`), which no other commit can interleave: only the audit shards of
     curations committed meanwhile are read (usually none), their `rollout_id` and `selected`."""
-    rows = con.execute(
-        "SELECT s.path, s.key FROM shards s WHERE s.table_name = 'selections' AND s.removed_seq IS NULL "
-        "AND s.added_seq > ? AND s.key IS NOT ? AND EXISTS (SELECT 1 FROM shards c WHERE c.table_name = "
-        "'curations' AND c.key = s.key AND c.removed_seq IS NULL) ORDER BY s.shard_id",
-        (snapshot_seq, curation_id)).fetchall()
+    rows = buf.manifest.committed_since(con, "selections", snapshot_seq, curation_id)
     if not rows:
         return None
     ours = pc.unique(rollout_ids)

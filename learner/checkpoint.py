@@ -25,7 +25,7 @@ Invariants:
   transaction), and a lease that expired on the database's clock refuses the save even when
   nobody took it over (a learner stalled past its TTL is refused at publish).
 - The publishing transaction also writes the version's row into the catalog's checkpoint index
-  (`storage.manifest.CHECKPOINT_DDL`), and first indexes any checkpoints shard that has none (a
+  (`storage.catalog_sql.CHECKPOINT_DDL`), and first indexes any checkpoints shard that has none (a
   buffer written before the index): listing, the newest version of a run, a version, its ledger and
   the checks above are catalog queries, not a read of every checkpoint file. A shard without an
   index row is read from its file until then, so a reader never misses a published version.
@@ -43,7 +43,6 @@ import json
 import os
 import random
 import shutil
-import sqlite3
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
@@ -57,7 +56,7 @@ from rollstore.storage.shardio import fsync_dir, sha256_file
 from rollstore.storage.buffer import Buffer, Part
 from rollstore.storage.catalog import holding
 from rollstore.storage.errors import RollstoreError
-from rollstore.storage.manifest import CHECKPOINT_COLS
+from rollstore.storage.catalog_sql import CHECKPOINT_COLS
 from rollstore.storage.owners import owned_name
 from rollstore.storage.schema import CHECKPOINTS, TRAINING
 
@@ -115,7 +114,7 @@ def _rows_of_file(path: str, size: int, mtime_ns: int, inode: int) -> tuple[dict
 
 def _to_checkpoint(row: dict, root: str, buf: Buffer | None = None) -> Checkpoint:
     local = None
-    if buf is not None and getattr(buf.manifest, "store", None) is not None:
+    if buf is not None and buf.manifest.store is not None:
         local = functools.partial(_fetch_dir, buf, row["path"])
     return Checkpoint(
         version=int(row["version"]),
@@ -153,7 +152,7 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 def _unindexed_rows(buf: Buffer, missing: list[tuple[int, str]]) -> list[dict]:
     """The rows of checkpoints shards the index does not hold (a buffer written before it), read from
     their files (a store's buffer: through this host's verified cache), each with its `shard_id`."""
-    if getattr(buf.manifest, "store", None) is not None:
+    if buf.manifest.store is not None:
         from rollstore.storage.store import cache_shards
 
         cache_shards(buf.root, buf.manifest, buf.manifest.shards_by_id([i for i, _ in missing]))
@@ -166,7 +165,7 @@ def _unindexed_rows(buf: Buffer, missing: list[tuple[int, str]]) -> list[dict]:
 def checkpoint_rows(buf: Buffer, run_id: str | None = None, version: int | None = None, newest: bool = False,
                     con=None, exclude: Sequence[int] = ()) -> list[dict]:
     """The live checkpoints rows (of `run_id`, of `version`; `newest`: the highest version alone), by
-    version, answered by the catalog's checkpoint index (`storage.manifest.CHECKPOINT_DDL`): no
+    version, answered by the catalog's checkpoint index (`storage.catalog_sql.CHECKPOINT_DDL`): no
     checkpoint file is read, but those of shards published before the index existed. `con`: inside
     that transaction; `exclude`: shard ids left out (the commit in progress)."""
     indexed, missing = buf.manifest.checkpoint_index(None, run_id, version, newest, con)
@@ -312,7 +311,7 @@ def index_missing(buf: Buffer, con, seq: int, new: Sequence[dict] = ()) -> None:
     found = (_unindexed_rows(buf, old) if old else []) + list(new)
     man.index_checkpoints(con, [_index_values(r["shard_id"], r) for r in found])
     man.record_ledger(con, seq, [(r["shard_id"], r["version"], r["run_id"], json.loads(r["consumed"])) for r in found])
-    man.indexed_through(con, int(con.execute("SELECT coalesce(max(shard_id), 0) FROM shards").fetchone()[0]))
+    man.indexed_through(con)  # every shard committed so far
 
 
 @dataclass(frozen=True)
@@ -343,7 +342,7 @@ def save_checkpoint(
     tokenizer=None,
 ) -> Checkpoint:
     """Write and publish checkpoint `publish.version` (see the module invariants); return it."""
-    store = getattr(buf.manifest, "store", None)  # object storage (storage/store.py): no rename there
+    store = buf.manifest.store  # object storage (storage/store.py): no rename there
     p = replace(publish, version=int(publish.version), metrics=publish.metrics or {},
                 consumed=[consumed_entry(e["curation_id"], e["shard"]) for e in publish.consumed])
     version, run_id = p.version, p.run_id
@@ -362,17 +361,13 @@ def save_checkpoint(
     moved_aside: list[str] = []
     objects: list[tuple[str, str, int]] = []  # (key, sha256, bytes) uploaded to the store
 
-    def publish_in(con: sqlite3.Connection, _seq: int, ids: list[int]) -> None:
+    def publish_in(con, _seq: int, ids: list[int]) -> None:
         # Runs inside the manifest write transaction: every check and the rename are serialised
         # against every other writer of this buffer.
         index_missing(buf, con, _seq, [{**parts[0].table.to_pylist()[0], "shard_id": ids[0]}])
-        record = getattr(buf.manifest, "record_consumed", None)  # a catalog's ledger table (PostgreSQL)
-        if record is None:
-            _check_unpublished(buf, con, ids, version, run_id, shards)
-        else:
-            why = record(con, run_id, version, p.consumed, ids[0], _seq)
-            if why is not None:
-                raise CheckpointError(f"{buf.root}: {why}")
+        why = buf.manifest.record_consumed(con, run_id, version, p.consumed, ids[0], _seq)  # the ledger's checks
+        if why is not None:
+            raise CheckpointError(f"{buf.root}: {why}")
         if p.retention is not None:  # in the same commit: the new version counts among the newest K
             from .retention import prune_in
 
@@ -433,7 +428,7 @@ def _fetch_dir(buf: Buffer, rel: str) -> str:
     if not objects:
         raise CheckpointError(f"{buf.root}: checkpoint {rel} has no files in the catalog")
     for key, digest, nbytes in objects:
-        man.store.fetch(buf.root, key, digest, nbytes, getattr(man, "holding", None))
+        man.store.fetch(buf.root, key, digest, nbytes, man.holding)
     return os.path.join(buf.root, rel)
 
 
@@ -454,21 +449,7 @@ def _parts(p: Publish, rel: str, now: dt.datetime) -> list[Part]:
     return parts
 
 
-def _check_unpublished(buf: Buffer, con: sqlite3.Connection, ids: list[int], version: int, run_id: str,
-                       shards: list[str]) -> None:
-    """Refuse a version that already has a row, or a shard another checkpoint of the run consumed."""
-    if checkpoint_rows(buf, version=version, con=con, exclude=ids):
-        raise CheckpointError(f"{buf.root}: checkpoint version {version} already exists")
-    taken = dict(buf.manifest.consumed_by(shards, run_id, con, tuple(ids)))  # the ledger table, by shard
-    dup = [s for s in shards if s in taken]
-    if dup:
-        raise CheckpointError(
-            f"{buf.root}: checkpoint v{version}: shard {dup[0]} was already trained into "
-            f"v{taken[dup[0]]} of run {run_id!r}"
-        )
-
-
-def _ack_in_transaction(buf: Buffer, con: sqlite3.Connection, shards: list[str], consumer: str, group: str,
+def _ack_in_transaction(buf: Buffer, con, shards: list[str], consumer: str, group: str,
                         now: float) -> None:
     missing = buf.manifest.ack_paths(con, shards, consumer, group, now)
     if missing:

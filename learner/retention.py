@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from rollstore.storage.buffer import Buffer
@@ -64,19 +63,11 @@ def check_keep(keep) -> int:
 def hold(buf: Buffer, holder: str, version: int, ttl: float = HOLD_TTL_S) -> None:
     """Keep the files of `version` while `holder` (a following learner or generator) lives: until
     `ttl` seconds from now, renewed by calling again; `release` ends it."""
-    man = buf.manifest
-    with man.transaction() as con:
-        man.index_checkpoints(con, [])  # the tables, on first use
-        con.execute("DELETE FROM checkpoint_holds WHERE holder = ?", (holder,))
-        con.execute("INSERT INTO checkpoint_holds (holder, version, expires_at) VALUES (?, ?, ?)",
-                    (holder, int(version), time.time() + ttl))
+    buf.manifest.hold_checkpoint(holder, version, ttl)
 
 
 def release(buf: Buffer, holder: str) -> None:
-    man = buf.manifest
-    if man.has_table("checkpoint_holds"):
-        with man.transaction() as con:
-            con.execute("DELETE FROM checkpoint_holds WHERE holder = ?", (holder,))
+    buf.manifest.release_checkpoint(holder)
 
 
 def tag(buf: Buffer, version: int, name: str | None) -> None:
@@ -86,18 +77,7 @@ def tag(buf: Buffer, version: int, name: str | None) -> None:
         raise RetentionError(f"{buf.root}: no checkpoint version {version} to tag")
     if ck.pruned_seq is not None and name is not None:
         raise RetentionError(f"{buf.root}: checkpoint v{version}'s files were already pruned; nothing to keep")
-    man = buf.manifest
-    with man.transaction() as con:
-        man.index_checkpoints(con, [])
-        con.execute("UPDATE checkpoint_index SET tag = ? WHERE version = ?", (name, int(version)))
-
-
-def _held(man, con) -> dict[int, str]:
-    """{version: holder} of the unexpired holds."""
-    if not man.has_table("checkpoint_holds", con):
-        return {}
-    return {int(v): str(h) for h, v in con.execute(
-        "SELECT holder, version FROM checkpoint_holds WHERE expires_at > ? ORDER BY holder", (time.time(),))}
+    buf.manifest.tag_checkpoint(version, name)
 
 
 def prune_in(buf: Buffer, con, seq: int, keep: int, replay_window: int = 0, run_id: str | None = None,
@@ -108,7 +88,7 @@ def prune_in(buf: Buffer, con, seq: int, keep: int, replay_window: int = 0, run_
     rows = checkpoint_rows(buf, run_id, con=con, exclude=exclude)
     if not rows:
         return []
-    held = _held(man, con)
+    held = man.checkpoint_holds(con)
     by_run: dict[str, list[dict]] = {}
     for r in rows:
         by_run.setdefault(r["run_id"], []).append(r)
@@ -132,9 +112,7 @@ def prune_in(buf: Buffer, con, seq: int, keep: int, replay_window: int = 0, run_
                 continue
             doomed.append(r)
     if doomed:
-        marks = ",".join("?" * len(doomed))
-        con.execute(f"UPDATE checkpoint_index SET pruned_seq = ? WHERE pruned_seq IS NULL AND shard_id IN ({marks})",
-                    [seq, *(int(r["shard_id"]) for r in doomed)])
+        man.prune_checkpoints(con, seq, [int(r["shard_id"]) for r in doomed])
     return sorted(int(r["version"]) for r in doomed)
 
 

@@ -24,14 +24,13 @@ Invariants:
 from __future__ import annotations
 
 import os
-import sqlite3
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import ManifestError, RollstoreError, ValidationError
+from .errors import CatalogConflict, CatalogError, ManifestError, RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
 from .manifest import MANIFEST, Manifest, NewShard, Shard
@@ -237,7 +236,7 @@ class Buffer:
         parts: Iterable[Part | WrittenPart],
         kind: str,
         detail: dict | None = None,
-        on_commit: Callable[[sqlite3.Connection, int, list[int]], None] | None = None,
+        on_commit: Callable[[Any, int, list[int]], None] | None = None,
     ) -> tuple[int, list[Shard]]:
         """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
 
@@ -247,52 +246,20 @@ class Buffer:
         """
         self.manifest.require_writable()
         with writing(self.root, self.manifest):  # gc collects no unnamed file while we are between link and commit
-            written: list[NewShard] = []
-            inodes: list[int] = []
-            ids: list[int] = []
-            is_orphan = getattr(self.manifest, "may_replace", self.manifest.is_unnamed)  # a catalog's: ours to replace
-            intend = getattr(self.manifest, "intend", None)  # a catalog with write intents (PostgreSQL)
-            ended = getattr(self.manifest, "commit_ended", None)
-            store = getattr(self.manifest, "store", None)  # shards in object storage (storage/store.py)
+            placed: list[tuple[NewShard, int]] = []  # each file written, with its inode
             uploaded: list[str] = []
             sent = False  # True from the moment COMMIT may have reached the manifest
             durable = Durable()  # every file's and folder's fsync, at once, before the transaction
             try:
                 for part in parts:
-                    if isinstance(part, WrittenPart):
-                        if part.table_name == "rollouts":  # its rows were never seen here: not checked finite
-                            raise ValueError(f"{part.relpath}: a rollouts shard is committed from its rows (a Part, "
-                                             "validated and checked finite), never as a file written elsewhere")
-                        folder = TABLE_DIRS[part.table_name] + "/"
-                        if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
-                            raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
-                        if intend is not None:
-                            intend([part.relpath])  # before the link: gc leaves it alone, the commit fences
-                        link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan, durable)
-                        written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
-                                                part.bytes, part.sha256, part.key))
-                    else:
-                        table = stored_table(part)
-                        if part.table_name == "rollouts" and not part.checked:  # no path skips finite floats
-                            check_finite(table, kind)
-                        rel = part.relpath()
-                        tmp_rel = None
-                        if intend is not None:  # intents on its temporary and final names before any byte
-                            tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
-                            intend([tmp_rel, rel])
-                        nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel, durable)
-                        written.append(  # a rollouts shard's floats are finite here (checked above or by its caller)
-                            NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key,
-                                     finite=part.table_name == "rollouts")
-                        )
-                    inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
-                    if store is not None:  # the local file stays as this host's cached copy
-                        self._upload(store, written[-1].path)
-                        uploaded.append(written[-1].path)
+                    placed.append(self._place(part, kind, durable))
+                    if self.manifest.store is not None:  # the local file stays as this host's cached copy
+                        self._upload(self.manifest.store, placed[-1][0].path)
+                        uploaded.append(placed[-1][0].path)
                 durable.flush()
                 with self.manifest.transaction() as con:
                     seq = self.manifest.new_commit(con, kind, detail)
-                    ids = self.manifest.add_shards(con, seq, written)
+                    ids = self.manifest.add_shards(con, seq, [w for w, _ in placed])
                     if on_commit is not None:
                         on_commit(con, seq, ids)
                     sent = True  # leaving the block sends COMMIT: from here the outcome may be unknown
@@ -302,30 +269,60 @@ class Buffer:
                     # known here, so no file is removed. Unnamed ones are orphans for `gc`, which
                     # decides from the manifest, under the writers' lock, after this commit ends
                     # (a catalog's intents of this commit are left to expire, not released).
-                    if ended is not None:
-                        ended(rolled_back=False)
+                    self.manifest.commit_ended(rolled_back=False)
                     raise
-                for w, inode in zip(written, inodes):
-                    full = os.path.join(self.root, w.path)
-                    try:
-                        # (a store's buffer: the local file is only this host's copy, never the object another
-                        # writer committed at that path; a cache must not keep it)
-                        if os.stat(full).st_ino == inode and (store is not None or self.manifest.is_unnamed(w.path)):
-                            os.unlink(full)
-                    except (FileNotFoundError, sqlite3.Error):
-                        pass
-                for rel in uploaded:  # ours (put-if-absent), unnamed, and our intent still holds its key
-                    try:
-                        if self.manifest.is_unnamed(rel):
-                            store.delete(rel)
-                    except (RollstoreError, sqlite3.Error):
-                        pass  # an orphan object
-                if ended is not None:
-                    ended(rolled_back=True)  # its files are gone: release their intents
+                self._unplace(placed, uploaded)
+                self.manifest.commit_ended(rolled_back=True)  # its files are gone: release their intents
                 raise
-            if ended is not None:
-                ended(rolled_back=False)  # committed: the transaction deleted its intents
+            self.manifest.commit_ended(rolled_back=False)  # committed: the transaction deleted its intents
         return seq, self.manifest.shards_by_id(ids)
+
+    def _place(self, part: Part | WrittenPart, kind: str, durable: Durable) -> tuple[NewShard, int]:
+        """Reserve the paths of one part in the catalog (intents, before any byte) and put its bytes
+        in place in the buffer's folder (never over a committed file; an orphan is replaced);
+        returns its row-to-be and the inode of its file."""
+        is_orphan = self.manifest.may_replace  # a file found there: ours to replace (no row names it)
+        if isinstance(part, WrittenPart):
+            if part.table_name == "rollouts":  # its rows were never seen here: not checked finite
+                raise ValueError(f"{part.relpath}: a rollouts shard is committed from its rows (a Part, "
+                                 "validated and checked finite), never as a file written elsewhere")
+            folder = TABLE_DIRS[part.table_name] + "/"
+            if not part.relpath.startswith(folder) or ".." in part.relpath.split("/"):
+                raise ValueError(f"{part.relpath}: not a path of table {part.table_name}")
+            self.manifest.intend([part.relpath])  # before the link: gc leaves it alone, the commit fences
+            link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan, durable)
+            new = NewShard(part.table_name, part.relpath, part.rows, part.tokens, part.bytes, part.sha256, part.key)
+        else:
+            table = stored_table(part)
+            if part.table_name == "rollouts" and not part.checked:  # no path skips finite floats
+                check_finite(table, kind)
+            rel = part.relpath()
+            tmp_rel = os.path.join("tmp", owned_name("tmp", ".parquet"))
+            self.manifest.intend([tmp_rel, rel])  # intents on its temporary and final names before any byte
+            nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel, durable)
+            new = NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key,
+                           finite=part.table_name == "rollouts")  # finite here: checked above or by its caller
+        return new, os.stat(os.path.join(self.root, new.path)).st_ino
+
+    def _unplace(self, placed: list[tuple[NewShard, int]], uploaded: list[str]) -> None:
+        """Before COMMIT was sent: remove the files of `placed` that are still ours (same inode) and
+        unnamed, and the objects of `uploaded` that no row names (ours: put-if-absent, intents held)."""
+        store = self.manifest.store
+        for w, inode in placed:
+            full = os.path.join(self.root, w.path)
+            try:
+                # (a store's buffer: the local file is only this host's copy, never the object another
+                # writer committed at that path; a cache must not keep it)
+                if os.stat(full).st_ino == inode and (store is not None or self.manifest.is_unnamed(w.path)):
+                    os.unlink(full)
+            except (FileNotFoundError, CatalogError):
+                pass
+        for rel in uploaded:
+            try:
+                if self.manifest.is_unnamed(rel):
+                    store.delete(rel)
+            except RollstoreError:
+                pass  # an orphan object
 
     def _upload(self, store, rel: str) -> None:
         """Put the local file of `rel` into the store if absent. An object already there that no row
@@ -362,10 +359,10 @@ class Buffer:
             for start in range(0, len(distinct), 10_000):
                 yield from distinct.slice(start, 10_000).to_pylist()
 
-        def register(con: sqlite3.Connection, seq: int, ids: list[int]) -> None:
+        def register(con: Any, seq: int, ids: list[int]) -> None:
             try:
                 self.manifest.register_rollouts(con, ids[0], pairs(), groups())
-            except sqlite3.IntegrityError:
+            except CatalogConflict:
                 # A concurrent append won the race for an id: report it like validation would.
                 rids = ids_only.column("rollout_id").to_pylist()
                 gids = ids_only.column("group_id").to_pylist()

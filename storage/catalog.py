@@ -1,11 +1,14 @@
-"""The catalog seam: where a buffer's manifest operations go.
+"""The catalog seam: every operation a buffer asks of its catalog, one abstract class.
 
 A buffer's catalog records what is committed: commits (snapshot numbers), shard rows, rollout and
-group ids, leases, pins. Two implementations share one interface, `Catalog`:
+group ids, leases, pins, the checkpoint index and ledger. `Catalog` (below) names every operation;
+two siblings implement all of them over one shared body of SQL (`catalog_sql.SqlCatalog`, which asks
+a `dialect.Dialect` where the two databases differ):
 - the embedded SQLite manifest (`manifest.Manifest`, `BUFFER/manifest.sqlite`): the default, for a
-  buffer folder without a descriptor; nothing about it changes;
+  buffer folder without a descriptor;
 - PostgreSQL (`catalog_pg.PgManifest`), for a buffer folder with `BUFFER/catalog.json` written by
-  `rollstore init BUF --catalog postgresql://...`: hosts that mount the folder share one catalog.
+  `rollstore init BUF --catalog postgresql://...`: hosts that mount the folder (or share a store)
+  share one catalog.
 
 Invariants:
 - `open_manifest(root)` picks the implementation from the folder alone: a descriptor means its
@@ -13,63 +16,253 @@ Invariants:
 - Every write through `Catalog.transaction()` is serialised against every other writer of the same
   buffer (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: a transaction-level advisory lock), so snapshot
   numbers are assigned in commit order and a snapshot never changes.
-- Code above `storage/` sees the same operations and the same errors (sqlite3's exception classes,
-  `ManifestError` lines) whichever catalog a buffer has.
+- Every operation exists on every implementation: what one catalog needs and the other does not
+  (write intents and their heartbeat, the consumed ledger's publish-time record, a store's objects)
+  is a no-op or a plain answer on the other, so callers never ask which catalog they hold.
+- Code above `storage/` sees the same operations and the same errors (`errors.CatalogError` and its
+  kinds, `ManifestError` lines), never a driver's (sqlite3, psycopg) exception class; it runs no SQL
+  of its own against the catalog. The `con` a transaction yields is handed back to the catalog's
+  `*_in`-style operations (`add_shards(con, ...)`), never queried by the caller.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Iterable, Protocol
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 from . import descriptor
 from .errors import ManifestError
-from .manifest import MANIFEST, Manifest, NewShard, Shard
+
+MANIFEST = "manifest.sqlite"
 
 
-class Catalog(Protocol):
-    """What a buffer asks of its catalog (the methods `Buffer`, `Snapshot`, gc, compaction, curation
-    and the learner call). `con` is the transaction's connection: `execute(sql, params)` and
-    `executemany` in the manifest's SQL dialect, cursors with fetchone/fetchall/rowcount/lastrowid."""
+@dataclass(frozen=True)
+class Shard:
+    shard_id: int
+    table_name: str
+    path: str  # relative to the buffer root
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
+    key: str | None
+    added_seq: int
+    removed_seq: int | None
+
+
+@dataclass(frozen=True)
+class NewShard:
+    """A written, fsynced file waiting for its manifest row."""
+
+    table_name: str
+    path: str
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
+    key: str | None = None
+    finite: bool = False  # a rollouts shard whose floats `Buffer.commit` checked finite (recorded in `finite`)
+
+
+class Catalog(ABC):
+    """What a buffer asks of its catalog. `con` is the connection a `transaction()` yields: pass it
+    back to the operations that run inside that transaction, and nothing else."""
 
     root: str
     path: str  # where the catalog is, for messages (a file, or a redacted DSN)
-    read_only: str | None
+    read_only: str | None = None  # why it could only be opened read-only, else None
+    store = None  # the object store of the buffer's shards (storage/store.py), None: in its folder
+    multi_host = False  # writers on other hosts: host-local locks and pids prove nothing, intents do
 
+    # ---- the session ---------------------------------------------------------------------------
+    @abstractmethod
     def close(self) -> None: ...
-    def require_writable(self) -> None: ...
-    def transaction(self) -> AbstractContextManager[Any]: ...
-    def new_commit(self, con: Any, kind: str, detail: dict | None = None) -> int: ...
+    @abstractmethod
+    def require_writable(self) -> None:
+        """Raise `CatalogReadOnly` (one line) when the catalog could only be opened read-only."""
+    @abstractmethod
+    def transaction(self) -> AbstractContextManager[Any]:
+        """One write transaction, serialised against every other writer; yields its `con`."""
+
+    # ---- commits and shards ------------------------------------------------------------------
+    @abstractmethod
+    def new_commit(self, con, kind: str, detail: dict | None = None) -> int:
+        """Inside `con`: the next snapshot number, its commit row made."""
+    @abstractmethod
     def latest_seq(self) -> int: ...
-    def add_shards(self, con: Any, seq: int, shards: list[NewShard]) -> list[int]: ...
-    def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]: ...
-    def shards_by_id(self, ids: list[int]) -> list[Shard]: ...
-    def live_key_count(self, table: str, key: str, con: Any = None) -> int: ...
-    def live_paths(self, table: str, con: Any = None) -> list[tuple[int, str]]: ...
-    def ack_paths(self, con: Any, paths: list[str], consumer: str, group: str, now: float) -> list[str]: ...
-    def is_unnamed(self, path: str) -> bool: ...
+    @abstractmethod
+    def commit_log(self, upto: int) -> list[tuple]:
+        """(seq, created_at, kind, detail, host) of every commit up to `upto`."""
+    @abstractmethod
+    def add_shards(self, con, seq: int, shards: list[NewShard]) -> list[int]:
+        """Inside `con`: rows for `shards`; a path another writer committed first: FileExistsError."""
+    @abstractmethod
+    def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]:
+        """Shards visible at snapshot `seq` (latest when None), in commit order."""
+    @abstractmethod
+    def shards_by_id(self, ids: list[int], con=None) -> list[Shard]: ...
+    @abstractmethod
+    def live_key_count(self, table: str, key: str, con=None) -> int: ...
+    @abstractmethod
+    def live_keyed(self, table: str, keys: list[str]) -> list[Shard]: ...
+    @abstractmethod
+    def live_paths(self, table: str, con=None) -> list[tuple[int, str]]: ...
+    @abstractmethod
     def all_paths(self) -> set[str]: ...
+    @abstractmethod
+    def is_unnamed(self, path: str) -> bool:
+        """True when no row (live or retired shard, or a store's object) names `path`."""
+    @abstractmethod
+    def retire_shards(self, con, seq: int, ids: list[int], release_ids: bool = True) -> int:
+        """Inside `con`: retire the live shards `ids` at `seq` (`release_ids`: their rollout and group
+        ids too); returns how many were live."""
+    @abstractmethod
+    def unretire(self, con, shard_id: int, seq: int) -> None:
+        """Inside `con`: shard `shard_id`, retired at `seq`, is live again."""
+    @abstractmethod
+    def retired_paths(self, con, paths: list[str]) -> list[str]:
+        """Inside `con`: of rollouts shard `paths`, those no live row names and no move resolves."""
+    @abstractmethod
+    def committed_since(self, con, table: str, seq: int, key: str) -> list[tuple[str, str]]:
+        """Inside `con`: (path, key) of live `table` shards committed after `seq`, under another key
+        than `key` that a live curation record names, in shard order."""
+
+    # ---- rollout and group ids, finite checks, moves ----------------------------------------
+    @abstractmethod
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]: ...
-    def register_rollouts(self, con: Any, shard_id: int, pairs: Iterable[tuple[str, str]],
-                          groups: Iterable[str]) -> None: ...
+    @abstractmethod
+    def register_rollouts(self, con, shard_id: int, pairs: Iterable[tuple[str, str]], groups: Iterable[str]) -> None:
+        """Inside `con`: claim the ids; an id already taken: nothing claimed, `CatalogConflict`."""
+    @abstractmethod
+    def move_ids(self, con, shard_ids: list[int], to: int) -> None:
+        """Inside `con`: the rollout and group ids of `shard_ids` now belong to shard `to`."""
+    @abstractmethod
+    def finite_checked(self, digests: list[str]) -> set[str]: ...
+    @abstractmethod
+    def moves(self, con=None) -> dict[str, tuple[str, int]]: ...
+    @abstractmethod
+    def record_moves(self, con, seq: int, moves: list[tuple[str, str, int]]) -> None: ...
+    @abstractmethod
+    def has_table(self, name: str, con=None) -> bool: ...
+
+    # ---- leases and pins ------------------------------------------------------------------------
+    @abstractmethod
     def lease(self, table: str, n: int, consumer: str, group: str = "default",
               ttl: float = 600.0) -> tuple[str, list[Shard]]: ...
+    @abstractmethod
     def ack(self, shard_ids: list[int], consumer: str, group: str = "default") -> int: ...
+    @abstractmethod
+    def ack_paths(self, con, paths: list[str], consumer: str, group: str, now: float) -> list[str]: ...
+    @abstractmethod
+    def leased_ids(self, con=None) -> set[int]:
+        """Shards ever leased (acked or not) in any group."""
+    @abstractmethod
     def pin(self, seq: int, ttl: float = 3600.0) -> str: ...
+    @abstractmethod
     def unpin(self, pin_id: str) -> None: ...
-    def collected_seq(self) -> int: ...
-    def finite_checked(self, digests: list[str]) -> set[str]: ...
+    @abstractmethod
     def oldest_pinned_seq(self) -> int | None: ...
 
+    # ---- gc and verify ------------------------------------------------------------------------
+    @abstractmethod
+    def collected_seq(self) -> int: ...
+    @abstractmethod
+    def retired_rows(self) -> list[tuple[int, str, int]]:
+        """(shard_id, path, removed_seq) of every retired shard whose row is still there."""
+    @abstractmethod
+    def forget_retired(self, con, ids: list[int], removed_seq: int) -> None:
+        """Inside `con`: delete the rows `ids` (gc removes their files next); `collected_seq` rises."""
+    @abstractmethod
+    def verified_ids(self) -> set[int]: ...
+    @abstractmethod
+    def record_verified(self, shard_ids: list[int]) -> None: ...
+    @abstractmethod
+    def quarantined(self) -> list[tuple[int, int]]:
+        """(shard_id, seq of the quarantine commit that retired it)."""
+    @abstractmethod
+    def data_marker(self) -> str | None:
+        """The identity marker the catalog recorded for its data (None: the embedded manifest)."""
 
-def holding(catalog, relpath: str) -> AbstractContextManager[None]:
-    """While a working file or folder under tmp/ (`relpath`) is in use: an intent on it in a catalog
-    that has write intents (PostgreSQL: gc of any host leaves it alone, whatever its age; it is
-    taken before the folder is made and released after it is removed); nothing for the embedded
-    manifest, whose gc judges tmp/ by its owner's pid."""
-    hold = getattr(catalog, "holding", None)
-    return nullcontext() if hold is None else hold(relpath)
+    # ---- the checkpoint index and the consumed ledger --------------------------------------
+    @abstractmethod
+    def index_checkpoints(self, con, rows: list[tuple]) -> None: ...
+    @abstractmethod
+    def record_ledger(self, con, seq: int, rows) -> None: ...
+    @abstractmethod
+    def record_consumed(self, con, run_id: str, version: int, entries: list[dict], checkpoint_shard_id: int,
+                        seq: int) -> str | None:
+        """Inside the publishing `con`: why checkpoint `version` may not be published, else None."""
+    @abstractmethod
+    def consumed_by(self, shards: list[str], run_id: str | None = None, con=None,
+                    exclude: tuple = ()) -> list[tuple[str, int]]: ...
+    @abstractmethod
+    def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
+                         newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]: ...
+    @abstractmethod
+    def unindexed_checkpoints(self, seq: int | None = None, con=None) -> list[tuple[int, str]]: ...
+    @abstractmethod
+    def indexed_through(self, con, shard_id: int | None = None) -> None: ...
+    @abstractmethod
+    def hold_checkpoint(self, holder: str, version: int, ttl: float) -> None: ...
+    @abstractmethod
+    def release_checkpoint(self, holder: str) -> None: ...
+    @abstractmethod
+    def tag_checkpoint(self, version: int, name: str | None) -> None: ...
+    @abstractmethod
+    def checkpoint_holds(self, con) -> dict[int, str]:
+        """{version: holder} of the unexpired holds."""
+    @abstractmethod
+    def prune_checkpoints(self, con, seq: int, shard_ids: list[int]) -> None: ...
+    @abstractmethod
+    def pruned_uncollected(self) -> list[tuple[int, str, int]]:
+        """(shard_id, path, pruned_seq) of pruned checkpoint versions whose files gc has not removed."""
+    @abstractmethod
+    def mark_collected(self, shard_ids: list[int]) -> None: ...
+
+    # ---- write intents (PostgreSQL's; nothing to do for the embedded manifest) -------------------
+    def intend(self, paths: list[str]) -> None:
+        """Intents on `paths` before their first byte (gc of every host leaves them alone)."""
+
+    def holding(self, path: str) -> AbstractContextManager[None]:
+        """While a working file or folder under tmp/ is in use: an intent on it (renewed while held)."""
+        return nullcontext()
+
+    def commit_ended(self, rolled_back: bool) -> None:
+        """The commit in progress ended (`rolled_back`: before COMMIT was sent, its files removed)."""
+
+    def may_replace(self, path: str) -> bool:
+        """A file found at `path` may be replaced by this writer (an orphan of a crashed one)."""
+        return self.is_unnamed(path)
+
+    def protected(self, paths: list[str]) -> set[str]:
+        """Those of `paths` that a row names or a live intent holds."""
+        named = self.all_paths()
+        return {p for p in paths if p in named}
+
+    @contextmanager
+    def owning(self, path: str) -> Iterator[bool]:
+        """gc's hold on an unnamed `path` it means to remove: True when it may."""
+        yield self.is_unnamed(path)
+
+    def drop_expired_intents(self) -> int:
+        return 0
+
+    # ---- a store's objects that are not shards (a checkpoint's files) --------------------------
+    def record_objects(self, con, seq: int, objects: list[tuple[str, str, int]]) -> None:
+        """Inside the publishing `con`: name `objects` ((path, sha256, bytes)); a store's catalog's."""
+
+    def objects_under(self, prefix: str) -> list[tuple[str, str, int]]:
+        return []
+
+
+def holding(catalog: Catalog, relpath: str) -> AbstractContextManager[None]:
+    """While a working file or folder under tmp/ (`relpath`) is in use: `catalog.holding(relpath)`
+    (PostgreSQL: an intent, so gc of any host leaves it alone; the embedded manifest: nothing, its
+    gc judges tmp/ by its owner's pid)."""
+    return catalog.holding(relpath)
 
 
 def is_cataloged(root: str) -> bool:
@@ -99,4 +292,6 @@ def open_manifest(root: str, create: bool = False, catalog: str | None = None, d
         from .catalog_pg import PgManifest
 
         return PgManifest(root)
+    from .manifest import Manifest
+
     return Manifest(root, create=create)

@@ -18,24 +18,23 @@ Invariants:
   or were taken over is refused (`Fenced`): nothing of it is visible. gc removes only files no row
   names and no live intent holds, each while holding an intent on it itself.
 - Reads outside a transaction run in autocommit, one statement one snapshot, as on SQLite.
-- A failure of the database is one `CatalogError` line (also a `sqlite3.OperationalError`, so the
-  code written against the embedded manifest treats it as it treats a busy or broken SQLite); a
-  constraint violation is a `CatalogIntegrityError` (a `sqlite3.IntegrityError`).
+- A failure of the database is one `CatalogError` line (`CatalogBusy` for a lock or serialisation
+  failure, `CatalogConflict` for a constraint violation): the catalog's own errors, as the embedded
+  manifest raises them, never psycopg's.
 
-The connection object (`PgConnection`) speaks the small dialect the manifest's callers use
-(`?` parameters, `INSERT OR IGNORE/REPLACE`, `IS NOT ?`, savepoints, `lastrowid`, `rowcount`) and
-translates it; a statement it does not know passes through unchanged.
+`PgManifest` is the PostgreSQL sibling of `manifest.Manifest` under `catalog_sql.SqlCatalog`: the
+shared queries are written once there (with `dialect.POSTGRES` where the spelling differs); here is
+what only PostgreSQL does (the advisory lock, commit tokens, intents and their heartbeat, arrays,
+the ledger recorded at publish, a store's objects). `PgConnection` puts `?` parameters into
+psycopg's style (`dialect.prepare`) and nothing else: no SQL text is rewritten.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import re
 import socket
-import sqlite3
 import threading
 import time
 import uuid as uuidlib
@@ -43,8 +42,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from . import descriptor
-from .errors import ManifestError
-from .manifest import _SHARD_COLS, REQUIRED_TABLES, Manifest, NewShard, Shard
+from .catalog import NewShard
+from .catalog_sql import REQUIRED_TABLES, SqlCatalog
+from .dialect import POSTGRES
+from .errors import CatalogBusy, CatalogConflict, CatalogError, ManifestError
 
 SCHEMA_VERSION = "3"
 
@@ -122,68 +123,19 @@ CREATE TABLE IF NOT EXISTS objects (
 CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)
 """
 
-# The primary key of each table an `INSERT OR REPLACE` may target, and the serial column whose value
-# an INSERT reports as `lastrowid`.
-_CONFLICT_KEYS = {"leases": ("consumer_group", "shard_id"), "meta": ("key",), "pins": ("pin_id",),
-                  "rollout_ids": ("rollout_id",), "group_ids": ("group_id",)}
-_ROWID = {"commits": "seq", "shards": "shard_id"}
-
-
-class CatalogError(ManifestError, sqlite3.OperationalError):
-    """The catalog database failed or could not be reached (one line)."""
-
-
-class CatalogIntegrityError(sqlite3.IntegrityError):
-    """A uniqueness or other constraint of the catalog was violated."""
-
-
 def host_id() -> str:
     """Who is writing: `ROLLSTORE_HOST_ID` when set (a simulated host), else this machine's name."""
     return os.environ.get("ROLLSTORE_HOST_ID") or socket.gethostname() or "host"
 
 
-@functools.lru_cache(maxsize=512)
-def translate(sql: str) -> tuple[str, str | None]:
-    """(PostgreSQL text, the column an INSERT returns as lastrowid or None) of a manifest statement."""
-    s = sql.strip()
-    rowid = None
-    m = re.match(r"INSERT\s+OR\s+(IGNORE|REPLACE)\s+INTO\s+(\w+)\s*(\(([^)]*)\))?", s, re.IGNORECASE)
-    if m:
-        verb, table, cols = m.group(1).upper(), m.group(2), m.group(4)
-        s = re.sub(r"^INSERT\s+OR\s+\w+\s+INTO", "INSERT INTO", s, flags=re.IGNORECASE)
-        if verb == "IGNORE":
-            s += " ON CONFLICT DO NOTHING"
-        else:
-            keys = _CONFLICT_KEYS[table]
-            names = [c.strip() for c in cols.split(",")] if cols else None
-            if names is None:
-                raise CatalogError(f"INSERT OR REPLACE INTO {table} needs its column list on PostgreSQL")
-            rest = [c for c in names if c not in keys]
-            s += (f" ON CONFLICT ({', '.join(keys)}) DO UPDATE SET "
-                  + ", ".join(f"{c} = EXCLUDED.{c}" for c in rest))
-    else:
-        m = re.match(r"INSERT\s+INTO\s+(\w+)", s, re.IGNORECASE)
-        if m and m.group(1) in _ROWID and not re.search(r"\bRETURNING\b", s, re.IGNORECASE):
-            rowid = _ROWID[m.group(1)]
-            s += f" RETURNING {rowid}"
-    # gc's "collected_seq = max(old, new)" upsert: SQLite's two-argument max is GREATEST here
-    s = re.sub(r"SET value = max\(CAST\(value AS INTEGER\), CAST\(excluded\.value AS INTEGER\)\)",
-               "SET value = GREATEST(CAST(meta.value AS BIGINT), CAST(EXCLUDED.value AS BIGINT))::text", s)
-    s = re.sub(r"\bIS\s+NOT\s+\?", "IS DISTINCT FROM ?", s, flags=re.IGNORECASE)
-    s = re.sub(r"^ROLLBACK\s+TO\s+(?!SAVEPOINT)", "ROLLBACK TO SAVEPOINT ", s, flags=re.IGNORECASE)
-    s = s.replace("%", "%%").replace("?", "%s")
-    return s, rowid
-
-
 class PgCursor:
     """The results of one statement, shaped like a sqlite3 cursor (fetchone/fetchall/iteration,
-    rowcount, lastrowid)."""
+    rowcount)."""
 
-    def __init__(self, rows: list[tuple] | None, rowcount: int, lastrowid: int | None):
+    def __init__(self, rows: list[tuple] | None, rowcount: int):
         self._rows = rows or []
         self._i = 0
         self.rowcount = rowcount
-        self.lastrowid = lastrowid
 
     def fetchone(self):
         if self._i >= len(self._rows):
@@ -201,37 +153,38 @@ class PgCursor:
 
 
 class PgConnection:
-    """A psycopg connection (autocommit; transactions are explicit) that executes the manifest's
-    SQLite dialect (see `translate`) and raises sqlite3-shaped errors."""
+    """A psycopg connection (autocommit; transactions are explicit) that takes `?` parameters
+    (`dialect.POSTGRES.prepare`) and raises the catalog's own errors (`_fail`)."""
 
     def __init__(self, raw, where: str):
         self.raw = raw
         self.where = where  # the redacted DSN, for messages
 
-    def _fail(self, exc: BaseException):
+    def _fail(self, exc: BaseException) -> CatalogError:
         import psycopg
 
-        if isinstance(exc, psycopg.errors.IntegrityError):
-            return CatalogIntegrityError(f"catalog {self.where}: {str(exc).splitlines()[0]}")
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, psycopg.errors.IntegrityError):
+            return CatalogConflict(f"catalog {self.where}: {first}")
+        if isinstance(exc, (psycopg.errors.LockNotAvailable, psycopg.errors.SerializationFailure,
+                            psycopg.errors.DeadlockDetected)):
+            return CatalogBusy(f"catalog {self.where}: {first}")
         return CatalogError(f"catalog {self.where}: {first}")
 
     def execute(self, sql: str, params=()) -> PgCursor:
         import psycopg
 
-        text, rowid = translate(sql)
         try:
-            cur = self.raw.execute(text, tuple(params))
+            cur = self.raw.execute(POSTGRES.prepare(sql), tuple(params))
             rows = cur.fetchall() if cur.description is not None else None
         except psycopg.Error as exc:
             raise self._fail(exc) from None
-        last = int(rows[0][0]) if rowid is not None and rows else None
-        return PgCursor(rows, cur.rowcount, last)
+        return PgCursor(rows, cur.rowcount)
 
     def executemany(self, sql: str, seq_of_params) -> PgCursor:
         import psycopg
 
-        text, _ = translate(sql)
+        text = POSTGRES.prepare(sql)
         total = 0
         try:
             with self.raw.cursor() as cur:
@@ -247,7 +200,7 @@ class PgConnection:
                     total += len(batch)
         except psycopg.Error as exc:
             raise self._fail(exc) from None
-        return PgCursor(None, total, None)
+        return PgCursor(None, total)
 
     def close(self) -> None:
         self.raw.close()
@@ -440,15 +393,17 @@ class CommitUnknown(Exception):
     committed (`args[0]`: the CatalogError of the failure)."""
 
 
-class PgManifest(Manifest):
-    """A buffer's catalog in PostgreSQL; the embedded `Manifest`'s operations, same semantics."""
+class PgManifest(SqlCatalog):
+    """A buffer's catalog in PostgreSQL; the embedded `Manifest`'s sibling, same operations and semantics."""
+
+    dialect = POSTGRES
+    multi_host = True
 
     def __init__(self, root: str, desc: descriptor.Descriptor | None = None):  # noqa: D107 - no super().__init__
         desc = desc or descriptor.read(root)
         self.root = root
         self.descriptor = desc
         self.path = descriptor.redact(desc.catalog)
-        self.read_only = None
         self.lock_key = lock_key(desc.buffer_uuid)
         self._token: str | None = None  # of the commit row of the transaction in progress
         self._fenced = False  # the transaction in progress has fenced its commit (deleted its intents)
@@ -604,21 +559,9 @@ class PgManifest(Manifest):
         where a curation reads them, as before."""
         return set()
 
-    def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:
-        """As the embedded manifest's, one statement per 50,000 ids (`= ANY(array)`)."""
-        found_r: set[str] = set()
-        found_g: set[str] = set()
-        for chunk in _chunks(rollout_ids, 50_000):
-            found_r.update(r[0] for r in self.con.execute(
-                "SELECT rollout_id FROM rollout_ids WHERE rollout_id = ANY(?::text[])", (chunk,)))
-        for chunk in _chunks(group_ids, 50_000):
-            found_g.update(r[0] for r in self.con.execute(
-                "SELECT group_id FROM group_ids WHERE group_id = ANY(?::text[])", (chunk,)))
-        return found_r, found_g
-
     def register_rollouts(self, con, shard_id: int, pairs, groups) -> None:
         """As the embedded manifest's (claim the ids; on a conflict undo the partial claim and raise
-        `CatalogIntegrityError`), with arrays: one statement per 50,000 ids instead of one per id.
+        `CatalogConflict`), with arrays: one statement per 50,000 ids instead of one per id.
         `ON CONFLICT DO NOTHING` keeps the transaction usable; a short count is the conflict, and the
         rows this call inserted are deleted again (what the embedded manifest's savepoint undoes)."""
         pairs, groups = list(pairs), list(groups)
@@ -637,33 +580,9 @@ class PgManifest(Manifest):
         if short:
             con.execute("DELETE FROM rollout_ids WHERE shard_id = ?", (shard_id,))
             con.execute("DELETE FROM group_ids WHERE shard_id = ?", (shard_id,))
-            raise CatalogIntegrityError(f"catalog {self.path}: a rollout or group id is already in the buffer")
+            raise CatalogConflict(f"catalog {self.path}: a rollout or group id is already in the buffer")
 
-    # ---- leases and pins on the database's clock (the embedded manifest's, with `now` from the
-    # database instead of this host: hosts' clocks need not agree). Keep in step with Manifest's.
-    def lease(self, table: str, n: int, consumer: str, group: str = "default",
-              ttl: float = 600.0) -> tuple[str, list[Shard]]:
-        """Lease up to n live shards of `table` not acked or leased (unexpired) in `group`."""
-        lease_id = uuidlib.uuid4().hex
-        cols = ", ".join("s." + c.strip() for c in _SHARD_COLS.split(","))
-        with self.transaction() as con:
-            now = clock(con)
-            seq = self.latest_seq()
-            rows = con.execute(
-                f"SELECT {cols} FROM shards s "
-                "LEFT JOIN leases l ON l.shard_id = s.shard_id AND l.consumer_group = ? "
-                "WHERE s.table_name = ? AND s.added_seq <= ? AND s.removed_seq IS NULL "
-                "AND (l.shard_id IS NULL OR (l.acked_at IS NULL AND l.expires_at < ?)) "
-                "ORDER BY s.added_seq, s.shard_id LIMIT ?",
-                (group, table, seq, now, n),
-            ).fetchall()
-            con.executemany(
-                "INSERT OR REPLACE INTO leases (consumer_group, shard_id, consumer, lease_id, expires_at, acked_at)"
-                " VALUES (?, ?, ?, ?, ?, NULL)",
-                [(group, r[0], consumer, lease_id, now + ttl) for r in rows],
-            )
-        return lease_id, [Shard(*r) for r in rows]
-
+    # ---- acks on the database's clock (hosts' clocks need not agree), of unexpired leases only
     def ack(self, shard_ids: list[int], consumer: str, group: str = "default") -> int:
         """Ack shards this consumer holds, on the database's clock; a lease that expired is not
         acked even if nobody took it (the consumer stalled past its TTL: fenced; the embedded
@@ -712,22 +631,6 @@ class PgManifest(Manifest):
     def record_ledger(self, con, seq: int, rows) -> None:
         """Nothing: this catalog's ledger is recorded as each version publishes (`record_consumed`),
         and was filled for the versions before it (`_backfill_consumed`)."""
-
-    def _pin_transaction(self):
-        """An unpin (inherited) in this catalog's own transaction, under the buffer's lock."""
-        return self.transaction()
-
-    def pin(self, seq: int, ttl: float = 3600.0) -> str:
-        pin_id = uuidlib.uuid4().hex
-        with self.transaction() as con:
-            con.execute("INSERT INTO pins VALUES (?, ?, extract(epoch FROM clock_timestamp()) + ?)",
-                        (pin_id, seq, float(ttl)))
-        return pin_id
-
-    def oldest_pinned_seq(self) -> int | None:
-        row = self.con.execute(
-            "SELECT min(seq) FROM pins WHERE expires_at > extract(epoch FROM clock_timestamp())").fetchone()
-        return None if row[0] is None else int(row[0])
 
     # ---- intents: what replaces host-local liveness (writers.lock, pids) -------------------
     # Before its first byte, every file a writer makes (a shard at its final path, its temporary
@@ -933,16 +836,6 @@ class PgManifest(Manifest):
         return self.con.execute("SELECT 1 FROM shards WHERE path = ? UNION ALL SELECT 1 FROM objects WHERE path = ? "
                                 "LIMIT 1", (path, path)).fetchone() is None
 
-    def _has_moved(self, con) -> bool:
-        return self.has_table("moved", con)
-
-    def has_table(self, name: str, con=None) -> bool:
-        return bool((con or self.con).execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()[0])
-
-    def shards_by_id(self, ids: list[int]) -> list[Shard]:
-        if not ids:
-            return []
-        return super().shards_by_id(ids)
 
 
 def _chunks(items, n: int):
@@ -954,10 +847,3 @@ def _chunks(items, n: int):
             chunk = []
     if chunk:
         yield chunk
-
-
-def clock(con: PgConnection) -> float:
-    """The database's clock (seconds since the epoch)."""
-    return float(con.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
-
-

@@ -26,6 +26,28 @@ class NotABuffer(ManifestError):
     """A path that holds no rollstore buffer (no manifest.sqlite)."""
 
 
+class CatalogError(ManifestError):
+    """The catalog (SQLite or PostgreSQL) failed or could not be reached, in one line. The catalog's
+    own errors: a connection translates its driver's (sqlite3, psycopg) into these at its boundary,
+    so nothing above `storage/` catches a driver's exception class."""
+
+
+class CatalogBusy(CatalogError):
+    """The catalog is locked or busy (another writer held it past the wait): trying again may work."""
+
+
+class CatalogConflict(CatalogError):
+    """A uniqueness or other constraint of the catalog was violated (e.g. an id already taken)."""
+
+
+class CatalogDamaged(CatalogError):
+    """The catalog is not a rollstore catalog, or is damaged."""
+
+
+class CatalogReadOnly(CatalogError):
+    """A write was asked of a catalog that could only be opened read-only."""
+
+
 class UnknownName(RollstoreError):
     """A name (a recipe, a parameter, a curation, a table) that is not one of those known."""
 

@@ -199,9 +199,8 @@ def _collect_cataloged(buf: Buffer, grace_s: float, now: float, report: GcReport
     _collect_held(buf, candidates, grace_s, now, report)
     spill = collect_tmp(tmp, grace_s, now, only=spills)
     report.spill_dirs_removed += spill.spill_dirs_removed
-    store = getattr(buf.manifest, "store", None)
-    if store is not None:
-        _collect_objects(buf, store, grace_s, now, report)
+    if buf.manifest.store is not None:
+        _collect_objects(buf, buf.manifest.store, grace_s, now, report)
 
 
 def _collect_objects(buf: Buffer, store, grace_s: float, now: float, report: GcReport) -> None:
@@ -254,7 +253,7 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
     if man.read_only is not None and (_read_only_mount(buf.root) or not os.access(buf.root, os.W_OK)):
         man.require_writable()  # nothing can be removed from a read-only buffer: one line
     now = time.time()
-    if getattr(man, "protected", None) is not None:  # a catalog with write intents (PostgreSQL)
+    if man.multi_host:  # writers on other hosts: their intents, not this host's locks and pids, guard them
         report = GcReport()
         _collect_cataloged(buf, grace_s, now, report)
     else:
@@ -265,19 +264,11 @@ def gc(buf: Buffer, grace_s: float = DEFAULT_GRACE_S) -> GcReport:
         return report
     collect_pruned(buf, report)
     oldest_pin = man.oldest_pinned_seq()
-    rows = man.con.execute("SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()
-    due = [(int(i), p, int(r)) for i, p, r in rows if oldest_pin is None or oldest_pin >= r]  # no pinned snapshot reads them
+    due = [(i, p, r) for i, p, r in man.retired_rows() if oldest_pin is None or oldest_pin >= r]  # no pinned snapshot reads them
     if due:
         with man.transaction() as con:  # the rows first, all in ONE commit: a file left behind is an orphan, never a shard
-            for chunk in range(0, len(due), 500):
-                ids = [i for i, _p, _r in due[chunk:chunk + 500]]
-                con.execute(f"DELETE FROM shards WHERE shard_id IN ({','.join('?' * len(ids))})", ids)
-            con.execute(
-                "INSERT INTO meta VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
-                "SET value = max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
-                (str(max(r for _i, _p, r in due)),),
-            )
-    store = getattr(man, "store", None)
+            man.forget_retired(con, [i for i, _p, _r in due], max(r for _i, _p, r in due))
+    store = man.store
     for _shard_id, path, _removed_seq in due:
         full = os.path.join(buf.root, path)
         size, _ = _size_and_age(full, now)
@@ -299,12 +290,11 @@ def collect_pruned(buf: Buffer, report: GcReport | None = None) -> GcReport:
     snapshot is older than the commit that pruned them; each is then marked `collected`."""
     report = GcReport() if report is None else report
     man = buf.manifest
-    if not man.has_table("checkpoint_index"):
+    rows = man.pruned_uncollected()
+    if not rows:
         return report
     oldest_pin = man.oldest_pinned_seq()
-    store = getattr(man, "store", None)
-    rows = man.con.execute("SELECT shard_id, path, pruned_seq FROM checkpoint_index "
-                           "WHERE pruned_seq IS NOT NULL AND collected IS NULL").fetchall()
+    store = man.store
     done = []
     for shard_id, path, pruned_seq in rows:
         if oldest_pin is not None and oldest_pin < int(pruned_seq):
@@ -321,8 +311,7 @@ def collect_pruned(buf: Buffer, report: GcReport | None = None) -> GcReport:
                 report.checkpoints_removed += 1
                 report.bytes_freed += size if store is None else 0
     if done and man.read_only is None:  # the files are gone whatever this records: a pin's kind of transaction
-        with man._pin_transaction() as con:
-            con.executemany("UPDATE checkpoint_index SET collected = 1 WHERE shard_id = ?", [(i,) for i in done])
+        man.mark_collected(done)
     return report
 
 
@@ -339,7 +328,7 @@ def trim_cache(buf: Buffer, max_bytes: int, grace_s: float = DEFAULT_GRACE_S) ->
     cache holds at most `max_bytes`; a copy used within `grace_s` is kept whatever the size (a reader
     of this host may be about to open it). A removed copy is fetched again, verified, when next read.
     Files no row names are gc's, never this function's."""
-    store = getattr(buf.manifest, "store", None)
+    store = buf.manifest.store
     if store is None:
         raise RollstoreError(f"{buf.root}: its shards live in its folder, not in object storage: there is no "
                              "cache to trim")
@@ -390,7 +379,7 @@ def compact(
         raise RollstoreError(f"table {table!r} cannot be compacted (only {', '.join(COMPACTABLE)})")
     man = buf.manifest
     man.require_writable()  # a write command: refused up front, also when nothing is left to merge
-    leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
+    leased = man.leased_ids()
     shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
 
     def home(s) -> tuple:  # a merged shard keeps its key and folder (e.g. a curation's)
@@ -431,7 +420,7 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str 
     where each old shard's rows now are (`moved`); returns the rows written. The old shards are
     verified first; the commit refuses when one changed or was leased. Until the commit, the old
     files are the live ones."""
-    store = getattr(buf.manifest, "store", None)
+    store = buf.manifest.store
     if store is not None:  # shards in object storage: into this host's cache first, verified
         for sh in (sh for b in batches for sh in b):
             store.fetch(buf.root, sh.path, sh.sha256, sh.bytes, buf.manifest.holding)
@@ -452,19 +441,13 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str 
     def retire(con, seq: int, new_ids: list[int]) -> None:
         for batch, new_id in zip(batches, new_ids):
             ids = [s.shard_id for s in batch]
-            marks = ",".join("?" * len(ids))
-            cur = con.execute(
-                f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND shard_id IN ({marks})",
-                [seq, *ids],
-            )
-            if cur.rowcount != len(ids):
+            if buf.manifest.retire_shards(con, seq, ids, release_ids=False) != len(ids):
                 raise ManifestError(f"a shard changed during {what}; nothing was committed")
-            if con.execute(f"SELECT 1 FROM leases WHERE shard_id IN ({marks}) LIMIT 1", ids).fetchone():
+            if buf.manifest.leased_ids(con) & set(ids):
                 raise ManifestError(f"a shard was leased during {what}; nothing was committed")
             if table == "rollouts":
-                con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
-                con.execute(f"UPDATE group_ids SET shard_id = ? WHERE shard_id IN ({marks})", [new_id, *ids])
-                to_path = con.execute("SELECT path FROM shards WHERE shard_id = ?", (new_id,)).fetchone()[0]
+                buf.manifest.move_ids(con, ids, new_id)
+                to_path = buf.manifest.shards_by_id([new_id], con)[0].path
                 offsets = [0, *itertools.accumulate(s.rows for s in batch)][:-1]
                 buf.manifest.record_moves(con, seq, [(s.path, to_path, o) for s, o in zip(batch, offsets)])
 
@@ -489,10 +472,10 @@ def migrate(buf: Buffer) -> MigrateReport:
 
     man = buf.manifest
     man.require_writable()
-    leased = {r[0] for r in man.con.execute("SELECT DISTINCT shard_id FROM leases")}
+    leased = man.leased_ids()
     report = MigrateReport()
     batches = []
-    store = getattr(man, "store", None)
+    store = man.store
     for s in man.shards("rollouts"):
         if store is not None:  # shards in object storage: the footer is read from this host's verified cache
             store.fetch(buf.root, s.path, s.sha256, s.bytes)

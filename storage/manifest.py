@@ -24,6 +24,12 @@ Invariants:
   that retires `path`, so a reference to `path` (a thin curated shard's) resolves by following
   the chain to the shard live in the reader's snapshot; nothing that names a curated shard (the
   consumed ledger, leases, pins, the curation's record) changes.
+- Errors leave as the catalog's own (`errors.CatalogError` kinds, translated by `SqliteConnection`
+  from sqlite3's at the connection), never as sqlite3's.
+
+`Manifest` is the SQLite sibling of `catalog_pg.PgManifest` under `catalog_sql.SqlCatalog`: here is
+what only SQLite does (opening, read-only fallback, `BEGIN IMMEDIATE`, `lastrowid`, savepoints); the
+shared queries are in `catalog_sql.py`, the operation list in `catalog.Catalog`.
 """
 
 from __future__ import annotations
@@ -34,14 +40,16 @@ import os
 import sqlite3
 import time
 import urllib.parse
-import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .errors import ManifestError, NotABuffer
+from .catalog import MANIFEST, NewShard, Shard
+from .catalog_sql import CHECKPOINT_COLS, CHECKPOINT_DDL, MOVED_DDL, REQUIRED_TABLES, SqlCatalog
+from .dialect import SQLITE
+from .errors import CatalogBusy, CatalogConflict, CatalogDamaged, CatalogError, CatalogReadOnly, ManifestError, NotABuffer
 
-MANIFEST = "manifest.sqlite"
+__all__ = ["MANIFEST", "CHECKPOINT_COLS", "CHECKPOINT_DDL", "MOVED_DDL", "Manifest", "ManifestReadOnly", "NewShard",
+           "Shard"]
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -86,75 +94,9 @@ CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, 
 # The sha256 of every rollouts file whose floats were checked finite when it was committed; made on
 # first use (a manifest without it: nothing recorded, every shard is checked where it is read).
 FINITE_DDL = "CREATE TABLE IF NOT EXISTS finite (sha256 TEXT PRIMARY KEY) WITHOUT ROWID"
-MOVED_DDL = ("CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, "
-             "row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)")
-# The checkpoint index (made by the first checkpoint a rollstore with it publishes; `learner.checkpoint`):
-# one row per `checkpoints` shard, the row its file holds, so that listing, the newest checkpoint of
-# a run and a version's lineage are catalog queries, not a read of every checkpoint file.
-# `pruned_seq`: the commit that gave the version's files up (`learner.retention`; the row stays:
-# lineage, ledger); `tag`: a user's name for it, which keeps its files; `collected`: 1 once gc removed
-# the files of a pruned version. `checkpoint_holds`: versions
-# a live process (a following learner or generator) still needs, until `expires_at`.
-CHECKPOINT_DDL = (
-    "CREATE TABLE IF NOT EXISTS checkpoint_index (shard_id BIGINT PRIMARY KEY, version BIGINT NOT NULL, "
-    "run_id TEXT NOT NULL, parent_version BIGINT, path TEXT NOT NULL, created_us BIGINT NOT NULL, "
-    "consumed TEXT NOT NULL, metrics TEXT NOT NULL, pruned_seq BIGINT, tag TEXT, collected BIGINT)",
-    "CREATE INDEX IF NOT EXISTS checkpoint_index_by_run ON checkpoint_index (run_id, version)",
-    "CREATE INDEX IF NOT EXISTS checkpoint_index_by_version ON checkpoint_index (version)",
-    "CREATE TABLE IF NOT EXISTS checkpoint_holds (holder TEXT PRIMARY KEY, version BIGINT NOT NULL, "
-    "expires_at DOUBLE PRECISION NOT NULL)",
-    # the consumed ledger, one row per (version, shard) (a PostgreSQL catalog has it from schema version 2;
-    # the embedded manifest makes it with the index, filled for every indexed version)
-    "CREATE TABLE IF NOT EXISTS consumed (run_id TEXT NOT NULL, shard TEXT NOT NULL, curation_id TEXT, "
-    "version BIGINT NOT NULL, checkpoint_shard_id BIGINT NOT NULL, seq BIGINT NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)",
-    "CREATE INDEX IF NOT EXISTS consumed_by_shard ON consumed (shard)",
-)
-CHECKPOINT_COLS = ("shard_id", "version", "run_id", "parent_version", "path", "created_us", "consumed", "metrics",
-                   "pruned_seq", "tag")
 # The manifest format versions this rollstore reads: 2 adds `moved`.
 SCHEMA_VERSIONS = ("1", "2")
 
-
-def _visible(seq: int | None) -> tuple[str, list]:
-    """The condition (on shards `s`) and arguments of "visible at snapshot `seq`" (None: live now)."""
-    if seq is None:
-        return "s.removed_seq IS NULL", []
-    return "s.added_seq <= ? AND (s.removed_seq IS NULL OR s.removed_seq > ?)", [seq, seq]
-
-
-@dataclass(frozen=True)
-class Shard:
-    shard_id: int
-    table_name: str
-    path: str  # relative to the buffer root
-    rows: int
-    tokens: int
-    bytes: int
-    sha256: str
-    key: str | None
-    added_seq: int
-    removed_seq: int | None
-
-
-@dataclass(frozen=True)
-class NewShard:
-    """A written, fsynced file waiting for its manifest row."""
-
-    table_name: str
-    path: str
-    rows: int
-    tokens: int
-    bytes: int
-    sha256: str
-    key: str | None = None
-    finite: bool = False  # a rollouts shard whose floats `Buffer.commit` checked finite (recorded in `finite`)
-
-
-_SHARD_COLS = "shard_id, table_name, path, rows, tokens, bytes, sha256, key, added_seq, removed_seq"
-
-
-REQUIRED_TABLES = ("meta", "commits", "shards", "rollout_ids", "group_ids", "leases", "pins")
 
 # SQLite errors that mean "cannot write here" (a full disk, a read-only mount or files one may not
 # write): a reader then opens the manifest read-only instead. Errors that mean "this is not a
@@ -191,17 +133,61 @@ def _why_not_writable(root: str, exc: BaseException) -> str:
     return str(exc)
 
 
-class ManifestReadOnly(ManifestError):
-    """A write was asked of a manifest that could only be opened read-only."""
+
+ManifestReadOnly = CatalogReadOnly  # (its name here before the catalog had errors of its own)
+_BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
 
 
-class Manifest:
+def catalog_error(path: str, exc: sqlite3.Error) -> CatalogError:
+    """The catalog's own error for a sqlite3 one (one line): a busy or locked database, a constraint
+    violated, a damaged file (with what to do), or any other failure of the manifest."""
+    if isinstance(exc, sqlite3.IntegrityError):
+        return CatalogConflict(f"manifest: {exc}")
+    if isinstance(exc, sqlite3.OperationalError):
+        busy = _errorname(exc).startswith(_BUSY) or "database is locked" in str(exc)
+        return (CatalogBusy if busy else CatalogError)(f"manifest: {exc}")
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.ProgrammingError):
+        return CatalogDamaged(f"{path}: damaged ({' '.join(str(exc).split()) or 'unreadable'}); {DAMAGED_ADVICE}")
+    return CatalogError(f"manifest: {exc}")
+
+
+class SqliteConnection:
+    """The embedded manifest's connection: sqlite3's (`raw`), whose errors leave it as the catalog's
+    own (`catalog_error`)."""
+
+    def __init__(self, raw: sqlite3.Connection, path: str):
+        self.raw = raw
+        self.path = path
+
+    def execute(self, sql: str, params=()) -> sqlite3.Cursor:
+        try:
+            return self.raw.execute(sql, params)
+        except sqlite3.Error as exc:
+            raise catalog_error(self.path, exc) from exc
+
+    def executemany(self, sql: str, seq_of_params) -> sqlite3.Cursor:
+        try:
+            return self.raw.executemany(sql, seq_of_params)
+        except sqlite3.Error as exc:
+            raise catalog_error(self.path, exc) from exc
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def set_trace_callback(self, callback) -> None:
+        self.raw.set_trace_callback(callback)
+
+
+class Manifest(SqlCatalog):
     """A connection to one buffer's manifest. One per thread; cheap to open.
 
     Opening tries read-write (WAL, synchronous=FULL). When the disk is full, the mount read-only or
     the files not writable by this user, it opens the manifest read-only (`read_only` is then the
-    reason): reads work, and any write raises `ManifestReadOnly` naming the reason. A file that is
-    not a rollstore manifest, or is damaged, is one `ManifestError` saying so and what to do."""
+    reason): reads work, and any write raises `CatalogReadOnly` naming the reason. A file that is
+    not a rollstore manifest, or is damaged, is one `ManifestError` saying so and what to do. Its
+    connection (`SqliteConnection`) raises the catalog's own errors, never sqlite3's."""
+
+    dialect = SQLITE
 
     def __init__(self, root: str, create: bool = False):
         path = os.path.join(root, MANIFEST)
@@ -214,19 +200,19 @@ class Manifest:
         if os.path.exists(path) and os.path.getsize(path) == 0:
             raise damaged(path, "an empty file")  # never made into a new, empty manifest over shards
         try:
-            self.con = self._open_read_write(path, create)
+            self.con = SqliteConnection(self._open_read_write(path, create), path)
         except sqlite3.DatabaseError as exc:
             if _errorname(exc).startswith(_DAMAGED) or not _errorname(exc).startswith(_CANNOT_WRITE) or create:
                 if _errorname(exc).startswith(_DAMAGED) or not isinstance(exc, sqlite3.OperationalError):
                     raise damaged(path, exc) from None
                 raise
-            self.con = self._open_read_only(path, exc)
+            self.con = SqliteConnection(self._open_read_only(path, exc), path)
             self.read_only = _why_not_writable(root, exc)
         if create:
             with self.transaction():
                 for statement in filter(str.strip, _DDL.split(";")):
                     self.con.execute(statement)
-                self.con.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', '1')")
+                self.con.execute(SQLITE.insert_ignore("meta", ("key", "value")), ("schema_version", "1"))
         elif self.read_only is not None:
             self._check_is_rollstore(self.con)
 
@@ -294,12 +280,6 @@ class Manifest:
     def close(self) -> None:
         self.con.close()
 
-    def require_writable(self) -> None:
-        """Raise `ManifestReadOnly` (one line) when this manifest could only be opened read-only."""
-        if self.read_only is not None:
-            raise ManifestReadOnly(f"{self.path}: cannot be written ({self.read_only}; opened read-only); "
-                                   "nothing was written")
-
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction (`BEGIN IMMEDIATE`). `durable=False`: its COMMIT does not wait for
@@ -320,7 +300,6 @@ class Manifest:
             if not durable:
                 self.con.execute("PRAGMA synchronous=FULL")
 
-    # ---- commits and snapshots -------------------------------------------------------------
     def commit_log(self, upto: int) -> list[tuple]:
         """(seq, created_at, kind, detail, host) of every commit up to `upto`; host is None here (one
         machine writes an embedded manifest). The `commits` view of `rollstore sql` (docs/usage.md)."""
@@ -334,10 +313,6 @@ class Manifest:
         )
         return int(cur.lastrowid)
 
-    def latest_seq(self) -> int:
-        row = self.con.execute("SELECT coalesce(max(seq), 0) FROM commits").fetchone()
-        return int(row[0])
-
     def add_shards(self, con: sqlite3.Connection, seq: int, shards: list[NewShard]) -> list[int]:
         """Insert the rows of `shards` inside the transaction `con`. A path that another writer
         committed first (two identical runs racing) raises FileExistsError naming it, the error a
@@ -350,7 +325,7 @@ class Manifest:
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (s.table_name, s.path, s.rows, s.tokens, s.bytes, s.sha256, s.key, seq),
                 )
-            except sqlite3.IntegrityError:
+            except CatalogConflict:
                 if self.is_unnamed(s.path):
                     raise
                 raise FileExistsError(errno.EEXIST, "already committed by another writer",
@@ -359,59 +334,18 @@ class Manifest:
         checked = [(sh.sha256,) for sh in shards if sh.finite]
         if checked:
             con.execute(FINITE_DDL)
-            con.executemany("INSERT OR IGNORE INTO finite (sha256) VALUES (?)", checked)
+            con.executemany(SQLITE.insert_ignore("finite", ("sha256",)), checked)
         return ids
 
     def finite_checked(self, digests: list[str]) -> set[str]:
         """Which of these sha256 name a rollouts file that was checked finite when it was committed
         (content-addressed: a file that hashes to one of them holds no NaN or infinity)."""
-        if not digests or self.con.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'finite'").fetchone() is None:
+        if not digests or not self.has_table("finite"):
             return set()
         found: set[str] = set()
-        for i in range(0, len(digests), 500):
-            chunk = digests[i:i + 500]
-            found.update(r[0] for r in self.con.execute(
-                f"SELECT sha256 FROM finite WHERE sha256 IN ({', '.join('?' * len(chunk))})", chunk))
+        for cond, args in SQLITE.in_list("sha256", digests):
+            found.update(r[0] for r in self.con.execute(f"SELECT sha256 FROM finite WHERE {cond}", args))
         return found
-
-    def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]:
-        """Shards visible at snapshot `seq` (latest when None), in commit order."""
-        seq = self.latest_seq() if seq is None else seq
-        sql = (
-            f"SELECT {_SHARD_COLS} FROM shards WHERE added_seq <= ? "
-            "AND (removed_seq IS NULL OR removed_seq > ?)"
-        )
-        args: list = [seq, seq]
-        if table is not None:
-            sql += " AND table_name = ?"
-            args.append(table)
-        sql += " ORDER BY added_seq, shard_id"
-        return [Shard(*row) for row in self.con.execute(sql, args)]
-
-    def live_key_count(self, table: str, key: str, con: sqlite3.Connection | None = None) -> int:
-        """Live shards of `table` under `key` (e.g. a curation's record), read inside `con` when given."""
-        return int((con or self.con).execute(
-            "SELECT count(*) FROM shards WHERE table_name = ? AND key = ? AND removed_seq IS NULL", (table, key),
-        ).fetchone()[0])
-
-    def live_keyed(self, table: str, keys: list[str]) -> list[Shard]:
-        """The live shards of `table` under any of `keys` (or under none: older shards), in shard order."""
-        out: list[Shard] = []
-        for i in range(0, max(1, len(keys)), 500):
-            chunk = keys[i:i + 500]
-            marks = ", ".join("?" * len(chunk))
-            out += [Shard(*r) for r in self.con.execute(
-                f"SELECT {_SHARD_COLS} FROM shards WHERE table_name = ? AND removed_seq IS NULL "
-                f"AND ({'key IN (' + marks + ') OR ' if chunk else ''}key IS NULL) ORDER BY shard_id", [table, *chunk])]
-        return sorted({s.shard_id: s for s in out}.values(), key=lambda s: s.shard_id)
-
-    def live_paths(self, table: str, con: sqlite3.Connection | None = None) -> list[tuple[int, str]]:
-        """(shard_id, path) of the live shards of `table`, in shard order, read inside `con` when given."""
-        return [(int(i), str(p)) for i, p in (con or self.con).execute(
-            "SELECT shard_id, path FROM shards WHERE table_name = ? AND removed_seq IS NULL ORDER BY shard_id",
-            (table,),
-        )]
 
     def ack_paths(self, con: sqlite3.Connection, paths: list[str], consumer: str, group: str, now: float) -> list[str]:
         """Inside the transaction `con`: ack the open leases of `consumer` (in `group`) on the shards at
@@ -427,57 +361,6 @@ class Manifest:
                 missing.append(path)
         return missing
 
-    def shards_by_id(self, ids: list[int]) -> list[Shard]:
-        rows = {r[0]: Shard(*r) for r in self.con.execute(
-            f"SELECT {_SHARD_COLS} FROM shards WHERE shard_id IN ({','.join('?' * len(ids))})", ids)}
-        return [rows[i] for i in ids]
-
-    def is_unnamed(self, path: str) -> bool:
-        """True when no shard row (live or retired) names `path`: a file there is an orphan."""
-        return self.con.execute("SELECT 1 FROM shards WHERE path = ? LIMIT 1", (path,)).fetchone() is None
-
-    def all_paths(self) -> set[str]:
-        return {row[0] for row in self.con.execute("SELECT path FROM shards")}
-
-    # ---- rows of retired rollouts shards, moved into others (compaction, migration) -----------
-    def moves(self, con=None) -> dict[str, tuple[str, int]]:
-        """{retired rollouts shard path: (the path its rows were moved to, their first row there)};
-        empty for a manifest no compaction has moved rows in (no `moved` table). Read inside `con`
-        when given."""
-        con = con or self.con
-        if not self._has_moved(con):
-            return {}
-        return {str(p): (str(t), int(o)) for p, t, o in con.execute("SELECT path, to_path, row_offset FROM moved")}
-
-    def _has_moved(self, con) -> bool:
-        return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'moved'").fetchone() is not None
-
-    def record_moves(self, con, seq: int, moves: list[tuple[str, str, int]]) -> None:
-        """Inside the transaction `con` that retires them: rows of shard `path` are now rows from
-        `row_offset` on of `to_path`, for each (path, to_path, row_offset) of `moves`."""
-        con.execute(MOVED_DDL)
-        self._mark_moved(con)
-        con.executemany("INSERT INTO moved (path, to_path, row_offset, seq) VALUES (?, ?, ?, ?)",
-                        [(p, t, o, seq) for p, t, o in moves])
-
-    def _mark_moved(self, con) -> None:
-        """Schema version 2 from the first move on: an older rollstore, which would not follow
-        `moved`, refuses the buffer instead of compacting a shard that references reach through it."""
-        con.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version' AND value = '1'")
-
-    # ---- the checkpoint index (CHECKPOINT_DDL) --------------------------------------------
-    def has_table(self, name: str, con=None) -> bool:
-        return (con or self.con).execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
-
-    def index_checkpoints(self, con, rows: list[tuple]) -> None:
-        """Inside the transaction `con`: index rows, each the values of CHECKPOINT_COLS but the last two."""
-        for statement in CHECKPOINT_DDL:
-            con.execute(statement)
-        if rows:
-            con.executemany(f"INSERT INTO checkpoint_index ({', '.join(CHECKPOINT_COLS[:8])}) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
-
     def record_ledger(self, con, seq: int, rows: list[tuple[int, int, str, list[dict]]]) -> None:
         """Inside the transaction `con`: the consumed ledger of indexed versions, each row (checkpoints
         shard id, version, run, its `consumed` entries). The embedded manifest's; a PostgreSQL
@@ -487,126 +370,21 @@ class Manifest:
                         [(run, e["shard"], e.get("curation_id"), int(v), int(i), int(seq))
                          for i, v, run, entries in rows for e in entries])
 
-    def consumed_by(self, shards: list[str], run_id: str | None = None, con=None,
-                    exclude: tuple = ()) -> list[tuple[str, int]]:
-        """(shard, version) of the live checkpoints (of `run_id`; but the checkpoints shards `exclude`)
-        that consumed any of `shards`: an index lookup per shard, whatever the history."""
-        con = con or self.con
-        out: list[tuple[str, int]] = []
-        if not self.has_table("consumed", con):
-            return out  # no checkpoint published yet
-        for i in range(0, len(shards), 500):
-            chunk = list(shards[i:i + 500])
-            sql = ("SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
-                   f"WHERE s.removed_seq IS NULL AND c.shard IN ({', '.join('?' * len(chunk))})")
-            if run_id is not None:
-                sql += " AND c.run_id = ?"
-                chunk.append(run_id)
-            if exclude:
-                sql += f" AND c.checkpoint_shard_id NOT IN ({', '.join('?' * len(exclude))})"
-                chunk += list(exclude)
-            out += [(str(sh), int(v)) for sh, v in con.execute(sql + " ORDER BY c.shard, c.version", chunk)]
-        return out
-
-    def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
-                         newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]:
-        """(the index rows (CHECKPOINT_COLS) of the checkpoints visible at snapshot `seq` (latest when
-        None; inside `con` when given), of `run_id` / `version` when given, by version (`newest`: the
-        highest alone); the (shard_id, path) of visible `checkpoints` shards that have no index row,
-        whose rows only their files hold)."""
-        con = con or self.con
-        visible, args = _visible(seq)
-        if not self.has_table("checkpoint_index", con):
-            return [], self.unindexed_checkpoints(seq, con)
-        sql = (f"SELECT {', '.join('c.' + c for c in CHECKPOINT_COLS)} FROM checkpoint_index c "
-               f"JOIN shards s ON s.shard_id = c.shard_id WHERE {visible}")
-        where = list(args)
-        if run_id is not None:
-            sql += " AND c.run_id = ?"
-            where.append(run_id)
-        if version is not None:
-            sql += " AND c.version = ?"
-            where.append(int(version))
-        sql += " ORDER BY c.version DESC LIMIT 1" if newest else " ORDER BY c.version"
-        return con.execute(sql, where).fetchall(), self.unindexed_checkpoints(seq, con)
-
-    def unindexed_checkpoints(self, seq: int | None = None, con=None) -> list[tuple[int, str]]:
-        """(shard_id, path) of the `checkpoints` shards visible at `seq` (live when None) that have no
-        index row (published before the index existed, or by a rollstore without it)."""
-        con = con or self.con
-        visible, args = _visible(seq)
-        sql = f"SELECT s.shard_id, s.path FROM shards s WHERE s.table_name = 'checkpoints' AND {visible}"
-        if self.has_table("checkpoint_index", con):
-            sql += " AND NOT EXISTS (SELECT 1 FROM checkpoint_index c WHERE c.shard_id = s.shard_id)"
-            through = con.execute("SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()
-            if through is not None and seq is None:  # every live one up to it is indexed: look past it only
-                sql += " AND s.shard_id > ?"
-                args = [*args, int(through[0])]
-        return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
-
-    def indexed_through(self, con, shard_id: int) -> None:
-        """Inside the transaction that indexed every live checkpoints shard up to `shard_id`: say so,
-        so that looking for unindexed ones reads only the shards committed after it."""
-        con.execute("INSERT INTO meta (key, value) VALUES ('checkpoints_indexed_through', ?) "
-                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(shard_id)),))
-
-    # ---- uniqueness of rollouts ------------------------------------------------------------
-    def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:
-        found_r: set[str] = set()
-        found_g: set[str] = set()
-        for start in range(0, len(rollout_ids), 500):
-            chunk = rollout_ids[start : start + 500]
-            q = "SELECT rollout_id FROM rollout_ids WHERE rollout_id IN (%s)" % ",".join("?" * len(chunk))
-            found_r.update(r[0] for r in self.con.execute(q, chunk))
-        for start in range(0, len(group_ids), 500):
-            chunk = group_ids[start : start + 500]
-            q = "SELECT group_id FROM group_ids WHERE group_id IN (%s)" % ",".join("?" * len(chunk))
-            found_g.update(r[0] for r in self.con.execute(q, chunk))
-        return found_r, found_g
-
     def register_rollouts(self, con: sqlite3.Connection, shard_id: int, pairs: Iterable[tuple[str, str]],
                           groups: Iterable[str]) -> None:
         """Claim the ids: `pairs` of (rollout_id, group_id) and the distinct `groups`, both consumed
         lazily (a big append never holds all its ids as Python objects). On a conflict undo the
-        partial claim (so a lookup sees only others' ids) and raise."""
+        partial claim (so a lookup sees only others' ids) and raise `CatalogConflict`."""
         con.execute("SAVEPOINT register")
         try:
-            con.executemany(
-                "INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
-                ((r, g, shard_id) for r, g in pairs),
-            )
-            con.executemany(
-                "INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)",
-                ((g, shard_id) for g in groups),
-            )
-        except sqlite3.IntegrityError:
-            con.execute("ROLLBACK TO register")
-            con.execute("RELEASE register")
+            self._claim_ids(con, shard_id, pairs, groups)
+        except CatalogConflict:
+            con.execute("ROLLBACK TO SAVEPOINT register")
+            con.execute("RELEASE SAVEPOINT register")
             raise
-        con.execute("RELEASE register")
+        con.execute("RELEASE SAVEPOINT register")
 
     # ---- leases ----------------------------------------------------------------------------
-    def lease(self, table: str, n: int, consumer: str, group: str = "default", ttl: float = 600.0) -> tuple[str, list[Shard]]:
-        """Lease up to n live shards of `table` not acked or leased (unexpired) in `group`."""
-        lease_id = uuid.uuid4().hex
-        now = time.time()
-        with self.transaction() as con:
-            seq = self.latest_seq()
-            rows = con.execute(
-                f"SELECT {', '.join('s.' + c.strip() for c in _SHARD_COLS.split(','))} FROM shards s "
-                "LEFT JOIN leases l ON l.shard_id = s.shard_id AND l.consumer_group = ? "
-                "WHERE s.table_name = ? AND s.added_seq <= ? AND s.removed_seq IS NULL "
-                "AND (l.shard_id IS NULL OR (l.acked_at IS NULL AND l.expires_at < ?)) "
-                "ORDER BY s.added_seq, s.shard_id LIMIT ?",
-                (group, table, seq, now, n),
-            ).fetchall()
-            con.executemany(
-                "INSERT OR REPLACE INTO leases (consumer_group, shard_id, consumer, lease_id, expires_at, acked_at)"
-                " VALUES (?, ?, ?, ?, ?, NULL)",
-                [(group, r[0], consumer, lease_id, now + ttl) for r in rows],
-            )
-        return lease_id, [Shard(*r) for r in rows]
-
     def ack(self, shard_ids: list[int], consumer: str, group: str = "default") -> int:
         """Ack shards this consumer holds; returns how many were acked (0 if the lease was lost)."""
         with self.transaction() as con:
@@ -620,26 +398,27 @@ class Manifest:
                 done += cur.rowcount
         return done
 
-    # ---- snapshot pins (keep files of retired shards while a reader needs them) -------------
-    def pin(self, seq: int, ttl: float = 3600.0) -> str:
-        pin_id = uuid.uuid4().hex
-        with self._pin_transaction() as con:
-            con.execute("INSERT INTO pins VALUES (?, ?, ?)", (pin_id, seq, time.time() + ttl))
-        return pin_id
-
     def _pin_transaction(self):
         """The transaction of a pin or an unpin: one that does not wait for the disk (module invariants)."""
         return self.transaction(durable=False)
 
-    def unpin(self, pin_id: str) -> None:
-        with self._pin_transaction() as con:
-            con.execute("DELETE FROM pins WHERE pin_id = ?", (pin_id,))
+    def record_consumed(self, con, run_id: str, version: int, entries: list[dict], checkpoint_shard_id: int,
+                        seq: int) -> str | None:
+        """Inside the publishing transaction, after the new version was indexed with its ledger
+        (`record_ledger`, called by the index): why it may not be published (another live
+        checkpoint has `version`; a shard of `entries` was already trained into a live checkpoint of
+        `run_id`), else None."""
+        if con.execute("SELECT 1 FROM checkpoint_index c JOIN shards s ON s.shard_id = c.shard_id "
+                       "WHERE s.removed_seq IS NULL AND c.version = ? AND c.shard_id <> ? LIMIT 1",
+                       (int(version), int(checkpoint_shard_id))).fetchone():
+            return f"checkpoint version {version} already exists"
+        shards = [e["shard"] for e in entries]
+        taken = dict(self.consumed_by(shards, run_id, con, (int(checkpoint_shard_id),)))
+        dup = [s for s in shards if s in taken]
+        if dup:
+            return f"checkpoint v{version}: shard {dup[0]} was already trained into v{taken[dup[0]]} of run {run_id!r}"
+        return None
 
-    def collected_seq(self) -> int:
-        """Highest `removed_seq` of a retired shard that gc deleted: older snapshots are incomplete."""
-        row = self.con.execute("SELECT value FROM meta WHERE key = 'collected_seq'").fetchone()
-        return 0 if row is None else int(row[0])
-
-    def oldest_pinned_seq(self) -> int | None:
-        row = self.con.execute("SELECT min(seq) FROM pins WHERE expires_at > ?", (time.time(),)).fetchone()
-        return None if row[0] is None else int(row[0])
+    def data_marker(self) -> str | None:
+        """None: the folder that holds the embedded manifest is its data folder."""
+        return None

@@ -19,15 +19,14 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import os
-import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import ManifestError, UnknownName, did_you_mean
-from .manifest import Manifest, ManifestReadOnly, Shard
+from .catalog import Catalog, Shard
+from .errors import CatalogError, ManifestError, UnknownName, did_you_mean
 from .references import is_thin, locate, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
 from .store import cache_shards
@@ -43,19 +42,19 @@ def sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _try_pin(manifest: Manifest, seq: int) -> str | None:
+def _try_pin(manifest: Catalog, seq: int) -> str | None:
     """Pin `seq` if the manifest can be written; on a full (or read-only) disk read without a pin:
     reads must keep working, and a gc meanwhile is the only (rare) risk."""
     try:
         return manifest.pin(seq)
-    except (sqlite3.OperationalError, ManifestReadOnly):
+    except CatalogError:  # (busy, a full disk, read-only)
         return None
 
 
 class Snapshot:
     """The buffer as of manifest commit `seq`. Use as a context manager to pin it against gc."""
 
-    def __init__(self, root: str, manifest: Manifest, seq: int, pin: bool = False):
+    def __init__(self, root: str, manifest: Catalog, seq: int, pin: bool = False):
         self.root = root
         self.seq = seq
         self._manifest = manifest
@@ -94,7 +93,7 @@ class Snapshot:
         if self._pin is not None:
             try:
                 self._manifest.unpin(self._pin)
-            except (sqlite3.OperationalError, ManifestReadOnly):
+            except CatalogError:
                 pass  # the pin expires by itself
             self._pin = None
 
@@ -114,7 +113,7 @@ class Snapshot:
         if table not in self._shards:
             raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
                               f"(tables: {', '.join(TABLES)})")
-        if getattr(self._manifest, "store", None) is not None:  # (each time: `trim_cache` may have removed a copy)
+        if self._manifest.store is not None:  # (each time: `trim_cache` may have removed a copy)
             for name in (table, "rollouts") if table == "curated" else (table,):
                 cache_shards(self.root, self._manifest, self._shards[name])
         return self._shards[table]

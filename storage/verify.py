@@ -32,13 +32,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import RollstoreError
-from .manifest import Manifest, Shard
+from .catalog import Catalog, Shard
 from .references import check_references, locate, read_references, referenced_shards
 from .shardio import READ_THREADS, fsync_dir, sha256_file
 from .store import MARKER, ObjectDamaged, ObjectMissing, cache_shards
@@ -183,12 +182,12 @@ def verify_shards(root: str, shards: list[Shard], folders: dict | None = None) -
         _raise(root, problem)
 
 
-def scan(root: str, manifest: Manifest, hash_only: set[int] | None = None) -> list[Problem]:
+def scan(root: str, manifest: Catalog, hash_only: set[int] | None = None) -> list[Problem]:
     """Every live shard of the buffer checked in full; returns the problems (empty: all good).
     `hash_only` (an incremental verify): only these shard ids are hashed; the others are checked
     for existence, place and size (one lstat each)."""
     problems = []
-    store = getattr(manifest, "store", None)  # shards in object storage: checked through this host's cache
+    store = manifest.store  # shards in object storage: checked through this host's cache
     folders: dict = {}
     for shard in manifest.shards():
         if hash_only is not None and shard.shard_id not in hash_only:
@@ -198,7 +197,7 @@ def scan(root: str, manifest: Manifest, hash_only: set[int] | None = None) -> li
             continue
         if store is not None:
             try:
-                store.fetch(root, shard.path, shard.sha256, shard.bytes, getattr(manifest, "holding", None))
+                store.fetch(root, shard.path, shard.sha256, shard.bytes, manifest.holding)
             except ObjectDamaged:  # read, and wrong: never cached (an unreachable store raises instead)
                 problems.append(Problem(shard, "changed"))
                 continue
@@ -211,7 +210,7 @@ def scan(root: str, manifest: Manifest, hash_only: set[int] | None = None) -> li
     return problems
 
 
-def scan_references(root: str, manifest: Manifest, only: set[int] | None = None) -> list[str]:
+def scan_references(root: str, manifest: Catalog, only: set[int] | None = None) -> list[str]:
     """Every live thin curated shard's references checked (`only`: the curated shards of these ids):
     each names a live rollouts shard, a row inside it, and the rollout_id at that row. Returns one
     line per bad curated shard (empty: all resolve). Curated shards whose own file is bad are left
@@ -234,7 +233,7 @@ def scan_references(root: str, manifest: Manifest, only: set[int] | None = None)
     return problems
 
 
-def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> None:
+def verify_references(root: str, manifest: Catalog, shards: list[Shard]) -> None:
     """Raise one `ShardError` line for the first of the curated `shards` whose references do not
     resolve (before training on them: a quarantined rollouts shard makes its curations refuse).
     The files are verified first (`verify_training_inputs`), so a damaged rollouts shard is its
@@ -249,7 +248,7 @@ def verify_references(root: str, manifest: Manifest, shards: list[Shard]) -> Non
                 raise ShardError(f"{problem}; this curation cannot be trained: curate again")
 
 
-def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -> None:
+def verify_training_inputs(root: str, manifest: Catalog, shards: list[Shard]) -> None:
     """Everything training on the curated `shards` reads, checked as `verify_shards` checks a
     curation's inputs: the curated shards, then every rollouts shard their references name (each
     must be live in `manifest`, or moved into a live one by compaction, which is then checked; its
@@ -277,45 +276,32 @@ def verify_training_inputs(root: str, manifest: Manifest, shards: list[Shard]) -
 
 
 # ---- incremental verification: which shards a verify hashed good (made on first use) ------
-VERIFIED_DDL = "CREATE TABLE IF NOT EXISTS verified (shard_id BIGINT PRIMARY KEY, verified_at DOUBLE PRECISION NOT NULL)"
-
-
-def verified_ids(manifest: Manifest) -> set[int]:
+def verified_ids(manifest: Catalog) -> set[int]:
     """The shards a verify found good (by hash) at least once; a shard's bytes never change under
     its id, so `verify --incremental` hashes only the others (`--full`, the default, hashes all)."""
-    if not manifest.has_table("verified"):
-        return set()
-    return {int(r[0]) for r in manifest.con.execute("SELECT shard_id FROM verified")}
+    return manifest.verified_ids()
 
 
-def record_verified(manifest: Manifest, shard_ids: list[int]) -> bool:
+def record_verified(manifest: Catalog, shard_ids: list[int]) -> bool:
     """Record these shards as hashed good now (in a transaction that does not wait for the disk:
     losing it only means hashing them again). False when the manifest cannot be written."""
     if manifest.read_only is not None or not shard_ids:
         return False
-    known = verified_ids(manifest)
-    new = [(int(i), time.time()) for i in shard_ids if int(i) not in known]
-    with manifest._pin_transaction() as con:
-        con.execute(VERIFIED_DDL)
-        con.executemany("INSERT INTO verified (shard_id, verified_at) VALUES (?, ?)", new)
+    manifest.record_verified(shard_ids)
     return True
 
 
-def retire(manifest: Manifest, shards: list[Shard], kind: str, detail: dict | None = None) -> int:
+def retire(manifest: Catalog, shards: list[Shard], kind: str, detail: dict | None = None) -> int:
     """Retire `shards` in one manifest commit of `kind` (their rollout and group ids are released;
     their files are left where they are). Returns the commit seq."""
     ids = [s.shard_id for s in shards]
-    marks = ",".join("?" * len(ids))
     with manifest.transaction() as con:
         seq = manifest.new_commit(con, kind, {"shards": ids, "paths": [s.path for s in shards], **(detail or {})})
-        con.execute(f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND shard_id IN ({marks})",
-                    [seq, *ids])
-        con.execute(f"DELETE FROM rollout_ids WHERE shard_id IN ({marks})", ids)
-        con.execute(f"DELETE FROM group_ids WHERE shard_id IN ({marks})", ids)
+        manifest.retire_shards(con, seq, ids)
     return seq
 
 
-def quarantine(root: str, manifest: Manifest, problems: list[Problem]) -> int:
+def quarantine(root: str, manifest: Catalog, problems: list[Problem]) -> int:
     """Retire the shards of `problems` in one manifest commit (their rollout and group ids are
     released) and move their files, when present, to `quarantine/<path>`. Returns the commit seq."""
     seq = retire(manifest, [p.shard for p in problems], "quarantine")
@@ -357,19 +343,15 @@ def write_marker(root: str, data: str | None, token: str) -> None:
     fsync_dir(root)
 
 
-def recorded_marker(manifest: Manifest) -> str | None:
+def recorded_marker(manifest: Catalog) -> str | None:
     """The marker token the catalog recorded when the buffer was made (None: an embedded manifest,
     which lives in its data folder, or a catalog made before markers)."""
-    if not hasattr(manifest, "store"):  # the embedded manifest: the folder that holds it is the data folder
-        return None
-    row = manifest.con.execute("SELECT value FROM meta WHERE key = 'data_marker'").fetchone()
-    return None if row is None else row[0]
+    return manifest.data_marker()
 
 
-def _found_marker(root: str, manifest: Manifest) -> str | None:
-    store = getattr(manifest, "store", None)
-    if store is not None:
-        body = store.read_small(MARKER)
+def _found_marker(root: str, manifest: Catalog) -> str | None:
+    if manifest.store is not None:
+        body = manifest.store.read_small(MARKER)
     else:
         try:
             with open(os.path.join(root, MARKER), "rb") as fh:
@@ -379,12 +361,12 @@ def _found_marker(root: str, manifest: Manifest) -> str | None:
     return None if body is None else body.decode(errors="replace").strip()
 
 
-def quarantinable(root: str, manifest: Manifest, shards: list[Shard], problems: list[Problem]) -> list[Problem]:
+def quarantinable(root: str, manifest: Catalog, shards: list[Shard], problems: list[Problem]) -> list[Problem]:
     """The problems `verify --quarantine` retires, or one `ShardError` line refusing them all: when
     this host does not see the buffer's data (its folder absent, its identity marker missing or not
     the catalog's, no shard read at all). A missing local file is retired only beside a marker that
     matches (a buffer made before markers: only shards read and found wrong are retired)."""
-    store = getattr(manifest, "store", None)
+    store = manifest.store
     where = store.url if store is not None else root
     if store is None and not all(os.path.isdir(os.path.join(root, d)) for d in ("rollouts", "curated")):
         raise ShardError(f"{root}: the buffer's data folders (rollouts/, curated/) are absent here: this host does not "
@@ -400,21 +382,18 @@ def quarantinable(root: str, manifest: Manifest, shards: list[Shard], problems: 
         raise ShardError(f"{where}: none of the {len(shards)} shards could be read here: this host does not see the "
                          "buffer's data, or every file is gone; nothing was quarantined (restore the files, or "
                          "mount the folder)")
-    if token is None and hasattr(manifest, "store"):  # a catalog made before markers
+    if token is None and manifest.multi_host:  # a catalog made before markers
         return [p for p in problems if p.reason in READ_AND_WRONG]
     return problems
 
 
-def quarantined(manifest: Manifest) -> list[tuple[Shard, int]]:
+def quarantined(manifest: Catalog) -> list[tuple[Shard, int]]:
     """(shard, the seq of the quarantine that retired it) of every shard retired by a quarantine."""
-    rows = manifest.con.execute(
-        "SELECT s.shard_id, s.removed_seq FROM shards s JOIN commits c ON c.seq = s.removed_seq "
-        "WHERE c.kind = 'quarantine' ORDER BY s.shard_id").fetchall()
-    seqs = {int(r[0]): int(r[1]) for r in rows}
+    seqs = dict(manifest.quarantined())
     return [(s, seqs[s.shard_id]) for s in manifest.shards_by_id(list(seqs))]
 
 
-def restore(root: str, manifest: Manifest) -> tuple[list[Shard], list[str]]:
+def restore(root: str, manifest: Catalog) -> tuple[list[Shard], list[str]]:
     """Un-retire, in ONE manifest commit, every quarantined shard whose bytes verify again (size and
     sha256; its file back in place from `quarantine/`, or again at its own path; a store's object
     downloaded and checked) and whose rollout and group ids no live shard took meanwhile. Returns
@@ -422,7 +401,7 @@ def restore(root: str, manifest: Manifest) -> tuple[list[Shard], list[str]]:
     quarantine see a restored shard again, as if it had never been retired."""
     good: list[tuple[Shard, int]] = []
     left: list[str] = []
-    store = getattr(manifest, "store", None)
+    store = manifest.store
     for shard, seq in quarantined(manifest):
         path = os.path.join(root, shard.path)
         moved = os.path.join(root, QUARANTINE_DIR, shard.path)
@@ -464,8 +443,7 @@ def restore(root: str, manifest: Manifest) -> tuple[list[Shard], list[str]]:
                     left.append(f"{os.path.join(root, shard.path)}: its rollout or group ids were taken by a shard "
                                 f"appended since the quarantine ({type(exc).__name__}); left quarantined")
                     continue
-            con.execute("UPDATE shards SET removed_seq = NULL WHERE shard_id = ? AND removed_seq = ?",
-                        (shard.shard_id, seq))
+            manifest.unretire(con, shard.shard_id, seq)
             restored.append(shard)
         if not restored:
             raise ShardError("; ".join(left))  # rolls the empty commit back

@@ -43,9 +43,9 @@ def _open(root: str) -> int:
 
 @contextmanager
 def writing(root: str, catalog=None) -> Iterator[None]:
-    """Hold the writers' lock shared (blocks only while a gc scans the data folders). A catalog with
-    write intents (PostgreSQL's) needs none: its intents keep gc off a writer's files."""
-    if getattr(catalog, "intend", None) is not None:
+    """Hold the writers' lock shared (blocks only while a gc scans the data folders). A catalog
+    shared by hosts (PostgreSQL's) needs none: its write intents keep gc off a writer's files."""
+    if catalog is not None and catalog.multi_host:
         yield
         return
     fd = _open(root)

@@ -86,14 +86,14 @@ if inject:  # kill -9 itself at a chosen point of an append, with probability `i
                 die("after-commit-before-the-caller-knows")
             return out
 
-    real_intend = getattr(man, "intend", None)
+    real_intend = man.intend
 
     def intend(paths):
         real_intend(paths)
         die("after-intent-before-the-file")
 
     man.transaction, man.register_rollouts = transaction, register
-    if real_intend is not None:
+    if man.multi_host:  # a catalog with write intents
         man.intend = intend
     man.con.raw = Raw(man.con.raw)
 print("ready", flush=True)
@@ -438,7 +438,7 @@ def stall_outcomes(logdir: str) -> dict[str, int]:
 def held_intents(buffer: str) -> set[str]:
     """The paths live intents hold now (a catalog with intents; else none)."""
     with Buffer.open(buffer) as buf:
-        if getattr(buf.manifest, "protected", None) is None:
+        if not buf.manifest.multi_host:
             return set()
         return {r[0] for r in buf.manifest.con.execute(
             "SELECT path FROM intents WHERE expires_at > extract(epoch FROM clock_timestamp())")}
@@ -451,7 +451,7 @@ def unnamed_files(buf: Buffer, older_than: float | None = None, spare: set[str] 
     host may have died after it started; the next gc takes them)."""
     from rollstore.storage.writelock import collecting
 
-    if getattr(buf.manifest, "protected", None) is not None:
+    if buf.manifest.multi_host:
         # a catalog with write intents: files listed first, then the rows and live intents read (one
         # statement); a file neither names is an orphan (no live writer holds an intent on it)
         found = []
@@ -494,7 +494,7 @@ def check_invariants(buffer: str, orphans: bool | float = False, spare: set[str]
         if orphans is not False:
             bad += unnamed_files(buf, None if orphans is True else float(orphans), spare or set())
         latest = man.latest_seq()  # the snapshot checked: writers may go on committing meanwhile
-        if getattr(man, "store", None) is not None:  # shards in object storage: into this host's cache, verified
+        if man.store is not None:  # shards in object storage: into this host's cache, verified
             from rollstore.storage.snapshot import TABLES
 
             snap = buf.snapshot(latest)
@@ -540,7 +540,7 @@ def check_invariants(buffer: str, orphans: bool | float = False, spare: set[str]
             (latest,))}
         if registered != seen:
             bad.append(f"rollout_ids holds {len(registered)} ids, the live shards {len(seen)}")
-        if getattr(man, "store", None) is not None:
+        if man.store is not None:
             bad += _objects_hold(buf, latest, orphans, spare or set())
     return bad
 

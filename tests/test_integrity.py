@@ -522,16 +522,16 @@ def test_sql_errors_from_the_worker_are_one_line(cli, filled):
 # ---- 8: a full disk ------------------------------------------------------------------------
 def test_reads_work_and_writes_fail_in_one_line_on_a_full_disk(cli, filled, tmp_path, monkeypatch):
     import errno
-    import sqlite3
 
     import rollstore.storage.manifest
+    from rollstore.storage.errors import CatalogError
 
     from rollstore import storage
     import rollstore.storage.shardio
     from rollstore import storage
 
-    def full(*a, **k):
-        raise sqlite3.OperationalError("database or disk is full")
+    def full(*a, **k):  # what the manifest's connection raises for sqlite3's "database or disk is full"
+        raise CatalogError("manifest: database or disk is full")
 
     monkeypatch.setattr(storage.manifest.Manifest, "pin", full)
     monkeypatch.setattr(storage.manifest.Manifest, "new_commit", full)

@@ -70,10 +70,9 @@ def fail(message: str, code: int = 1) -> None:
 
 
 def guarded(fn):
-    """Turn RollstoreError, OS and manifest errors into one error line and exit 1; anything else
-    unexpected into one line with a hint to rerun with --debug (which shows the traceback)."""
+    """Turn RollstoreError (the catalog's errors among them), OS errors into one error line and exit
+    1; anything else unexpected into one line with a hint to rerun with --debug (the traceback)."""
     import functools
-    import sqlite3
 
     import click
 
@@ -87,14 +86,6 @@ def guarded(fn):
             if exc.filename is None or exc.strerror is None:
                 fail(one_line(str(exc)))
             fail(f"{exc.filename}: {exc.strerror}")
-        except sqlite3.OperationalError as exc:
-            fail(f"manifest: {one_line(str(exc))}")
-        except sqlite3.DatabaseError as exc:  # found damaged while reading (a corrupt page)
-            from rollstore.storage.manifest import DAMAGED_ADVICE
-
-            where = kwargs.get("buffer")
-            where = os.path.join(where, "manifest.sqlite") if isinstance(where, str) else "manifest"
-            fail(f"{where}: damaged ({one_line(str(exc))}); {DAMAGED_ADVICE}")
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, typer.Exit):
             raise
         except Exception as exc:

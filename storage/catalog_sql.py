@@ -1,0 +1,394 @@
+"""The catalog's SQL, written once for both databases (`SqlCatalog`), over a `dialect.Dialect`.
+
+`manifest.Manifest` (SQLite) and `catalog_pg.PgManifest` (PostgreSQL) are siblings under this
+class: each brings its connection (`self.con`: `execute(sql, params)` / `executemany` with `?`
+parameters, which it puts into its driver's style with `dialect.prepare`, and whose driver errors it
+translates into `errors.CatalogError` kinds), its transaction, and the few operations whose SQL
+truly differs (a new commit's seq, shard rows, id claims, acks, the consumed ledger's check).
+
+Invariants:
+- A shard is visible at snapshot S iff `added_seq <= S` and (`removed_seq` is null or
+  `removed_seq > S`); later commits only add rows or set `removed_seq` to a larger seq.
+- Tables made on first use (`finite`, `moved`, the checkpoint index, `verified`) are created inside
+  the transaction that first writes them; a read of one that does not exist answers "nothing".
+- `collected_seq` only rises (the highest `removed_seq` whose files gc deleted).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Iterable
+
+from .catalog import Catalog, Shard
+from .dialect import Dialect
+from .errors import CatalogReadOnly
+
+REQUIRED_TABLES = ("meta", "commits", "shards", "rollout_ids", "group_ids", "leases", "pins")
+SHARD_COLS = "shard_id, table_name, path, rows, tokens, bytes, sha256, key, added_seq, removed_seq"
+
+# Where the rows of retired rollouts shards went (module invariants of manifest.py); made on first use.
+MOVED_DDL = ("CREATE TABLE IF NOT EXISTS moved (path TEXT PRIMARY KEY, to_path TEXT NOT NULL, "
+             "row_offset BIGINT NOT NULL, seq BIGINT NOT NULL)")
+# The checkpoint index (made by the first checkpoint a rollstore with it publishes; `learner.checkpoint`):
+# one row per `checkpoints` shard, the row its file holds, so that listing, the newest checkpoint of
+# a run and a version's lineage are catalog queries, not a read of every checkpoint file.
+# `pruned_seq`: the commit that gave the version's files up (`learner.retention`; the row stays:
+# lineage, ledger); `tag`: a user's name for it, which keeps its files; `collected`: 1 once gc removed
+# the files of a pruned version. `checkpoint_holds`: versions
+# a live process (a following learner or generator) still needs, until `expires_at`.
+CHECKPOINT_DDL = (
+    "CREATE TABLE IF NOT EXISTS checkpoint_index (shard_id BIGINT PRIMARY KEY, version BIGINT NOT NULL, "
+    "run_id TEXT NOT NULL, parent_version BIGINT, path TEXT NOT NULL, created_us BIGINT NOT NULL, "
+    "consumed TEXT NOT NULL, metrics TEXT NOT NULL, pruned_seq BIGINT, tag TEXT, collected BIGINT)",
+    "CREATE INDEX IF NOT EXISTS checkpoint_index_by_run ON checkpoint_index (run_id, version)",
+    "CREATE INDEX IF NOT EXISTS checkpoint_index_by_version ON checkpoint_index (version)",
+    "CREATE TABLE IF NOT EXISTS checkpoint_holds (holder TEXT PRIMARY KEY, version BIGINT NOT NULL, "
+    "expires_at DOUBLE PRECISION NOT NULL)",
+    # the consumed ledger, one row per (version, shard) (a PostgreSQL catalog has it from schema version 2;
+    # the embedded manifest makes it with the index, filled for every indexed version)
+    "CREATE TABLE IF NOT EXISTS consumed (run_id TEXT NOT NULL, shard TEXT NOT NULL, curation_id TEXT, "
+    "version BIGINT NOT NULL, checkpoint_shard_id BIGINT NOT NULL, seq BIGINT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS consumed_by_run ON consumed (run_id, shard)",
+    "CREATE INDEX IF NOT EXISTS consumed_by_shard ON consumed (shard)",
+)
+CHECKPOINT_COLS = ("shard_id", "version", "run_id", "parent_version", "path", "created_us", "consumed", "metrics",
+                   "pruned_seq", "tag")
+# The shards a verify found good by hash (`verify --incremental`); made on first use.
+VERIFIED_DDL = "CREATE TABLE IF NOT EXISTS verified (shard_id BIGINT PRIMARY KEY, verified_at DOUBLE PRECISION NOT NULL)"
+
+
+def visible(seq: int | None) -> tuple[str, list]:
+    """The condition (on shards `s`) and arguments of "visible at snapshot `seq`" (None: live now)."""
+    if seq is None:
+        return "s.removed_seq IS NULL", []
+    return "s.added_seq <= ? AND (s.removed_seq IS NULL OR s.removed_seq > ?)", [seq, seq]
+
+
+class SqlCatalog(Catalog):
+    """The operations both catalogs share, each one SQL text with dialect hooks."""
+
+    dialect: Dialect
+    con = None  # the sibling's connection
+
+    def require_writable(self) -> None:
+        """Raise `CatalogReadOnly` (one line) when this catalog could only be opened read-only."""
+        if self.read_only is not None:
+            raise CatalogReadOnly(f"{self.path}: cannot be written ({self.read_only}; opened read-only); "
+                                  "nothing was written")
+
+    def _pin_transaction(self):
+        """The transaction of a pin, an unpin and other records whose loss costs only a repeat."""
+        return self.transaction()
+
+    # ---- commits and shards -----------------------------------------------------------------
+    def latest_seq(self) -> int:
+        return int(self.con.execute("SELECT coalesce(max(seq), 0) FROM commits").fetchone()[0])
+
+    def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]:
+        """Shards visible at snapshot `seq` (latest when None), in commit order."""
+        seq = self.latest_seq() if seq is None else seq
+        sql = f"SELECT {SHARD_COLS} FROM shards WHERE added_seq <= ? AND (removed_seq IS NULL OR removed_seq > ?)"
+        args: list = [seq, seq]
+        if table is not None:
+            sql += " AND table_name = ?"
+            args.append(table)
+        return [Shard(*row) for row in self.con.execute(sql + " ORDER BY added_seq, shard_id", args)]
+
+    def shards_by_id(self, ids: list[int], con=None) -> list[Shard]:
+        rows = {}
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
+            rows.update((r[0], Shard(*r)) for r in (con or self.con).execute(f"SELECT {SHARD_COLS} FROM shards WHERE {cond}", args))
+        return [rows[i] for i in ids]
+
+    def live_key_count(self, table: str, key: str, con=None) -> int:
+        """Live shards of `table` under `key` (e.g. a curation's record), read inside `con` when given."""
+        return int((con or self.con).execute(
+            "SELECT count(*) FROM shards WHERE table_name = ? AND key = ? AND removed_seq IS NULL", (table, key),
+        ).fetchone()[0])
+
+    def live_keyed(self, table: str, keys: list[str]) -> list[Shard]:
+        """The live shards of `table` under any of `keys` (or under none: older shards), in shard order."""
+        sql = f"SELECT {SHARD_COLS} FROM shards WHERE table_name = ? AND removed_seq IS NULL AND "
+        out = [Shard(*r) for r in self.con.execute(sql + "key IS NULL ORDER BY shard_id", (table,))]
+        for cond, args in self.dialect.in_list("key", keys):
+            out += [Shard(*r) for r in self.con.execute(sql + cond, [table, *args])]
+        return sorted({s.shard_id: s for s in out}.values(), key=lambda s: s.shard_id)
+
+    def live_paths(self, table: str, con=None) -> list[tuple[int, str]]:
+        """(shard_id, path) of the live shards of `table`, in shard order, read inside `con` when given."""
+        return [(int(i), str(p)) for i, p in (con or self.con).execute(
+            "SELECT shard_id, path FROM shards WHERE table_name = ? AND removed_seq IS NULL ORDER BY shard_id",
+            (table,))]
+
+    def all_paths(self) -> set[str]:
+        return {row[0] for row in self.con.execute("SELECT path FROM shards")}
+
+    def is_unnamed(self, path: str) -> bool:
+        """True when no shard row (live or retired) names `path`: a file there is an orphan."""
+        return self.con.execute("SELECT 1 FROM shards WHERE path = ? LIMIT 1", (path,)).fetchone() is None
+
+    def retire_shards(self, con, seq: int, ids: list[int], release_ids: bool = True) -> int:
+        done = 0
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
+            done += con.execute(f"UPDATE shards SET removed_seq = ? WHERE removed_seq IS NULL AND {cond}",
+                                [seq, *args]).rowcount
+            if release_ids:
+                con.execute(f"DELETE FROM rollout_ids WHERE {cond}", args)
+                con.execute(f"DELETE FROM group_ids WHERE {cond}", args)
+        return done
+
+    def unretire(self, con, shard_id: int, seq: int) -> None:
+        con.execute("UPDATE shards SET removed_seq = NULL WHERE shard_id = ? AND removed_seq = ?", (shard_id, seq))
+
+    def retired_paths(self, con, paths: list[str]) -> list[str]:
+        live = {r[0] for r in con.execute(
+            "SELECT path FROM shards WHERE table_name = 'rollouts' AND removed_seq IS NULL")}
+        gone = [p for p in paths if p not in live]
+        if gone:
+            moved = self.moves(con)
+            gone = [p for p in gone if p not in moved]
+        return gone
+
+    def committed_since(self, con, table: str, seq: int, key: str) -> list[tuple[str, str]]:
+        return [(str(p), str(k)) for p, k in con.execute(
+            "SELECT s.path, s.key FROM shards s WHERE s.table_name = ? AND s.removed_seq IS NULL "
+            f"AND s.added_seq > ? AND s.key {self.dialect.distinct} ? AND EXISTS (SELECT 1 FROM shards c WHERE "
+            "c.table_name = 'curations' AND c.key = s.key AND c.removed_seq IS NULL) ORDER BY s.shard_id",
+            (table, seq, key)).fetchall()]
+
+    # ---- ids, moves ---------------------------------------------------------------------------
+    def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:
+        found_r: set[str] = set()
+        found_g: set[str] = set()
+        for cond, args in self.dialect.in_list("rollout_id", rollout_ids):
+            found_r.update(r[0] for r in self.con.execute(f"SELECT rollout_id FROM rollout_ids WHERE {cond}", args))
+        for cond, args in self.dialect.in_list("group_id", group_ids):
+            found_g.update(r[0] for r in self.con.execute(f"SELECT group_id FROM group_ids WHERE {cond}", args))
+        return found_r, found_g
+
+    def move_ids(self, con, shard_ids: list[int], to: int) -> None:
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in shard_ids], "bigint"):
+            con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE {cond}", [int(to), *args])
+            con.execute(f"UPDATE group_ids SET shard_id = ? WHERE {cond}", [int(to), *args])
+
+    def moves(self, con=None) -> dict[str, tuple[str, int]]:
+        """{retired rollouts shard path: (the path its rows were moved to, their first row there)};
+        empty for a catalog no compaction has moved rows in. Read inside `con` when given."""
+        con = con or self.con
+        if not self.has_table("moved", con):
+            return {}
+        return {str(p): (str(t), int(o)) for p, t, o in con.execute("SELECT path, to_path, row_offset FROM moved")}
+
+    def record_moves(self, con, seq: int, moves: list[tuple[str, str, int]]) -> None:
+        """Inside the transaction `con` that retires them: rows of shard `path` are now rows from
+        `row_offset` on of `to_path`, for each (path, to_path, row_offset) of `moves`. The first move
+        makes an embedded manifest schema version 2 (an older rollstore then refuses it)."""
+        con.execute(MOVED_DDL)
+        con.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version' AND value = '1'")
+        con.executemany("INSERT INTO moved (path, to_path, row_offset, seq) VALUES (?, ?, ?, ?)",
+                        [(p, t, o, seq) for p, t, o in moves])
+
+    def has_table(self, name: str, con=None) -> bool:
+        return bool((con or self.con).execute(self.dialect.has_table(), (name,)).fetchone()[0])
+
+    # ---- leases and pins (on the dialect's clock) ----------------------------------------------
+    def lease(self, table: str, n: int, consumer: str, group: str = "default", ttl: float = 600.0) -> tuple[str, list[Shard]]:
+        """Lease up to n live shards of `table` not acked or leased (unexpired) in `group`."""
+        lease_id = uuid.uuid4().hex
+        cols = ", ".join("s." + c.strip() for c in SHARD_COLS.split(","))
+        with self.transaction() as con:
+            clock, args = self.dialect.now()
+            now = float(con.execute(f"SELECT {clock}", args).fetchone()[0])
+            seq = self.latest_seq()
+            rows = con.execute(
+                f"SELECT {cols} FROM shards s "
+                "LEFT JOIN leases l ON l.shard_id = s.shard_id AND l.consumer_group = ? "
+                "WHERE s.table_name = ? AND s.added_seq <= ? AND s.removed_seq IS NULL "
+                "AND (l.shard_id IS NULL OR (l.acked_at IS NULL AND l.expires_at < ?)) "
+                "ORDER BY s.added_seq, s.shard_id LIMIT ?",
+                (group, table, seq, now, n),
+            ).fetchall()
+            con.executemany(
+                self.dialect.upsert("leases", ("consumer_group", "shard_id", "consumer", "lease_id", "expires_at",
+                                               "acked_at"), ("consumer_group", "shard_id")),
+                [(group, r[0], consumer, lease_id, now + ttl, None) for r in rows],
+            )
+        return lease_id, [Shard(*r) for r in rows]
+
+    def leased_ids(self, con=None) -> set[int]:
+        return {int(r[0]) for r in (con or self.con).execute("SELECT DISTINCT shard_id FROM leases")}
+
+    def pin(self, seq: int, ttl: float = 3600.0) -> str:
+        pin_id = uuid.uuid4().hex
+        clock, args = self.dialect.now()
+        with self._pin_transaction() as con:
+            con.execute(f"INSERT INTO pins VALUES (?, ?, {clock} + ?)", (pin_id, seq, *args, float(ttl)))
+        return pin_id
+
+    def unpin(self, pin_id: str) -> None:
+        with self._pin_transaction() as con:
+            con.execute("DELETE FROM pins WHERE pin_id = ?", (pin_id,))
+
+    def oldest_pinned_seq(self) -> int | None:
+        clock, args = self.dialect.now()
+        row = self.con.execute(f"SELECT min(seq) FROM pins WHERE expires_at > {clock}", args).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    # ---- gc and verify ------------------------------------------------------------------------
+    def collected_seq(self) -> int:
+        """Highest `removed_seq` of a retired shard that gc deleted: older snapshots are incomplete."""
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'collected_seq'").fetchone()
+        return 0 if row is None else int(row[0])
+
+    def retired_rows(self) -> list[tuple[int, str, int]]:
+        return [(int(i), str(p), int(r)) for i, p, r in self.con.execute(
+            "SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()]
+
+    def forget_retired(self, con, ids: list[int], removed_seq: int) -> None:
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
+            con.execute(f"DELETE FROM shards WHERE {cond}", args)
+        d = self.dialect
+        con.execute("INSERT INTO meta (key, value) VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
+                    f"SET value = CAST({d.greatest}(CAST(meta.value AS {d.integer}), "
+                    f"CAST(excluded.value AS {d.integer})) AS TEXT)", (str(int(removed_seq)),))
+
+    def verified_ids(self) -> set[int]:
+        if not self.has_table("verified"):
+            return set()
+        return {int(r[0]) for r in self.con.execute("SELECT shard_id FROM verified")}
+
+    def record_verified(self, shard_ids: list[int]) -> None:
+        known = self.verified_ids()
+        new = [(int(i), time.time()) for i in shard_ids if int(i) not in known]
+        with self._pin_transaction() as con:
+            con.execute(VERIFIED_DDL)
+            con.executemany("INSERT INTO verified (shard_id, verified_at) VALUES (?, ?)", new)
+
+    def quarantined(self) -> list[tuple[int, int]]:
+        return [(int(i), int(s)) for i, s in self.con.execute(
+            "SELECT s.shard_id, s.removed_seq FROM shards s JOIN commits c ON c.seq = s.removed_seq "
+            "WHERE c.kind = 'quarantine' ORDER BY s.shard_id").fetchall()]
+
+    def data_marker(self) -> str | None:
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'data_marker'").fetchone()
+        return None if row is None else row[0]
+
+    # ---- the checkpoint index and ledger --------------------------------------------------------
+    def index_checkpoints(self, con, rows: list[tuple]) -> None:
+        """Inside the transaction `con`: index rows, each the values of CHECKPOINT_COLS but the last two."""
+        for statement in CHECKPOINT_DDL:
+            con.execute(statement)
+        if rows:
+            con.executemany(f"INSERT INTO checkpoint_index ({', '.join(CHECKPOINT_COLS[:8])}) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def consumed_by(self, shards: list[str], run_id: str | None = None, con=None,
+                    exclude: tuple = ()) -> list[tuple[str, int]]:
+        """(shard, version) of the live checkpoints (of `run_id`; but the checkpoints shards `exclude`)
+        that consumed any of `shards`: an index lookup per shard, whatever the history."""
+        con = con or self.con
+        out: list[tuple[str, int]] = []
+        if not self.has_table("consumed", con):
+            return out  # no checkpoint published yet
+        for cond, args in self.dialect.in_list("c.shard", list(shards)):
+            sql = ("SELECT c.shard, c.version FROM consumed c JOIN shards s ON s.shard_id = c.checkpoint_shard_id "
+                   f"WHERE s.removed_seq IS NULL AND {cond}")
+            if run_id is not None:
+                sql += " AND c.run_id = ?"
+                args = [*args, run_id]
+            if exclude:
+                sql += f" AND c.checkpoint_shard_id NOT IN ({', '.join('?' * len(exclude))})"
+                args = [*args, *exclude]
+            out += [(str(sh), int(v)) for sh, v in con.execute(sql + " ORDER BY c.shard, c.version", args)]
+        return out
+
+    def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
+                         newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]:
+        """(the index rows (CHECKPOINT_COLS) of the checkpoints visible at snapshot `seq` (latest when
+        None; inside `con` when given), of `run_id` / `version` when given, by version (`newest`: the
+        highest alone); the (shard_id, path) of visible `checkpoints` shards that have no index row,
+        whose rows only their files hold)."""
+        con = con or self.con
+        cond, args = visible(seq)
+        if not self.has_table("checkpoint_index", con):
+            return [], self.unindexed_checkpoints(seq, con)
+        sql = (f"SELECT {', '.join('c.' + c for c in CHECKPOINT_COLS)} FROM checkpoint_index c "
+               f"JOIN shards s ON s.shard_id = c.shard_id WHERE {cond}")
+        where = list(args)
+        if run_id is not None:
+            sql += " AND c.run_id = ?"
+            where.append(run_id)
+        if version is not None:
+            sql += " AND c.version = ?"
+            where.append(int(version))
+        sql += " ORDER BY c.version DESC LIMIT 1" if newest else " ORDER BY c.version"
+        return con.execute(sql, where).fetchall(), self.unindexed_checkpoints(seq, con)
+
+    def unindexed_checkpoints(self, seq: int | None = None, con=None) -> list[tuple[int, str]]:
+        """(shard_id, path) of the `checkpoints` shards visible at `seq` (live when None) that have no
+        index row (published before the index existed, or by a rollstore without it)."""
+        con = con or self.con
+        cond, args = visible(seq)
+        sql = f"SELECT s.shard_id, s.path FROM shards s WHERE s.table_name = 'checkpoints' AND {cond}"
+        if self.has_table("checkpoint_index", con):
+            sql += " AND NOT EXISTS (SELECT 1 FROM checkpoint_index c WHERE c.shard_id = s.shard_id)"
+            through = con.execute("SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()
+            if through is not None and seq is None:  # every live one up to it is indexed: look past it only
+                sql += " AND s.shard_id > ?"
+                args = [*args, int(through[0])]
+        return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
+
+    def indexed_through(self, con, shard_id: int | None = None) -> None:
+        """Inside the transaction that indexed every live checkpoints shard up to `shard_id` (None: every
+        shard committed so far): say so, so that looking for unindexed ones reads only later shards."""
+        if shard_id is None:
+            shard_id = int(con.execute("SELECT coalesce(max(shard_id), 0) FROM shards").fetchone()[0])
+        con.execute(self.dialect.upsert("meta", ("key", "value"), ("key",)),
+                    ("checkpoints_indexed_through", str(int(shard_id))))
+
+    def hold_checkpoint(self, holder: str, version: int, ttl: float) -> None:
+        clock, args = self.dialect.now()
+        with self.transaction() as con:
+            self.index_checkpoints(con, [])  # the tables, on first use
+            con.execute("DELETE FROM checkpoint_holds WHERE holder = ?", (holder,))
+            con.execute(f"INSERT INTO checkpoint_holds (holder, version, expires_at) VALUES (?, ?, {clock} + ?)",
+                        (holder, int(version), *args, float(ttl)))
+
+    def release_checkpoint(self, holder: str) -> None:
+        if self.has_table("checkpoint_holds"):
+            with self.transaction() as con:
+                con.execute("DELETE FROM checkpoint_holds WHERE holder = ?", (holder,))
+
+    def tag_checkpoint(self, version: int, name: str | None) -> None:
+        with self.transaction() as con:
+            self.index_checkpoints(con, [])
+            con.execute("UPDATE checkpoint_index SET tag = ? WHERE version = ?", (name, int(version)))
+
+    def checkpoint_holds(self, con) -> dict[int, str]:
+        if not self.has_table("checkpoint_holds", con):
+            return {}
+        clock, args = self.dialect.now()
+        return {int(v): str(h) for h, v in con.execute(
+            f"SELECT holder, version FROM checkpoint_holds WHERE expires_at > {clock} ORDER BY holder", args)}
+
+    def prune_checkpoints(self, con, seq: int, shard_ids: list[int]) -> None:
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in shard_ids], "bigint"):
+            con.execute(f"UPDATE checkpoint_index SET pruned_seq = ? WHERE pruned_seq IS NULL AND {cond}", [seq, *args])
+
+    def pruned_uncollected(self) -> list[tuple[int, str, int]]:
+        if not self.has_table("checkpoint_index"):
+            return []
+        return [(int(i), str(p), int(s)) for i, p, s in self.con.execute(
+            "SELECT shard_id, path, pruned_seq FROM checkpoint_index "
+            "WHERE pruned_seq IS NOT NULL AND collected IS NULL").fetchall()]
+
+    def mark_collected(self, shard_ids: list[int]) -> None:
+        with self._pin_transaction() as con:  # the files are gone whatever this records
+            con.executemany("UPDATE checkpoint_index SET collected = 1 WHERE shard_id = ?", [(int(i),) for i in shard_ids])
+
+    def _claim_ids(self, con, shard_id: int, pairs: Iterable[tuple[str, str]], groups: Iterable[str]) -> None:
+        """Insert the ids (one row each); a taken one raises `CatalogConflict` (from the connection)."""
+        con.executemany("INSERT INTO rollout_ids (rollout_id, group_id, shard_id) VALUES (?, ?, ?)",
+                        ((r, g, shard_id) for r, g in pairs))
+        con.executemany("INSERT INTO group_ids (group_id, shard_id) VALUES (?, ?)", ((g, shard_id) for g in groups))

@@ -47,7 +47,7 @@ from .catalog_sql import REQUIRED_TABLES, SqlCatalog
 from .dialect import POSTGRES
 from .errors import CatalogBusy, CatalogConflict, CatalogError, ManifestError
 
-SCHEMA_VERSION = "3"
+CATALOG_VERSION = "3"  # the PostgreSQL catalog's own format (its meta schema_version), not the tables' SCHEMA_VERSION
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -334,7 +334,7 @@ def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descripto
                 desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn, data)
                 for statement in filter(str.strip, (_DDL + ";" + _DDL_2 + ";" + _DDL_3).split(";")):
                     con.execute(statement)
-                con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+                con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (CATALOG_VERSION,))
                 con.execute("INSERT INTO meta VALUES ('buffer_uuid', ?)", (desc.buffer_uuid,))
                 con.execute("INSERT INTO meta VALUES ('created_at', ?)", (repr(time.time()),))
                 if data is not None:
@@ -437,9 +437,9 @@ class PgManifest(SqlCatalog):
             version = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if version is not None and version[0] in ("1", "2"):
                 version = self._upgrade()
-            if version is None or version[0] != SCHEMA_VERSION:
+            if version is None or version[0] != CATALOG_VERSION:
                 raise CatalogError(f"catalog {self.path}: schema version {version and version[0]!r}, this "
-                                   f"rollstore reads version {SCHEMA_VERSION}")
+                                   f"rollstore reads version {CATALOG_VERSION}")
         except BaseException:
             self.con.close()
             raise
@@ -459,8 +459,8 @@ class PgManifest(SqlCatalog):
             if row[0] in ("1", "2"):
                 for statement in filter(str.strip, _DDL_3.split(";")):
                     con.execute(statement)
-                con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
-        return (SCHEMA_VERSION,)
+                con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (CATALOG_VERSION,))
+        return (CATALOG_VERSION,)
 
     @contextmanager
     def transaction(self) -> Iterator[PgConnection]:

@@ -95,7 +95,7 @@ CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, 
 # first use (a manifest without it: nothing recorded, every shard is checked where it is read).
 FINITE_DDL = "CREATE TABLE IF NOT EXISTS finite (sha256 TEXT PRIMARY KEY) WITHOUT ROWID"
 # The manifest format versions this rollstore reads: 2 adds `moved`.
-SCHEMA_VERSIONS = ("1", "2")
+MANIFEST_VERSIONS = ("1", "2")
 
 
 # SQLite errors that mean "cannot write here" (a full disk, a read-only mount or files one may not
@@ -273,9 +273,9 @@ class Manifest(SqlCatalog):
             raise damaged(self.path, exc) from None
         if row is None:
             raise damaged(self.path, "no schema_version")
-        if row[0] not in SCHEMA_VERSIONS:
+        if row[0] not in MANIFEST_VERSIONS:
             raise ManifestError(f"{self.path}: manifest schema version {row[0]!r}, this rollstore reads versions "
-                                f"{' and '.join(SCHEMA_VERSIONS)}; use the rollstore that wrote it")
+                                f"{' and '.join(MANIFEST_VERSIONS)}; use the rollstore that wrote it")
 
     def close(self) -> None:
         self.con.close()

@@ -83,7 +83,7 @@ SPLITS: dict[str, tuple] = {
     "chains": ("builtin:chains", "heldout", "builtin:tiny-chains"),  # the working written out, 29–33 tokens
 }
 DEFAULT_MAX_NEW_TOKENS = 8
-# the phases of `IterationReport.phases` (rollstore.loop.run.PHASES) in each part of the loop's seconds
+# the phases of `IterationReport.phases` (rollstore.loop.driver.PHASES) in each part of the loop's seconds
 SECONDS_PARTS = {"generate_seconds": ("selection", "generation", "reward", "scoring", "append"),
                  "curate_seconds": ("curation",), "train_seconds": ("optimiser", "publish")}
 RUN_FILE, CONFIG_FILE = "bench-run.json", "bench-config.json"

@@ -77,7 +77,7 @@ def _run_id(buf) -> str:
 
 def build(root: str, iterations: int) -> None:
     from rollstore.builtin.resolve import resolve_model
-    from rollstore.loop.run import LoopConfig, run_loop
+    from rollstore.loop.driver import LoopConfig, run_loop
     from rollstore.storage.buffer import Buffer
 
     Buffer.init(root).close()

@@ -64,7 +64,7 @@ REPLAYING = {"replay-d3s"}  # recipes whose curations select stored rows of earl
 
 
 def loop_config(root: str, recipe: str, iterations: int):
-    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.driver import LoopConfig
     from rollstore.loop.generate import GenerationConfig
 
     return LoopConfig(buffer=root, recipe=recipe, iterations=iterations, prompts_per_iter=4, pool_size=64,
@@ -155,7 +155,7 @@ def reap(pid: int, r: int) -> tuple[str, object]:
 
 
 def _loop(root: str, recipe: str, iterations: int, point: str | None, nth: int, fixed: bool) -> int:
-    from rollstore.loop.run import run_loop
+    from rollstore.loop.driver import run_loop
 
     if not fixed:
         from rollstore.loop import run
@@ -170,7 +170,7 @@ def _train(root: str, run_id: str) -> int:
     from rich.console import Console
 
     from rollstore.rules.defaults import train_config
-    from rollstore.loop.trainer import run_train
+    from rollstore.loop.learner_loop import run_train
 
     import io
 
@@ -198,7 +198,7 @@ def _learn(root: str, point: str | None, nth: int, max_idle: float) -> int:
     from rich.console import Console
 
     from rollstore.rules.defaults import train_config
-    from rollstore.loop.trainer import run_train
+    from rollstore.loop.learner_loop import run_train
     from rollstore.storage.buffer import Buffer
 
     real = Buffer.lease

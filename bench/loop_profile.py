@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     args = ap.parse_args(argv)
 
-    from rollstore.loop.run import PHASES, LoopConfig, run_loop
+    from rollstore.loop.driver import PHASES, LoopConfig, run_loop
     from rollstore.builtin.resolve import resolve_model
     from rollstore.storage.buffer import Buffer
 

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .prompts import Prompt, prompt_hash, task_levels
+from .prompt_sources import Prompt, prompt_hash, task_levels
 
 OPERANDS = range(100, 1000)
 _MAX_TRIES = 1000  # draws spent looking for an unseen training expression before accepting a repeat

@@ -35,7 +35,7 @@ import functools
 import hashlib
 import random
 
-from .prompts import Prompt, prompt_hash, task_levels
+from .prompt_sources import Prompt, prompt_hash, task_levels
 
 SOURCE = "builtin:arith"
 HELDOUT_SEED = "heldout-v2"  # fixed: the held-out list never depends on a caller's seed

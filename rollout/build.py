@@ -27,7 +27,7 @@ import pyarrow as pa
 from rollstore.storage.schema import ROLLOUTS
 
 from .backends import Generation
-from .prompts import Prompt
+from .prompt_sources import Prompt
 from .reward import Verdict
 
 

@@ -24,7 +24,7 @@ import re
 
 from rollstore.storage.errors import RollstoreError
 
-from .prompts import Prompt, prompt_hash
+from .prompt_sources import Prompt, prompt_hash
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 ANSWER_FIELDS = ("answer", "solution")

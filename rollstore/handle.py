@@ -268,7 +268,7 @@ class Buffer:
         import polars as pl
 
         from rollstore.learner.losses import LOSSES
-        from rollstore.loop.trainer import check_curations, run_train
+        from rollstore.loop.learner_loop import check_curations, run_train
         from rollstore.rules.defaults import train_config
 
         rules.check("train", rules.TRAIN, {"lr": lr, "epochs": epochs, "micro_batch_size": micro_batch_size,

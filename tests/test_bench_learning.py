@@ -65,7 +65,7 @@ def test_rollouts_to_reach_and_the_paired_ratio():
 def test_loop_profile_tiles_the_iteration(default_tiny, capsys):  # noqa: F811
     """bench/loop_profile.py at 2 iterations: every phase has its row and the shares are printed."""
     from bench import loop_profile
-    from rollstore.loop.run import PHASES
+    from rollstore.loop.driver import PHASES
 
     assert loop_profile.main(["--iterations", "2", "--no-record"]) == 0
     out = capsys.readouterr().out

@@ -42,7 +42,7 @@ def test_generate_refuses_a_misspelt_builtin_before_loading_anything(cli, tmp_pa
 
 
 def test_loop_help_shows_the_defaults_it_uses(cli):
-    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.driver import LoopConfig
 
     text = re.sub(r"[│\s]+", " ", cli("loop", "--help").stdout)
     cfg = LoopConfig(buffer="b")
@@ -93,7 +93,7 @@ def test_the_loop_display_keeps_iteration_0_and_wraps_its_legend():
 
     from rich.console import Console
 
-    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.driver import LoopConfig
     from rollstore.loop.view import _table, legend
 
     cfg = LoopConfig(buffer="b", recipe="grpo")

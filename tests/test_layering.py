@@ -88,7 +88,7 @@ def violations(root: str = ROOT) -> list[str]:
 
 
 def room_of(module: str) -> str | None:
-    """The application room a dotted import (`rollstore.loop.run`, `from rollstore import cli`) names:
+    """The application room a dotted import (`rollstore.loop.driver`, `from rollstore import cli`) names:
     a folder of `ROOMS`, `FRONT` for the modules directly in rollstore/, None for a layer or else."""
     parts = module.split(".")
     if parts[0] != "rollstore" or (len(parts) > 1 and parts[1] in ALLOWED):
@@ -163,7 +163,7 @@ def test_the_room_check_sees_each_spelling(tmp_path):
     (tmp_path / "rollstore" / "report" / "a.py").write_text("from rollstore.cli.commands import app\n")
     (tmp_path / "rollstore" / "loop" / "b.py").write_text("def f():\n    from rollstore import handle\n")
     (tmp_path / "rollstore" / "output" / "c.py").write_text("from ..report import page\nfrom . import outfile\n")
-    (tmp_path / "rollstore" / "cli" / "d.py").write_text("from rollstore.loop.run import LoopConfig\n"
+    (tmp_path / "rollstore" / "cli" / "d.py").write_text("from rollstore.loop.driver import LoopConfig\n"
                                                          "from rollstore.handle import open\n")  # allowed
     (tmp_path / "rollstore" / "handle.py").write_text("from rollstore.rules.defaults import SQL\n"  # allowed
                                                      "from rollstore.cli.commands import app\n")

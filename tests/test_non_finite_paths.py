@@ -110,7 +110,7 @@ def test_generation_refuses_non_finite_log_probs(buffer_dir):
     """The loop and `rollstore generate` append through `StepWriter.generate`: validated like an import."""
     from rollstore.loop.generate import GenerationConfig
     from rollstore.rollout.build import StepStamp
-    from rollstore.rollout.prompts import Prompt
+    from rollstore.rollout.prompt_sources import Prompt
     from rollstore.loop.step import StepWriter
 
     seq = seq_of(buffer_dir)

@@ -115,7 +115,7 @@ def test_the_recommended_recipes_say_for_what_and_recipes_shows_it(cli):
     """`rollstore recipes` marks each recommended recipe with the tasks it is recommended for and the
     μ and learning rate it is meant for; the loop's default recipe is a recommended one; names of any
     length stay aligned."""
-    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.driver import LoopConfig
 
     marked = [n for n in ALL if load_recipe(n).recommended]
     assert marked and LoopConfig(buffer="b").recipe in marked

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollstore.rollout import arith
-from rollstore.rollout.prompts import prompt_hash
+from rollstore.rollout.prompt_sources import prompt_hash
 
 
 def test_prompts_are_deterministic_by_seed():

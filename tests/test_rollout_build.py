@@ -11,7 +11,7 @@ import pytest
 
 from rollstore.rollout.backends import Generation
 from rollstore.rollout.build import StepStamp, build_rollouts, make_group_id
-from rollstore.rollout.prompts import Prompt
+from rollstore.rollout.prompt_sources import Prompt
 from rollstore.rollout.reward import Verdict
 from rollstore.storage.schema import ROLLOUTS
 from rollstore.storage.validate import validate_rollouts

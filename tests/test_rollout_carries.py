@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from rollstore.builtin.resolve import TINY_MODELS, resolve_prompts, task_model, tiny_dir, tiny_spec, warm_targets
 from rollstore.rollout import carries
-from rollstore.rollout.prompts import prompt_hash
+from rollstore.rollout.prompt_sources import prompt_hash
 
 operand = st.integers(100, 999)
 

@@ -13,7 +13,7 @@ from rollstore.builtin.resolve import (TINY_MODELS, resolve_prompts, task_max_ne
                                        tiny_spec, warm_targets)
 from rollstore.learner.tiny import CHARS, build_tokenizer
 from rollstore.rollout import chains
-from rollstore.rollout.prompts import prompt_hash
+from rollstore.rollout.prompt_sources import prompt_hash
 from rollstore.rollout.reward import judge_math
 
 operand = st.integers(100, 999)

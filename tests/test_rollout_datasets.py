@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollstore.rollout.datasets import DatasetError, gsm8k_answer, last_boxed, load_prompts, reduce_answer
-from rollstore.rollout.prompts import prompt_hash
+from rollstore.rollout.prompt_sources import prompt_hash
 
 
 def write_jsonl(path, rows, raw_lines=()):

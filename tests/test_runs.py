@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rollstore.loop.run import LoopConfig, run_loop
+from rollstore.loop.driver import LoopConfig, run_loop
 from rollstore.loop.view import settings_line
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer

@@ -12,7 +12,7 @@ import time
 
 from rich.console import Console
 
-from rollstore.loop.run import LoopConfig
+from rollstore.loop.driver import LoopConfig
 from rollstore.loop.view import run_with_display
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError

@@ -19,7 +19,7 @@ LATEST = "run_id = <the latest run> AND step = <its latest step>"  # resolved at
 def training_line(recipe) -> str:
     """What `rollstore loop` trains a recipe's curations with: μ and the learning rate of its TOML, or
     the loop's defaults where the recipe sets none (`LoopConfig.effective_train`)."""
-    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.driver import LoopConfig
 
     train = LoopConfig(buffer="", recipe=recipe.name if recipe.sql is None else "grpo").train
     epochs = f"{recipe.epochs} (the recipe's)" if recipe.epochs is not None else f"{train.epochs} (the loop's default)"

@@ -80,7 +80,7 @@ def train(
         import subprocess
 
         from rollstore.loop import learner_main
-        from rollstore.loop.trainer import check_curations
+        from rollstore.loop.learner_loop import check_curations
         from rollstore.rules.defaults import train_config
 
         if curation:
@@ -138,7 +138,7 @@ def loop(
     from dataclasses import replace
 
     from rollstore.curate.params import parse_sets
-    from rollstore.loop.run import LoopConfig
+    from rollstore.loop.driver import LoopConfig
     from rollstore.loop.view import run_with_display
     from rollstore.storage.buffer import Buffer
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rollstore.storage.lazy import lazy_exports
 
-_PUBLIC = {"LoopConfig": "rollstore.loop.run", "run_loop": "rollstore.loop.run"}
+_PUBLIC = {"LoopConfig": "rollstore.loop.driver", "run_loop": "rollstore.loop.driver"}
 
 __all__ = sorted(_PUBLIC)
 

@@ -46,7 +46,7 @@ def run_eval(model: str, prompts_ref: str, num_prompts: int | None, config: Gene
     prompts = resolve_prompts(prompts_ref, num_prompts, seed=seed, split="heldout")
     metrics = evaluate(model_dir, prompts, samples, ks, temperature, config.max_new_tokens, seed)
     if buffer:
-        from rollstore.loop.run import record_eval
+        from rollstore.loop.driver import record_eval
         from rollstore.storage.buffer import Buffer
 
         with Buffer.open(buffer) as buf:

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from rollstore.rollout.backends import Backend, get_backend
 from rollstore.rollout.build import StepStamp, build_rollouts
-from rollstore.rollout.prompts import Prompt
+from rollstore.rollout.prompt_sources import Prompt
 from rollstore.rollout.reward import Overlong, RewardPool
 from rollstore.storage.timing import Stopwatch
 

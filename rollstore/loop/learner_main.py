@@ -1,7 +1,7 @@
 """The learner as a process of its own: `python -m rollstore.loop.learner_main SPEC`, the named
 entry that torchrun starts once per rank (`rollstore train --nproc N`, `rollstore loop
 --learner-ranks N`). A separate process is the point there (torchrun owns the ranks); everywhere
-else the learner is a library call (`rollstore.loop.trainer.run_train`).
+else the learner is a library call (`rollstore.loop.learner_loop.run_train`).
 
 Invariants:
 - SPEC is one JSON object (`spec`/`command` build it): the buffer, the model, the run id, the
@@ -45,7 +45,7 @@ def config_of(learner: dict[str, Any]) -> TrainConfig:
 def main(argv: list[str]) -> int:
     from rich.console import Console
 
-    from rollstore.loop.trainer import run_train
+    from rollstore.loop.learner_loop import run_train
     from rollstore.storage.errors import RollstoreError
 
     if len(argv) != 1:

@@ -24,7 +24,7 @@ import time
 from rich.console import Console
 
 from rollstore.loop import learner_main
-from rollstore.loop.run import LoopConfig
+from rollstore.loop.driver import LoopConfig
 
 
 def learner_command(cfg: LoopConfig, model_dir: str, run_id: str, ranks: int) -> list[str]:

@@ -27,7 +27,7 @@ from rollstore.curate.run import CurationResult, curate
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
 from rollstore.rollout.backends import Backend
-from rollstore.rollout.prompts import Prompt
+from rollstore.rollout.prompt_sources import Prompt
 from rollstore.rollout.reward import RewardPool
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.manifest import Shard

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rollstore.loop.run import IterationReport, LoopConfig, run_loop
+from rollstore.loop.driver import IterationReport, LoopConfig, run_loop
 
 
 def _table(cfg: LoopConfig, rows: list[IterationReport], evals: list[tuple[int, int, float]]) -> Table:

@@ -98,7 +98,7 @@ from rollstore.curate.run import curate as run_curation
 from rollstore.learner.losses import LossConfig
 from rollstore.rollout.backends import FINISH_LENGTH, FINISH_STOP, Generation
 from rollstore.rollout.build import StepStamp, build_rollouts
-from rollstore.rollout.prompts import Prompt, prompt_hash
+from rollstore.rollout.prompt_sources import Prompt, prompt_hash
 from rollstore.rollout.reward import Verdict
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.references import runs_to_mask

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rollstore.queries import bind, load_sql, render
+from rollstore.queries import load_sql, needed_values, render
 from rollstore.queries.session import Session, tables_named
 
 from rollstore.storage.snapshot import rollouts_relation, sql_string, string_range, union_option
@@ -73,7 +73,7 @@ class Runner:
     def _sql(self, step: Step, bound: dict, extra: dict) -> tuple[str, dict]:
         drop_chunks(self.decoded)  # an SQL step may rewrite what a session kernel decoded; past the kernels, memory is freed
         sql = step.render(**bound)
-        return sql, bind(sql, {**self.values, **extra})
+        return sql, needed_values(sql, {**self.values, **extra})
 
     def run(self, step: Step, bound: dict | None = None, **extra) -> None:
         if step.kernel is not None:  # a session kernel writing a temp table

@@ -50,7 +50,7 @@ def parameters_of(sql: str) -> set[str]:
     return set(_PARAMETER.findall(_strip_comments(sql)))
 
 
-def bind(sql: str, values: dict) -> dict:
+def needed_values(sql: str, values: dict) -> dict:
     """The values of `values` that `sql` needs; a missing one is a programming error."""
     needed = parameters_of(sql)
     missing = needed - set(values)

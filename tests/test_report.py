@@ -20,7 +20,7 @@ import pytest
 from rollout_helpers import default_tiny, tiny_cache  # noqa: F401  (fixtures)
 
 from rollstore.queries import load_sql
-from rollstore.report.page import QUERIES, SECTIONS, bind, build_report
+from rollstore.report.page import QUERIES, SECTIONS, build_report, with_literals
 from rollstore.report.svg import Series, fmt, line_chart, nice_ticks
 from rollstore.storage.buffer import Buffer
 
@@ -70,7 +70,7 @@ def documented(root: str, name: str, curation_id: str | None = None, recipe: str
         con = duckdb.connect()
         snap.register_duckdb(con)
         con.execute(load_sql("views"))
-        rows = con.sql(bind(load_sql(name), {"curation_id": curation_id, "recipe": recipe})).to_arrow_table().to_pylist()
+        rows = con.sql(with_literals(load_sql(name), {"curation_id": curation_id, "recipe": recipe})).to_arrow_table().to_pylist()
         con.close()
     return [jsonable(r) for r in rows]
 

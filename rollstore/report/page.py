@@ -126,7 +126,7 @@ class ReportInfo:
     curation_id: str | None
 
 
-def bind(sql: str, params: dict) -> str:
+def with_literals(sql: str, params: dict) -> str:
     """`sql` with each `$name` replaced by the SQL literal of params[name] (NULL for None)."""
 
     def literal(m: re.Match) -> str:
@@ -141,7 +141,7 @@ def bind(sql: str, params: dict) -> str:
 
 
 def run_query(session: Session, name: str, curation_id: str | None, scope: Scope = Scope()) -> Result:
-    sql = bind(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
+    sql = with_literals(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
     rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
     return Result(name, sql, rows, name + scope.suffix)
 
@@ -628,4 +628,4 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
     return ReportInfo(target, os.path.getsize(target), time.perf_counter() - t0, seq, curation_id)
 
 
-__all__ = ["QUERIES", "SECTIONS", "ReportInfo", "TokenText", "bind", "build_report", "collect", "render"]
+__all__ = ["QUERIES", "SECTIONS", "ReportInfo", "TokenText", "build_report", "collect", "render", "with_literals"]

@@ -157,6 +157,7 @@ class History:
         import torch
 
         from rollstore.curate.params import load_recipe, resolve
+        from rollstore.curate.prompts import prompt_plan
         from rollstore.queries.session import Session
         from rollstore.storage.buffer import Buffer
 
@@ -166,6 +167,7 @@ class History:
         self.recipe = load_recipe("d3s")
         self.sets = {"prompt_skip": "greso"}
         self.params = resolve(self.recipe, self.sets)
+        self.plan = prompt_plan(self.params)  # greso's own plan (the loop's `skipping`)
         self.session = Session(self.buf.snapshot(), threads=1)
         self.model = _tiny_model()
         self.version, self.steps, self.position = 0, 0, 0
@@ -187,9 +189,9 @@ class History:
             return Prompt(f"p{pos % POOL}", f"prompt {pos % POOL}")
 
         def selection():
-            now = state(self.session, RUN, s, self.params)
+            now = state(self.session, RUN, s, self.plan)
             start = self.position if now.last_position is None else now.last_position + 1
-            return select(self.session, self.params, run_id=RUN, step=s, seed=0, stream=stream, start=start,
+            return select(self.session, self.plan, run_id=RUN, step=s, seed=0, stream=stream, start=start,
                           need=self.groups, limit=POOL, rates=now.rates)
 
         sel, *out["greso selection"] = timed(selection)

@@ -28,7 +28,7 @@ from rollstore.storage.snapshot import rollouts_relation, sql_string, string_ran
 from .entropies import drop_chunks
 from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
-from .params import EmptyBatch, run_of_where
+from .params import EmptyBatch, run_of_where, step_of_where
 from .plan import Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
@@ -216,18 +216,26 @@ def checkpoint_versions(session: Session) -> dict[str, int]:
     return newest
 
 
-def run_version(session: Session, rollouts: str, runs: list[str]) -> int | None:
+def run_version(session: Session, rollouts, runs: list[str]) -> int | None:
     """The default current_version of a batch whose rows belong to `runs` (docs/choices.md §Runs):
     the newest checkpoint published under one of those run ids; when none has one, the newest
     checkpoint of a run that sampled no rollouts (a learner of other runs' rows, such as `rollstore
     train`'s); else the newest policy_version the runs' rows were sampled with. In a buffer of one run
     (or of one `generate` run and one `train` run) this is the buffer-wide rule of earlier versions:
-    the newest checkpoint, else the newest policy_version."""
+    the newest checkpoint, else the newest policy_version.
+    `rollouts`: a relation over every rollouts shard, or a function that makes it (called only when
+    no checkpoint of the runs answers: a loop's step reads no shard for its version)."""
+    indexed = getattr(session.snapshot, "newest_checkpoints", None)  # (a frozen snapshot has no catalog)
+    newest = indexed(list(runs)) if indexed is not None else None
+    if newest:  # the runs' own newest checkpoints by the catalog's index, no checkpoint file read
+        return max(newest.values())
     checkpoints = checkpoint_versions(session)
     own = [checkpoints[r] for r in runs if r in checkpoints]
     if own:
         return max(own)
     others = sorted(set(checkpoints) - set(runs))
+    if callable(rollouts):
+        rollouts = rollouts()
     if others:
         sampled = session.table(render("curate_sampling_runs", {"rollouts": rollouts}), {"runs": others}, reads=())
         learners = set(others) - {str(r) for r in sampled.column("run_id").to_pylist()}
@@ -237,8 +245,19 @@ def run_version(session: Session, rollouts: str, runs: list[str]) -> int | None:
     return None if row is None or row[0] is None else int(row[0])
 
 
-def batch_files(snap) -> list[str]:
-    """The snapshot's rollouts shards, which the batch is drawn from; none is an empty batch."""
+def batch_files(snap, params=None) -> list[str]:
+    """The snapshot's rollouts shards the batch is drawn from; none is an empty batch. A `where` of
+    `step_where`'s form (a loop's curation of one step) reads only the shards the catalog's step index
+    names for that run and step (`Snapshot.step_files`), or, with replay, for that run (its window is
+    the run's earlier versions): the scan does not grow with the history. Any other `where` reads every
+    shard. The rows matched are the same either way: the other shards hold none of them."""
+    step = step_of_where(params["where"]) if params is not None else None
+    if step is not None and hasattr(snap, "step_files"):  # (a frozen snapshot, a Dask worker's, lists all)
+        run, s = step
+        replay = params["replay"] != "none"
+        files = snap.step_files("rollouts", run, None if replay else s, None if replay else s)
+        if files:
+            return files  # (none: every shard, so that an empty batch is reported as before)
     files = snap.files("rollouts")
     if not files:
         raise EmptyBatch.of(None)

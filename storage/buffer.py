@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from .errors import ManifestError, RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
-from .manifest import MANIFEST, Manifest, NewShard, Shard
+from .manifest import MANIFEST, STEP_INDEXED, Manifest, NewShard, Shard
 from .owners import owned_name
 from .schema import RESPONSE_LENGTH, stored_schema
 from .shardio import Durable, compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
@@ -147,6 +147,16 @@ def write_part(root: str, part: Part, folder: str, relpath: str | None = None,
                        sha, part.key)
 
 
+def step_ranges(table: pa.Table) -> list[tuple]:
+    """(run_id, first step, last step) of each run among `table`'s rows (a shard of STEP_INDEXED), in
+    run order; one (None, None, None) for a shard without rows, so that it counts as indexed."""
+    if table.num_rows == 0:
+        return [(None, None, None)]
+    agg = table.select(["run_id", "step"]).group_by("run_id").aggregate([("step", "min"), ("step", "max")])
+    return sorted(zip(agg.column("run_id").to_pylist(), agg.column("step_min").to_pylist(),
+                      agg.column("step_max").to_pylist()), key=lambda r: (r[0] is None, r[0] or ""))
+
+
 def token_count(table: pa.Table) -> int:
     """Response tokens of a shard's rows (a thin curated shard: those its references name)."""
     if table.num_rows == 0:
@@ -248,6 +258,7 @@ class Buffer:
         self.manifest.require_writable()
         with writing(self.root, self.manifest):  # gc collects no unnamed file while we are between link and commit
             written: list[NewShard] = []
+            steps: dict[int, list[tuple]] = {}  # written index -> the step index's rows (`step_ranges`)
             inodes: list[int] = []
             ids: list[int] = []
             is_orphan = getattr(self.manifest, "may_replace", self.manifest.is_unnamed)  # a catalog's: ours to replace
@@ -285,6 +296,8 @@ class Buffer:
                             NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key,
                                      finite=part.table_name == "rollouts")
                         )
+                        if part.table_name in STEP_INDEXED:
+                            steps[len(written) - 1] = step_ranges(table)
                     inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
                     if store is not None:  # the local file stays as this host's cached copy
                         self._upload(store, written[-1].path)
@@ -295,6 +308,9 @@ class Buffer:
                     ids = self.manifest.add_shards(con, seq, written)
                     if on_commit is not None:
                         on_commit(con, seq, ids)
+                    if steps:  # which shards hold a run's step, for look-ups that read one step
+                        self.manifest.index_steps(con, [(ids[i], written[i].table_name, *r)
+                                                        for i, rows in steps.items() for r in rows])
                     sent = True  # leaving the block sends COMMIT: from here the outcome may be unknown
             except BaseException:
                 if sent:

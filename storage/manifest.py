@@ -112,6 +112,17 @@ CHECKPOINT_DDL = (
 )
 CHECKPOINT_COLS = ("shard_id", "version", "run_id", "parent_version", "path", "created_us", "consumed", "metrics",
                    "pruned_seq", "tag")
+# The step index (made by the first commit of a `rollouts` or `prompt_selections` shard; `Buffer.commit`):
+# one row per (shard, run_id) of those tables, the range of steps the shard's rows of that run hold, so
+# that "which shards hold run R's step S" is an index lookup, not a read of every shard. Meta's
+# `steps_indexed_through`: every shard of those tables with a lower or equal id has its rows here.
+STEP_INDEXED = ("rollouts", "prompt_selections")
+STEP_INDEX_DDL = (
+    "CREATE TABLE IF NOT EXISTS shard_steps (shard_id BIGINT NOT NULL, table_name TEXT NOT NULL, run_id TEXT, "
+    "step_min BIGINT, step_max BIGINT)",
+    "CREATE INDEX IF NOT EXISTS shard_steps_by_run ON shard_steps (table_name, run_id, step_max)",
+    "CREATE INDEX IF NOT EXISTS shard_steps_by_shard ON shard_steps (shard_id)",
+)
 # The manifest format versions this rollstore reads: 2 adds `moved`.
 SCHEMA_VERSIONS = ("1", "2")
 
@@ -549,6 +560,61 @@ class Manifest:
         so that looking for unindexed ones reads only the shards committed after it."""
         con.execute("INSERT INTO meta (key, value) VALUES ('checkpoints_indexed_through', ?) "
                     "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(shard_id)),))
+
+    # ---- the step index (STEP_INDEX_DDL) ------------------------------------------------
+    def index_steps(self, con, rows: list[tuple]) -> None:
+        """Inside the transaction `con` that adds the shards: their step index rows, each (shard_id,
+        table_name, run_id, step_min, step_max); then `steps_indexed_through` moves up to the newest
+        shard below which every shard of STEP_INDEXED tables has its rows (a shard committed by a
+        rollstore without the index, or before it, holds it back until gc deletes its row).
+        Portable SQL (SQLite and PostgreSQL catalogs)."""
+        for statement in STEP_INDEX_DDL:
+            con.execute(statement)
+        if rows:
+            con.executemany("INSERT INTO shard_steps (shard_id, table_name, run_id, step_min, step_max) "
+                            "VALUES (?, ?, ?, ?, ?)", rows)
+        through = self._steps_indexed_through(con)
+        marks = ", ".join("?" * len(STEP_INDEXED))
+        gap = con.execute(
+            f"SELECT min(s.shard_id) FROM shards s WHERE s.shard_id > ? AND s.table_name IN ({marks}) "
+            "AND NOT EXISTS (SELECT 1 FROM shard_steps x WHERE x.shard_id = s.shard_id)",
+            (through, *STEP_INDEXED)).fetchone()[0]
+        top = (con.execute("SELECT max(shard_id) FROM shards").fetchone()[0] or 0) if gap is None else int(gap) - 1
+        if top > through:
+            con.execute("INSERT INTO meta (key, value) VALUES ('steps_indexed_through', ?) "
+                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(top)),))
+
+    def _steps_indexed_through(self, con) -> int:
+        row = con.execute("SELECT value FROM meta WHERE key = 'steps_indexed_through'").fetchone()
+        return -1 if row is None else int(row[0])
+
+    def step_shard_ids(self, table: str, run_id: str, first: int | None, last: int | None,
+                       seq: int | None = None, con=None) -> set[int]:
+        """The ids of the shards of `table` (one of STEP_INDEXED) visible at snapshot `seq` (live when
+        None) that may hold a row of `run_id` with a step in [`first`, `last`] (None: unbounded): those
+        whose index rows say so, and every one without index rows (committed before the index, or by a
+        rollstore without it: read by every look-up until gc deletes its row). Index look-ups only
+        when every shard is indexed: the cost does not grow with the shards of other steps."""
+        con = con or self.con
+        visible, args = _visible(seq)
+        if not self.has_table("shard_steps", con):
+            return {int(r[0]) for r in con.execute(
+                f"SELECT s.shard_id FROM shards s WHERE s.table_name = ? AND {visible}", (table, *args))}
+        sql = ("SELECT s.shard_id FROM shard_steps x JOIN shards s ON s.shard_id = x.shard_id "
+               f"WHERE x.table_name = ? AND x.run_id = ? AND {visible}")
+        where: list = [table, run_id, *args]
+        if first is not None:
+            sql += " AND x.step_max >= ?"
+            where.append(int(first))
+        if last is not None:
+            sql += " AND x.step_min <= ?"
+            where.append(int(last))
+        found = {int(r[0]) for r in con.execute(sql, where)}
+        found.update(int(r[0]) for r in con.execute(
+            f"SELECT s.shard_id FROM shards s WHERE s.shard_id > ? AND s.table_name = ? AND {visible} "
+            "AND NOT EXISTS (SELECT 1 FROM shard_steps x WHERE x.shard_id = s.shard_id)",
+            (self._steps_indexed_through(con), table, *args)))
+        return found
 
     # ---- uniqueness of rollouts ------------------------------------------------------------
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import ManifestError, UnknownName, did_you_mean
-from .manifest import Manifest, ManifestReadOnly, Shard
+from .manifest import STEP_INDEXED, Manifest, ManifestReadOnly, Shard
 from .references import is_thin, locate, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
 from .store import cache_shards
@@ -124,6 +124,32 @@ class Snapshot:
 
     def files(self, table: str) -> list[str]:
         return [os.path.join(self.root, s.path) for s in self._table(table)]
+
+    def step_files(self, table: str, run_id: str, first: int | None = None, last: int | None = None) -> list[str]:
+        """The files of `table` (`rollouts` or `prompt_selections`) that may hold a row of `run_id` with a
+        step in [`first`, `last`] (None: unbounded), by the catalog's step index
+        (`Manifest.step_shard_ids`), in commit order: what a query of one run's steps reads, however
+        many shards the history holds. A superset of the files that hold such rows, never a subset."""
+        if table not in STEP_INDEXED:
+            raise ValueError(f"no step index of table {table!r} (only {', '.join(STEP_INDEXED)})")
+        ids = self._manifest.step_shard_ids(table, run_id, first, last, self.seq)
+        shards = [s for s in self._shards[table] if s.shard_id in ids]
+        if getattr(self._manifest, "store", None) is not None:  # only these into the host's cache
+            cache_shards(self.root, self._manifest, shards)
+        return [os.path.join(self.root, s.path) for s in shards]
+
+    def newest_checkpoints(self, runs: list[str]) -> dict[str, int] | None:
+        """{run: the newest checkpoint version of this snapshot} of those of `runs` that have one, by
+        the catalog's checkpoint index (`Manifest.checkpoint_index`, one look-up a run); None when a
+        visible checkpoints shard has no index row (its version is only in its file: read the files)."""
+        out: dict[str, int] = {}
+        for run in runs:
+            rows, unindexed = self._manifest.checkpoint_index(self.seq, run_id=run, newest=True)
+            if unindexed:
+                return None
+            if rows:
+                out[run] = int(rows[0][1])
+        return out
 
     def rows(self, table: str) -> int:
         return sum(s.rows for s in self._table(table))

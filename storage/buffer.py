@@ -157,6 +157,18 @@ def step_ranges(table: pa.Table) -> list[tuple]:
                       agg.column("step_max").to_pylist()), key=lambda r: (r[0] is None, r[0] or ""))
 
 
+def summarise_new_rows(table_name: str, table: pa.Table, groups: dict, selections: dict) -> None:
+    """Add a new part's rows to a commit's prompt state summaries (`storage.prompt_state`): rollouts
+    into `groups`, prompt selections into `selections`. Two parts of one commit that hold the same
+    prompt's (or run's) rows leave the state to the shards (a summary that cannot be joined: none)."""
+    from .prompt_state import group_summaries, selection_summaries
+
+    new = group_summaries(table) if table_name == "rollouts" else selection_summaries(table)
+    into = groups if table_name == "rollouts" else selections
+    for key, value in new.items():
+        into[key] = None if key in into else value
+
+
 def token_count(table: pa.Table) -> int:
     """Response tokens of a shard's rows (a thin curated shard: those its references name)."""
     if table.num_rows == 0:
@@ -248,8 +260,12 @@ class Buffer:
         kind: str,
         detail: dict | None = None,
         on_commit: Callable[[sqlite3.Connection, int, list[int]], None] | None = None,
+        rewritten: bool = False,
     ) -> tuple[int, list[Shard]]:
         """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
+
+        `rewritten`: the parts hold rows already committed (compaction, migration): the prompt state
+        (`storage.prompt_state`) of new rows is not changed by them.
 
         Returns (seq, shards). On a failure before COMMIT is sent every file written so far is
         removed; never once COMMIT was sent (the outcome is unknown: see the module invariants). A
@@ -259,6 +275,9 @@ class Buffer:
         with writing(self.root, self.manifest):  # gc collects no unnamed file while we are between link and commit
             written: list[NewShard] = []
             steps: dict[int, list[tuple]] = {}  # written index -> the step index's rows (`step_ranges`)
+            new_groups: dict = {}  # new rows' prompt state (`storage.prompt_state`)
+            new_selections: dict = {}
+            unread = False  # a written file of a step-indexed table: its rows are not read here
             inodes: list[int] = []
             ids: list[int] = []
             is_orphan = getattr(self.manifest, "may_replace", self.manifest.is_unnamed)  # a catalog's: ours to replace
@@ -282,6 +301,7 @@ class Buffer:
                         link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan, durable)
                         written.append(NewShard(part.table_name, part.relpath, part.rows, part.tokens,
                                                 part.bytes, part.sha256, part.key))
+                        unread = unread or part.table_name in STEP_INDEXED  # rows not summarised here
                     else:
                         table = stored_table(part)
                         if part.table_name == "rollouts" and not part.checked:  # no path skips finite floats
@@ -298,6 +318,8 @@ class Buffer:
                         )
                         if part.table_name in STEP_INDEXED:
                             steps[len(written) - 1] = step_ranges(table)
+                            if not rewritten:
+                                summarise_new_rows(part.table_name, table, new_groups, new_selections)
                     inodes.append(os.stat(os.path.join(self.root, written[-1].path)).st_ino)
                     if store is not None:  # the local file stays as this host's cached copy
                         self._upload(store, written[-1].path)
@@ -311,6 +333,10 @@ class Buffer:
                     if steps:  # which shards hold a run's step, for look-ups that read one step
                         self.manifest.index_steps(con, [(ids[i], written[i].table_name, *r)
                                                         for i, rows in steps.items() for r in rows])
+                    if new_groups or new_selections:
+                        self.manifest.record_prompt_state(con, seq, ids, new_groups, new_selections)
+                    if unread and not rewritten:
+                        self.manifest.forget_prompt_state(con)
                     sent = True  # leaving the block sends COMMIT: from here the outcome may be unknown
             except BaseException:
                 if sent:

@@ -468,7 +468,7 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str 
                 offsets = [0, *itertools.accumulate(s.rows for s in batch)][:-1]
                 buf.manifest.record_moves(con, seq, [(s.path, to_path, o) for s, o in zip(batch, offsets)])
 
-    buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire)
+    buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire, rewritten=True)
     return rows
 
 

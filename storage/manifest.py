@@ -123,6 +123,17 @@ STEP_INDEX_DDL = (
     "CREATE INDEX IF NOT EXISTS shard_steps_by_run ON shard_steps (table_name, run_id, step_max)",
     "CREATE INDEX IF NOT EXISTS shard_steps_by_shard ON shard_steps (shard_id)",
 )
+# Each prompt's group history in a run and each run's newest prompt selection, kept as rows are committed
+# (`storage.prompt_state`; made by the first commit of rollouts or selections rows): pre-rollout prompt
+# selection reads them instead of the run's history.
+PROMPT_STATE_DDL = (
+    "CREATE TABLE IF NOT EXISTS prompt_state (run_id TEXT NOT NULL, prompt_id TEXT NOT NULL, groups BIGINT NOT NULL, "
+    "streak BIGINT NOT NULL, newest_step BIGINT NOT NULL, newest_group TEXT NOT NULL, "
+    "newest_all_correct BIGINT NOT NULL, PRIMARY KEY (run_id, prompt_id))",
+    "CREATE TABLE IF NOT EXISTS prompt_state_runs (run_id TEXT PRIMARY KEY, tracked BIGINT NOT NULL, "
+    "sel_step BIGINT, sel_position BIGINT, explore_easy DOUBLE PRECISION, explore_hard DOUBLE PRECISION, "
+    "seq BIGINT NOT NULL)",
+)
 # The manifest format versions this rollstore reads: 2 adds `moved`.
 SCHEMA_VERSIONS = ("1", "2")
 
@@ -615,6 +626,93 @@ class Manifest:
             "AND NOT EXISTS (SELECT 1 FROM shard_steps x WHERE x.shard_id = s.shard_id)",
             (self._steps_indexed_through(con), table, *args)))
         return found
+
+    # ---- prompt state (PROMPT_STATE_DDL, storage.prompt_state) ----------------------------
+    def record_prompt_state(self, con, seq: int, new_ids: list[int], groups: dict, selections: dict) -> None:
+        """Inside the transaction `con` of commit `seq` that adds the shards `new_ids` (their step index
+        recorded first, `index_steps`): fold `groups` ({(run, prompt): storage.prompt_state.Groups}) and
+        `selections` ({run: Selected}) into the state of their runs. A run met for the first time is kept
+        only when no earlier shard holds a row of it; one whose rows come out of order stops being kept
+        (`storage.prompt_state` invariants). Portable SQL (SQLite and PostgreSQL catalogs)."""
+        from .prompt_state import merged
+
+        for statement in PROMPT_STATE_DDL:
+            con.execute(statement)
+        runs = sorted({run for run, _ in groups} | set(selections))
+        for run in runs:
+            row = con.execute("SELECT tracked, sel_step, sel_position, explore_easy, explore_hard FROM "
+                              "prompt_state_runs WHERE run_id = ?", (run,)).fetchone()
+            if row is None:
+                earlier = (self.step_shard_ids("rollouts", run, None, None, con=con)
+                           | self.step_shard_ids("prompt_selections", run, None, None, con=con)) - set(new_ids)
+                row = (0 if earlier else 1, None, None, None, None)
+                con.execute("INSERT INTO prompt_state_runs (run_id, tracked, seq) VALUES (?, ?, ?)",
+                            (run, row[0], int(seq)))
+            tracked, sel_step, sel_position, easy, hard = row
+            mine = {p: g for (r, p), g in groups.items() if r == run}
+            states: list[tuple] = []
+            if tracked and mine:
+                old = {}
+                names = sorted(mine)
+                for i in range(0, len(names), 500):
+                    chunk = names[i:i + 500]
+                    old.update({str(r[0]): tuple(r[1:]) for r in con.execute(
+                        "SELECT prompt_id, groups, streak, newest_step, newest_group, newest_all_correct "
+                        f"FROM prompt_state WHERE run_id = ? AND prompt_id IN ({', '.join('?' * len(chunk))})",
+                        (run, *chunk))})
+                for p in names:
+                    state = None if mine[p] is None else merged(old.get(p), mine[p])
+                    if state is None:
+                        tracked = 0
+                        break
+                    states.append((run, p, *state))
+            sel = selections.get(run, False)
+            if tracked and sel is not False:
+                if sel is None or (sel_step is not None and sel.first <= sel_step):
+                    tracked = 0
+                else:
+                    sel_step, easy, hard = sel.last, sel.easy, sel.hard
+                    sel_position = sel.position if sel_position is None else max(sel_position, sel.position)
+            if tracked and states:
+                con.executemany(
+                    "INSERT INTO prompt_state (run_id, prompt_id, groups, streak, newest_step, newest_group, "
+                    "newest_all_correct) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, prompt_id) DO UPDATE SET "
+                    "groups = excluded.groups, streak = excluded.streak, newest_step = excluded.newest_step, "
+                    "newest_group = excluded.newest_group, newest_all_correct = excluded.newest_all_correct", states)
+            if not tracked:
+                con.execute("DELETE FROM prompt_state WHERE run_id = ?", (run,))
+            con.execute("UPDATE prompt_state_runs SET tracked = ?, sel_step = ?, sel_position = ?, explore_easy = ?, "
+                        "explore_hard = ?, seq = ? WHERE run_id = ?",
+                        (int(tracked), sel_step, sel_position, easy, hard, int(seq), run))
+
+    def forget_prompt_state(self, con) -> None:
+        """Inside a transaction that retires or restores shards other than by compaction: no run's prompt
+        state is kept from here on (readers recompute from the shards). Portable SQL."""
+        if self.has_table("prompt_state_runs", con):
+            con.execute("UPDATE prompt_state_runs SET tracked = 0")
+            con.execute("DELETE FROM prompt_state")
+
+    def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> tuple[tuple, dict] | None:
+        """(the run's row: sel_step, sel_position, explore_easy, explore_hard, seq; {prompt_id: (groups,
+        streak, newest_step, newest_group, newest_all_correct)} of those of `prompt_ids` with a group)
+        when the run's state is kept, else None. Index look-ups only. Portable SQL."""
+        if not self.has_table("prompt_state_runs"):
+            return None
+        row = self.con.execute("SELECT tracked, sel_step, sel_position, explore_easy, explore_hard, seq FROM "
+                               "prompt_state_runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None or not row[0]:
+            return None
+        found: dict = {}
+        names = sorted(set(prompt_ids or ()))
+        for i in range(0, len(names), 500):
+            chunk = names[i:i + 500]
+            found.update({str(r[0]): tuple(r[1:]) for r in self.con.execute(
+                "SELECT prompt_id, groups, streak, newest_step, newest_group, newest_all_correct FROM prompt_state "
+                f"WHERE run_id = ? AND prompt_id IN ({', '.join('?' * len(chunk))})", (run_id, *chunk))})
+        again = self.con.execute("SELECT seq FROM prompt_state_runs WHERE run_id = ?", (run_id,)).fetchone()
+        if again is None or again[0] != row[5]:  # a commit landed between the reads: not one state
+            return None
+        return tuple(row[1:]), found
 
     # ---- uniqueness of rollouts ------------------------------------------------------------
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]:

@@ -138,6 +138,15 @@ class Snapshot:
             cache_shards(self.root, self._manifest, shards)
         return [os.path.join(self.root, s.path) for s in shards]
 
+    def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> tuple[tuple, dict] | None:
+        """The run's prompt state as kept by the catalog (`Manifest.prompt_state`, `storage.prompt_state`)
+        when it is this snapshot's: None when the run's state is not kept, or a later commit than this
+        snapshot changed it (the caller reads the shards instead)."""
+        got = self._manifest.prompt_state(run_id, prompt_ids)
+        if got is None or got[0][4] > self.seq:
+            return None
+        return got
+
     def newest_checkpoints(self, runs: list[str]) -> dict[str, int] | None:
         """{run: the newest checkpoint version of this snapshot} of those of `runs` that have one, by
         the catalog's checkpoint index (`Manifest.checkpoint_index`, one look-up a run); None when a

@@ -312,6 +312,7 @@ def retire(manifest: Manifest, shards: list[Shard], kind: str, detail: dict | No
                     [seq, *ids])
         con.execute(f"DELETE FROM rollout_ids WHERE shard_id IN ({marks})", ids)
         con.execute(f"DELETE FROM group_ids WHERE shard_id IN ({marks})", ids)
+        manifest.forget_prompt_state(con)  # rows leave the history (storage.prompt_state)
     return seq
 
 
@@ -466,6 +467,7 @@ def restore(root: str, manifest: Manifest) -> tuple[list[Shard], list[str]]:
                     continue
             con.execute("UPDATE shards SET removed_seq = NULL WHERE shard_id = ? AND removed_seq = ?",
                         (shard.shard_id, seq))
+            manifest.forget_prompt_state(con)  # rows come back into the history (storage.prompt_state)
             restored.append(shard)
         if not restored:
             raise ShardError("; ".join(left))  # rolls the empty commit back

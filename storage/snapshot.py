@@ -90,6 +90,29 @@ class Snapshot:
             "host": pa.array(cols[4], pa.string()),
         })
 
+    def _check_readable(self) -> None:
+        """Raise one line when gc collected shards retired after this snapshot since it was opened (an
+        unpinned snapshot kept open): the catalog no longer knows what it read, nor do its files exist."""
+        if self.seq < self._manifest.collected_seq():
+            raise ManifestError(f"{self.root}: snapshot {self.seq} is no longer readable: gc removed shards "
+                                f"retired after it (pin it while reading: `with buf.snapshot(pin=True)`)")
+
+    def hold(self):
+        """A pin of this snapshot owned by the caller, which outlives this object's own (`with`): for a
+        reader that keeps reading its files after it (a DuckDB session kept between a loop's steps,
+        `queries.session.Session`), so that `compact` and `gc` meanwhile remove none of them. Returns
+        the function that releases it (a pin expires by itself after an hour; on a read-only manifest
+        nothing is held)."""
+        pin = _try_pin(self._manifest, self.seq)
+
+        def release() -> None:
+            if pin is not None:
+                try:
+                    self._manifest.unpin(pin)
+                except (sqlite3.OperationalError, ManifestReadOnly):
+                    pass  # the pin expires by itself
+        return release
+
     def close(self) -> None:
         if self._pin is not None:
             try:
@@ -133,6 +156,7 @@ class Snapshot:
         if table not in STEP_INDEXED:
             raise ValueError(f"no step index of table {table!r} (only {', '.join(STEP_INDEXED)})")
         ids = self._manifest.step_shard_ids(table, run_id, first, last, self.seq)
+        self._check_readable()  # (after the look-up: a gc between the two cannot go unseen)
         shards = [s for s in self._shards[table] if s.shard_id in ids]
         if getattr(self._manifest, "store", None) is not None:  # only these into the host's cache
             cache_shards(self.root, self._manifest, shards)

@@ -314,6 +314,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
         (r1, r2), *post["compact (rollouts + selections)"] = timed(
             lambda: (compact(h.buf, "rollouts"), compact(h.buf, "selections")))
         post["shards merged"] = r1.merged_shards + r2.merged_shards
+        h.session.rebind(h.buf.snapshot())  # as the loop's next curation does: its pin moves past the compaction
         copy = os.path.join(work, "copy")
         shutil.copytree(root, copy)
         from rollstore.storage.buffer import Buffer
@@ -323,11 +324,6 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
         shutil.rmtree(copy)
         rep, *post["gc --grace 0 (this code)"] = timed(lambda: gc(h.buf, 0))
         post["shards retired"] = rep.retired_removed
-        # the loop's session is not pinned: its bound snapshot named the retired files gc just removed
-        from rollstore.queries.session import Session
-
-        h.session.close()
-        h.session = Session(h.buf.snapshot(), threads=1)
         _, *post["verify references (this code)"] = timed(lambda: scan_references(root, h.buf.manifest))
         _, *post["verify references (main's path)"] = timed(lambda: main_scan_references(root, h.buf.manifest))
         recent = [h.step(total) for _ in range(after)]

@@ -729,6 +729,10 @@ class PgManifest(Manifest):
             "SELECT min(seq) FROM pins WHERE expires_at > extract(epoch FROM clock_timestamp())").fetchone()
         return None if row[0] is None else int(row[0])
 
+    def catalog_now(self) -> float:
+        """The database's clock, which this catalog's pins expire on (`Manifest.oldest_checkpoint_pin`)."""
+        return clock(self.con)
+
     # ---- intents: what replaces host-local liveness (writers.lock, pids) -------------------
     # Before its first byte, every file a writer makes (a shard at its final path, its temporary
     # name under tmp/, a working folder under tmp/) gets an intent row: (path, writer, expires_at on

@@ -301,7 +301,8 @@ def collect_pruned(buf: Buffer, report: GcReport | None = None) -> GcReport:
     man = buf.manifest
     if not man.has_table("checkpoint_index"):
         return report
-    oldest_pin = man.oldest_pinned_seq()
+    # (a DuckDB session's pin keeps shards' files, never a checkpoint's: `Manifest.pin_shards`)
+    oldest_pin = getattr(man, "oldest_checkpoint_pin", man.oldest_pinned_seq)()
     store = getattr(man, "store", None)
     rows = man.con.execute("SELECT shard_id, path, pruned_seq FROM checkpoint_index "
                            "WHERE pruned_seq IS NOT NULL AND collected IS NULL").fetchall()

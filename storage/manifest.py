@@ -42,6 +42,7 @@ from typing import Iterable, Iterator
 from .errors import ManifestError, NotABuffer
 
 MANIFEST = "manifest.sqlite"
+SHARDS_PIN = "shards-"  # the id prefix of a pin that keeps shards' files only (`Manifest.pin_shards`)
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -807,3 +808,25 @@ class Manifest:
     def oldest_pinned_seq(self) -> int | None:
         row = self.con.execute("SELECT min(seq) FROM pins WHERE expires_at > ?", (time.time(),)).fetchone()
         return None if row[0] is None else int(row[0])
+
+    # ---- pins of readers of shards only (a DuckDB session), which keep no checkpoint's files ----
+    def pin_shards(self, seq: int, ttl: float = 3600.0) -> str:
+        """A pin of `seq` (as `pin`) that keeps the files of the shards visible at it, not the folders of
+        checkpoint versions pruned after it (`oldest_checkpoint_pin` leaves it out): what a reader that
+        never loads a model's weights holds (a DuckDB session kept between a loop's steps). Its id
+        starts with SHARDS_PIN. Portable SQL (SQLite and PostgreSQL catalogs)."""
+        pin_id = self.pin(seq, ttl)
+        with self._pin_transaction() as con:  # until this commits it is a full pin: stricter, never looser
+            con.execute("UPDATE pins SET pin_id = ? WHERE pin_id = ?", (SHARDS_PIN + pin_id, pin_id))
+        return SHARDS_PIN + pin_id
+
+    def oldest_checkpoint_pin(self) -> int | None:
+        """The oldest snapshot pinned by a reader that may load a checkpoint's files: `oldest_pinned_seq`
+        but the pins of `pin_shards`. Portable SQL; the time is the catalog's clock (`catalog_now`)."""
+        row = self.con.execute("SELECT min(seq) FROM pins WHERE expires_at > ? AND pin_id NOT LIKE ?",
+                               (self.catalog_now(), SHARDS_PIN + "%")).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    def catalog_now(self) -> float:
+        """The clock pins' expiry is written on: this machine's (a PostgreSQL catalog: the database's)."""
+        return time.time()

@@ -100,10 +100,14 @@ class Snapshot:
     def hold(self):
         """A pin of this snapshot owned by the caller, which outlives this object's own (`with`): for a
         reader that keeps reading its files after it (a DuckDB session kept between a loop's steps,
-        `queries.session.Session`), so that `compact` and `gc` meanwhile remove none of them. Returns
+        `queries.session.Session`), so that `compact` and `gc` meanwhile remove none of them (it keeps
+        shards' files only, `Manifest.pin_shards`: no checkpoint's, which a session never loads). Returns
         the function that releases it (a pin expires by itself after an hour; on a read-only manifest
         nothing is held)."""
-        pin = _try_pin(self._manifest, self.seq)
+        try:  # a pin of shards only: pruned checkpoints' folders go as if it were not there
+            pin = self._manifest.pin_shards(self.seq)
+        except (sqlite3.OperationalError, ManifestReadOnly):
+            pin = None
 
         def release() -> None:
             if pin is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pyarrow as pa
+import pytest
 
 from rollstore.builtin.synthetic import RowOptions, rollouts_table
 from rollstore.curate.params import load_recipe, resolve, step_where
@@ -55,4 +56,22 @@ def test_compact_and_gc_while_a_loop_runs_leave_its_session_readable(buffer_dir)
         gc(buf, 0)  # the session moved on: its old snapshot's retired files go
         assert not any(os.path.exists(p) for p in old)
         session.close()
+        assert buf.manifest.oldest_pinned_seq() is None
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_sessions_pin_keeps_shards_not_pruned_checkpoints(tmp_path, request, kind):
+    """Its pin is one of shards only (`Manifest.pin_shards`): gc keeps the retired shards it reads, while
+    retention removes pruned checkpoint folders at once, as without it (a session loads no weights)."""
+    catalog = request.getfixturevalue("pg").fresh_dsn() if kind == "postgres" else None
+    with Buffer.init(str(tmp_path / "buf"), catalog=catalog) as buf:
+        buf.append_rollouts(rollouts_table(n_groups=2, group_size=2, mean_tokens=4), source="s")
+        seq = buf.manifest.latest_seq()
+        with Session(buf.snapshot(), threads=1) as session:
+            assert buf.manifest.oldest_pinned_seq() == seq  # gc's retired shards wait for it
+            assert buf.manifest.oldest_checkpoint_pin() is None  # pruned checkpoints' folders do not
+            with buf.snapshot(pin=True) as snap:  # an ordinary pin holds both
+                assert buf.manifest.oldest_checkpoint_pin() == snap.seq
+            session.rebind(buf.snapshot())
+            assert buf.manifest.oldest_pinned_seq() == seq  # one pin, moved with the session
         assert buf.manifest.oldest_pinned_seq() is None

@@ -26,7 +26,9 @@ Invariants:
 - A session pins the snapshot it reads (`Snapshot.hold`) until it is rebound or closed: a loop's
   session, kept between steps, reads its snapshot's files after the curation that bound it ended, and
   a `compact` then `gc` meanwhile removes none of them (a pin expires after an hour: a session idle
-  longer may find its retired files gone).
+  longer may find its retired files gone). A rebind checks the presence of the shards its previous
+  snapshot did not have (those it had were checked when it was bound and stay pinned): its cost
+  follows what changed, not the buffer's shard count.
 """
 
 from __future__ import annotations
@@ -206,7 +208,11 @@ class Session:
         """
         if snapshot.root != self.root:
             raise ValueError(f"a session of {self.root} cannot read {snapshot.root}")
-        snapshot.check_present()  # before anything is dropped: a missing file leaves the session as it was
+        # Before anything is dropped: a missing file leaves the session as it was. The shards of the
+        # snapshot it reads now were checked when it was bound, and its pin keeps them from gc: only the
+        # others are checked (a loop's step: its new shards, not every shard of the run).
+        previous = self.snapshot if isinstance(self.snapshot, Snapshot) and self.snapshot.root == snapshot.root else None
+        snapshot.check_present(since=previous)
         release, self._release = self._release, _hold(snapshot)
         release()  # the earlier snapshot's pin: gc may take its retired files now
         keys = _table_keys(snapshot)

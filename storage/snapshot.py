@@ -244,11 +244,17 @@ class Snapshot:
                 pl.from_arrow(ROLLOUTS.empty_table()).schema), extra_columns="ignore")
         return pl.scan_parquet(files, glob=False, hive_partitioning=False)
 
-    def check_present(self, tables: list[str] | None = None) -> None:
-        """Raise one line for the first shard whose file is missing or of the wrong size (cheap)."""
+    def check_present(self, tables: list[str] | None = None, since: "Snapshot | None" = None) -> None:
+        """Raise one line for the first shard whose file is missing or of the wrong size (cheap).
+        `since`: a snapshot of this buffer whose shards were checked already and are pinned by the caller
+        (a session's previous one): only the shards it does not have are checked."""
         folders: dict = {}  # each folder checked once for all tables
         for name in tables or list(TABLES):
-            check_present(self.root, self._table(name), folders)
+            shards = self._table(name)
+            if since is not None:
+                known = {s.shard_id for s in since._shards.get(name, ())}
+                shards = [s for s in shards if s.shard_id not in known]
+            check_present(self.root, shards, folders)
 
     def verify(self, tables: list[str] | None = None) -> "Snapshot":
         """Raise one line for the first shard whose file is not the manifest's (size and sha256);

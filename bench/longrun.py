@@ -157,6 +157,7 @@ class History:
         import torch
 
         from rollstore.curate.params import load_recipe, resolve
+        from rollstore.curate.prompts import prompt_plan
         from rollstore.queries.session import Session
         from rollstore.storage.buffer import Buffer
 
@@ -166,6 +167,7 @@ class History:
         self.recipe = load_recipe("d3s")
         self.sets = {"prompt_skip": "greso"}
         self.params = resolve(self.recipe, self.sets)
+        self.plan = prompt_plan(self.params)  # greso's own plan (the loop's `skipping`)
         self.session = Session(self.buf.snapshot(), threads=1)
         self.model = _tiny_model()
         self.version, self.steps, self.position = 0, 0, 0
@@ -187,9 +189,9 @@ class History:
             return Prompt(f"p{pos % POOL}", f"prompt {pos % POOL}")
 
         def selection():
-            now = state(self.session, RUN, s, self.params)
+            now = state(self.session, RUN, s, self.plan)
             start = self.position if now.last_position is None else now.last_position + 1
-            return select(self.session, self.params, run_id=RUN, step=s, seed=0, stream=stream, start=start,
+            return select(self.session, self.plan, run_id=RUN, step=s, seed=0, stream=stream, start=start,
                           need=self.groups, limit=POOL, rates=now.rates)
 
         sel, *out["greso selection"] = timed(selection)
@@ -312,6 +314,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
         (r1, r2), *post["compact (rollouts + selections)"] = timed(
             lambda: (compact(h.buf, "rollouts"), compact(h.buf, "selections")))
         post["shards merged"] = r1.merged_shards + r2.merged_shards
+        h.session.rebind(h.buf.snapshot())  # as the loop's next curation does: its pin moves past the compaction
         copy = os.path.join(work, "copy")
         shutil.copytree(root, copy)
         from rollstore.storage.buffer import Buffer
@@ -321,11 +324,6 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
         shutil.rmtree(copy)
         rep, *post["gc --grace 0 (this code)"] = timed(lambda: gc(h.buf, 0))
         post["shards retired"] = rep.retired_removed
-        # the loop's session is not pinned: its bound snapshot named the retired files gc just removed
-        from rollstore.queries.session import Session
-
-        h.session.close()
-        h.session = Session(h.buf.snapshot(), threads=1)
         _, *post["verify references (this code)"] = timed(lambda: scan_references(root, h.buf.manifest))
         _, *post["verify references (main's path)"] = timed(lambda: main_scan_references(root, h.buf.manifest))
         recent = [h.step(total) for _ in range(after)]

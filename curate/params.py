@@ -562,7 +562,7 @@ def step_where(run_id: str, step: int) -> str:
     return f"run_id = {sql_string(run_id)} AND step = {int(step)}"
 
 
-_STEP_WHERE = re.compile(r"run_id = '((?:[^']|'')*)' AND step = \d+")
+_STEP_WHERE = re.compile(r"run_id = '((?:[^']|'')*)' AND step = (\d+)")
 
 
 def run_of_where(where: str) -> str | None:
@@ -570,3 +570,9 @@ def run_of_where(where: str) -> str | None:
     else None: the loop's curations learn their run without a query (curate.steps.batch_runs)."""
     m = _STEP_WHERE.fullmatch(where)
     return None if m is None else m.group(1).replace("''", "'")
+
+
+def step_of_where(where: str | None) -> tuple[str, int] | None:
+    """(run, step) of a `where` of `step_where`'s exact form (its rows are that run's step only), else None."""
+    m = None if where is None else _STEP_WHERE.fullmatch(where)
+    return None if m is None else (m.group(1).replace("''", "'"), int(m.group(2)))

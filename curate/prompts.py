@@ -38,7 +38,9 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
+from rollstore.queries import render
 from rollstore.storage.schema import PROMPT_SELECTIONS
+from rollstore.storage.snapshot import rollouts_relation
 
 from .params import ParamError, Params
 from .plan import BEFORE_GENERATION, PROMPT, Plan, StepList
@@ -110,7 +112,13 @@ class SkipState:
 
 
 def state(session, run_id: str, step: int, plan: Plan) -> SkipState:
-    """This step's state, its rates adapted from the run's previous selection (or the start rate)."""
+    """This step's state, its rates adapted from the run's previous selection (or the start rate):
+    from the catalog's kept state and the shards of the previous selected step when the snapshot's
+    catalog keeps it (`storage.prompt_state`), else by the plan's query over the run's history; the
+    same state either way (tests/test_prompt_state.py)."""
+    kept = _kept_state(session, run_id, step, plan)
+    if kept is not None:
+        return kept
     p, s = plan.params, plan.steps[1]
     recorded, last_position, last_step, easy, hard, groups, all_correct, all_wrong = session.one(
         s.render(), {"run": run_id, "step": int(step)}, reads=set(s.reads))
@@ -123,8 +131,57 @@ def state(session, run_id: str, step: int, plan: Plan) -> SkipState:
     return SkipState(list(recorded), last_position, r)
 
 
+def _kept_state(session, run_id: str, step: int, plan: Plan) -> SkipState | None:
+    """`state` from the catalog's kept state (the run's newest selection: its step, the highest
+    position examined, its rates) and the groups of that step, read from the shards the step index
+    names; None when the catalog cannot answer for this snapshot and step (not kept, a later commit,
+    or a selection at this step or after: a resumed step)."""
+    snap = session.snapshot
+    got = snap.prompt_state(run_id)  # (None from a listing without a catalog: Dask's workers)
+    if got is None:
+        return None
+    last_step, last_position, easy, hard, _seq = got[0]
+    p = plan.params
+    start = float(p["skip_explore_start"])
+    if last_step is None:
+        return SkipState([], None, Rates(start, start))
+    if last_step >= step:
+        return None
+    files = snap.step_files("rollouts", run_id, last_step, last_step)
+    groups, all_correct, all_wrong = (0, 0, 0) if not files else session.one(
+        render("prompt_last_groups", {"rollouts": rollouts_relation(files)}),
+        {"run": run_id, "last_step": int(last_step)}, reads=())
+    share = (all_correct + all_wrong) / groups if groups else 0.0
+    return SkipState([], last_position, Rates(adapt(easy, share, all_correct > 0, p),
+                                              adapt(hard, share, all_wrong > 0, p)))
+
+
+def _kept_history(session, run_id: str, step: int, prompt_ids: Sequence[str], plan: Plan) -> dict | None:
+    """`history` from the catalog's kept state of each prompt (`storage.prompt_state`: for a window w,
+    groups_seen = min(groups, w), z = min(streak, groups_seen)); None when it cannot answer (not kept,
+    a later commit, or a candidate with a group at this step or after)."""
+    got = session.snapshot.prompt_state(run_id, list(prompt_ids))  # (None from a listing without a catalog)
+    if got is None:
+        return None
+    rows = got[1]
+    if any(r[2] >= step for r in rows.values()):
+        return None
+    window = int(plan.values["skip_window"])
+    out = {}
+    for pid, (groups, streak, _step, _group, all_correct) in rows.items():
+        seen = min(int(groups), window)
+        z = min(int(streak), seen)
+        out[pid] = (seen, z, None if z == 0 else ("all_correct" if all_correct else "all_wrong"))
+    return out
+
+
 def history(session, run_id: str, step: int, prompt_ids: Sequence[str], plan: Plan) -> dict[str, tuple]:
-    """prompt_id → (groups_seen, z, kind) for the candidates that have history in the run."""
+    """prompt_id → (groups_seen, z, kind) for the candidates that have history in the run: from the
+    catalog's kept state when it answers for this snapshot (`_kept_history`), else by the plan's query
+    (queries/prompt_history.sql) over the run's history; the same answer either way."""
+    kept = _kept_history(session, run_id, step, prompt_ids, plan)
+    if kept is not None:
+        return kept
     session.load("skip_candidates", pa.table({"prompt_id": pa.array(sorted(set(prompt_ids)), pa.string())}))
     s = plan.steps[0]
     t = session.table(s.render(candidates="skip_candidates"),

@@ -5,7 +5,8 @@ plan (`curate.plan`) runs in one DuckDB session over one pinned snapshot, in the
 
 Invariants:
 - The run executes the plan it hashes: each step's text as built by `curate.plan.build`, with only
-  its declared relations bound to files (all rollouts shards for the candidates).
+  its declared relations bound to files (for the candidates: the rollouts shards that hold a loop
+  step's rows, by the catalog's step index, when `where` is `step_where`'s; else every one).
 - Token data is read only where it is needed, and only the `entropies` of the shards that hold a
   selected row, at the selected rows' positions (the candidates' scan kept each row's shard and
   position): once by the token stage's kernels (pyarrow, decoded once into scores for every kernel
@@ -125,7 +126,7 @@ def curate(
         else:  # a new session: the hashing runs beside its making (~70 ms)
             verified = stack.enter_context(verifying_inputs(snap, dry_run))
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
-        files = batch_files(snap)
+        files = batch_files(snap, params)  # a loop's step: only the shards holding it (the step index)
         everything = parquet(files, located=True, numbered=True)
         latest = latest_step(session, everything) if params["where"] is None else None
         params = params.with_defaults(latest, None)
@@ -133,7 +134,8 @@ def curate(
             session.check_predicate(params["where"], rollouts=parquet(files))
             if params["current_version"] is None:  # its default: the batch's own run's newest version
                 runs = [latest[1]] if latest is not None else batch_runs(session, everything, params["where"])
-                params = params.with_defaults(None, run_version(session, everything, runs))
+                params = params.with_defaults(None, run_version(
+                    session, lambda: parquet(snap.files("rollouts"), located=True, numbered=True), runs))
             plan = build(params, recipe, custom_statement(session, recipe))
             runner = Runner(session, dict(plan.values))
             results: dict = {}

@@ -23,12 +23,12 @@ import pyarrow as pa
 from rollstore.queries import load_sql, needed_values, render
 from rollstore.queries.session import Session, tables_named
 
-from rollstore.storage.snapshot import rollouts_relation, sql_string, string_range, union_option
+from rollstore.storage.snapshot import SnapshotFiles, rollouts_relation, sql_string, string_range, union_option
 
 from .entropies import drop_chunks
 from .kernels import KERNELS, run_session
 from .kernels import apply as apply_kernel
-from .params import EmptyBatch, run_of_where
+from .params import EmptyBatch, run_of_where, step_of_where
 from .plan import Step
 
 # Tables a curation reads: their shards are verified (size and sha256) before a run uses them.
@@ -196,11 +196,10 @@ def checkpoint_versions(session: Session) -> dict[str, int]:
     """The newest checkpoint version of each run_id (queries/curate_checkpoint_runs.sql). Shards
     known to the manifest are read once per process; a frozen snapshot (a Dask worker's) reads them all."""
     snap = session.snapshot
-    shards = getattr(snap, "shards", None)
-    if shards is None:
+    if isinstance(snap, SnapshotFiles):  # a listing: paths only
         keyed = {path: None for path in snap.files("checkpoints")}
     else:
-        keyed = {os.path.join(snap.root, s.path): (s.path, s.sha256) for s in shards("checkpoints")}
+        keyed = {os.path.join(snap.root, s.path): (s.path, s.sha256) for s in snap.shards("checkpoints")}
     missing = [path for path, key in keyed.items() if key is None or key not in _CHECKPOINT_RUNS]
     read: dict[str, tuple[str, int]] = {}
     if missing:
@@ -216,18 +215,25 @@ def checkpoint_versions(session: Session) -> dict[str, int]:
     return newest
 
 
-def run_version(session: Session, rollouts: str, runs: list[str]) -> int | None:
+def run_version(session: Session, rollouts, runs: list[str]) -> int | None:
     """The default current_version of a batch whose rows belong to `runs` (docs/choices.md §Runs):
     the newest checkpoint published under one of those run ids; when none has one, the newest
     checkpoint of a run that sampled no rollouts (a learner of other runs' rows, such as `rollstore
     train`'s); else the newest policy_version the runs' rows were sampled with. In a buffer of one run
     (or of one `generate` run and one `train` run) this is the buffer-wide rule of earlier versions:
-    the newest checkpoint, else the newest policy_version."""
+    the newest checkpoint, else the newest policy_version.
+    `rollouts`: a relation over every rollouts shard, or a function that makes it (called only when
+    no checkpoint of the runs answers: a loop's step reads no shard for its version)."""
+    newest = session.snapshot.newest_checkpoints(list(runs))  # (None from a listing without a catalog)
+    if newest:  # the runs' own newest checkpoints by the catalog's index, no checkpoint file read
+        return max(newest.values())
     checkpoints = checkpoint_versions(session)
     own = [checkpoints[r] for r in runs if r in checkpoints]
     if own:
         return max(own)
     others = sorted(set(checkpoints) - set(runs))
+    if callable(rollouts):
+        rollouts = rollouts()
     if others:
         sampled = session.table(render("curate_sampling_runs", {"rollouts": rollouts}), {"runs": others}, reads=())
         learners = set(others) - {str(r) for r in sampled.column("run_id").to_pylist()}
@@ -237,8 +243,19 @@ def run_version(session: Session, rollouts: str, runs: list[str]) -> int | None:
     return None if row is None or row[0] is None else int(row[0])
 
 
-def batch_files(snap) -> list[str]:
-    """The snapshot's rollouts shards, which the batch is drawn from; none is an empty batch."""
+def batch_files(snap, params=None) -> list[str]:
+    """The snapshot's rollouts shards the batch is drawn from; none is an empty batch. A `where` of
+    `step_where`'s form (a loop's curation of one step) reads only the shards the catalog's step index
+    names for that run and step (`Snapshot.step_files`), or, with replay, for that run (its window is
+    the run's earlier versions): the scan does not grow with the history. Any other `where` reads every
+    shard. The rows matched are the same either way: the other shards hold none of them."""
+    step = step_of_where(params["where"]) if params is not None else None
+    if step is not None:  # (a listing, a Dask worker's, has no step index: [] and every shard)
+        run, s = step
+        replay = params["replay"] != "none"
+        files = snap.step_files("rollouts", run, None if replay else s, None if replay else s)
+        if files:
+            return files  # (none: every shard, so that an empty batch is reported as before)
     files = snap.files("rollouts")
     if not files:
         raise EmptyBatch.of(None)

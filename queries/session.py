@@ -23,6 +23,12 @@ Invariants:
   snapshot every iteration and scans the same immutable shards again). DuckDB re-reads a footer whose
   file changed since; a same-size change that also set the modification time back is the sha256
   check's to catch (every commit verifies its inputs first).
+- A session pins the snapshot it reads (`Snapshot.hold`) until it is rebound or closed: a loop's
+  session, kept between steps, reads its snapshot's files after the curation that bound it ended, and
+  a `compact` then `gc` meanwhile removes none of them (a pin expires after an hour: a session idle
+  longer may find its retired files gone). A rebind checks the presence of the shards its previous
+  snapshot did not have (those it had were checked when it was bound and stay pinned): its cost
+  follows what changed, not the buffer's shard count.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import shutil
 import threading
 import uuid
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import duckdb
 import pyarrow as pa
@@ -122,6 +128,12 @@ def tables_named(text: str) -> set[str]:
     return named & set(TABLES)
 
 
+def _hold(snapshot) -> Callable[[], None]:
+    """A pin of `snapshot` while a session reads it (`Snapshot.hold`), and its release; nothing for a
+    frozen snapshot (its holder pins it) or none."""
+    return snapshot.hold() if snapshot is not None else (lambda: None)
+
+
 class Session:
     """DuckDB connection with views over `snapshot`. Close it (or use `with`) to drop its spill dir."""
 
@@ -141,6 +153,7 @@ class Session:
         if (snapshot is None) == (root is None):
             raise ValueError("a Session needs either a snapshot or the root of a buffer")
         self.snapshot = snapshot
+        self._release = _hold(snapshot)  # the snapshot's files stay until the session leaves it
         self.root = snapshot.root if snapshot is not None else root
         parse_memory_limit(memory_limit)
         self._con = duckdb.connect(":memory:")
@@ -194,7 +207,13 @@ class Session:
         """
         if snapshot.root != self.root:
             raise ValueError(f"a session of {self.root} cannot read {snapshot.root}")
-        snapshot.check_present()  # before anything is dropped: a missing file leaves the session as it was
+        # Before anything is dropped: a missing file leaves the session as it was. The shards of the
+        # snapshot it reads now were checked when it was bound, and its pin keeps them from gc: only the
+        # others are checked (a loop's step: its new shards, not every shard of the run).
+        previous = self.snapshot if isinstance(self.snapshot, Snapshot) and self.snapshot.root == snapshot.root else None
+        snapshot.check_present(since=previous)
+        release, self._release = self._release, _hold(snapshot)
+        release()  # the earlier snapshot's pin: gc may take its retired files now
         keys = _table_keys(snapshot)
         changed = [name for name, key in keys.items() if self._bound.get(name) != key]
         drops = [f'DROP {"VIEW" if kind == "VIEW" else "TABLE"} IF EXISTS "{catalog}".main."{name}";'
@@ -238,6 +257,7 @@ class Session:
         ).fetchall()
 
     def close(self) -> None:
+        self._release()
         self._con.close()
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 from .errors import CatalogConflict, CatalogError, ManifestError, RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
 from .descriptor import DESCRIPTOR
+from .catalog_sql import STEP_INDEXED
 from .manifest import MANIFEST, Manifest, NewShard, Shard
 from .owners import owned_name
 from .schema import RESPONSE_LENGTH, stored_schema
@@ -146,6 +147,60 @@ def write_part(root: str, part: Part, folder: str, relpath: str | None = None,
                        sha, part.key)
 
 
+def step_ranges(table: pa.Table) -> list[tuple]:
+    """(run_id, first step, last step) of each run among `table`'s rows (a shard of STEP_INDEXED), in
+    run order; one (None, None, None) for a shard without rows, so that it counts as indexed."""
+    if table.num_rows == 0:
+        return [(None, None, None)]
+    agg = table.select(["run_id", "step"]).group_by("run_id").aggregate([("step", "min"), ("step", "max")])
+    return sorted(zip(agg.column("run_id").to_pylist(), agg.column("step_min").to_pylist(),
+                      agg.column("step_max").to_pylist()), key=lambda r: (r[0] is None, r[0] or ""))
+
+
+def summarise_new_rows(table_name: str, table: pa.Table, groups: dict, selections: dict) -> None:
+    """Add a new part's rows to a commit's prompt state summaries (`storage.prompt_state`): rollouts
+    into `groups`, prompt selections into `selections`. Two parts of one commit that hold the same
+    prompt's (or run's) rows leave the state to the shards (a summary that cannot be joined: none)."""
+    from .prompt_state import group_summaries, selection_summaries
+
+    new = group_summaries(table) if table_name == "rollouts" else selection_summaries(table)
+    into = groups if table_name == "rollouts" else selections
+    for key, value in new.items():
+        into[key] = None if key in into else value
+
+
+class StepIndexRows:
+    """What a commit adds to the step index and the prompt state (`storage.prompt_state`), gathered
+    part by part (`add`) and recorded in the commit's transaction (`record`). `rewritten`: the parts
+    hold rows already committed (compaction, migration), which change no prompt's state."""
+
+    def __init__(self, rewritten: bool = False):
+        self.rewritten = rewritten
+        self.steps: dict[int, list[tuple]] = {}  # part index -> its step index rows (`step_ranges`)
+        self.groups: dict = {}
+        self.selections: dict = {}
+        self.unread = False  # a file of a step-indexed table written elsewhere: its rows are not read here
+
+    def add(self, i: int, table_name: str, table: pa.Table | None) -> None:
+        if table_name not in STEP_INDEXED:
+            return
+        if table is None:
+            self.unread = True
+            return
+        self.steps[i] = step_ranges(table)
+        if not self.rewritten:
+            summarise_new_rows(table_name, table, self.groups, self.selections)
+
+    def record(self, catalog, con, seq: int, ids: list[int], written: list[NewShard]) -> None:
+        if self.steps:  # which shards hold a run's step, for look-ups that read one step
+            catalog.index_steps(con, [(ids[i], written[i].table_name, *r)
+                                      for i, rows in self.steps.items() for r in rows])
+        if self.groups or self.selections:
+            catalog.record_prompt_state(con, seq, ids, self.groups, self.selections)
+        if self.unread and not self.rewritten:
+            catalog.forget_prompt_state(con)
+
+
 def token_count(table: pa.Table) -> int:
     """Response tokens of a shard's rows (a thin curated shard: those its references name)."""
     if table.num_rows == 0:
@@ -237,8 +292,12 @@ class Buffer:
         kind: str,
         detail: dict | None = None,
         on_commit: Callable[[Any, int, list[int]], None] | None = None,
+        rewritten: bool = False,
     ) -> tuple[int, list[Shard]]:
         """Write `parts` (consumed lazily) as shards, then publish all in one manifest transaction.
+
+        `rewritten`: the parts hold rows already committed (compaction, migration): the prompt state
+        (`storage.prompt_state`) of new rows is not changed by them.
 
         Returns (seq, shards). On a failure before COMMIT is sent every file written so far is
         removed; never once COMMIT was sent (the outcome is unknown: see the module invariants). A
@@ -247,21 +306,25 @@ class Buffer:
         self.manifest.require_writable()
         with writing(self.root, self.manifest):  # gc collects no unnamed file while we are between link and commit
             placed: list[tuple[NewShard, int]] = []  # each file written, with its inode
+            index = StepIndexRows(rewritten)  # the step index's and the prompt state's rows of the parts
             uploaded: list[str] = []
             sent = False  # True from the moment COMMIT may have reached the manifest
             durable = Durable()  # every file's and folder's fsync, at once, before the transaction
             try:
                 for part in parts:
-                    placed.append(self._place(part, kind, durable))
+                    new, inode, table = self._place(part, kind, durable)
+                    placed.append((new, inode))
+                    index.add(len(placed) - 1, new.table_name, table)
                     if self.manifest.store is not None:  # the local file stays as this host's cached copy
-                        self._upload(self.manifest.store, placed[-1][0].path)
-                        uploaded.append(placed[-1][0].path)
+                        self._upload(self.manifest.store, new.path)
+                        uploaded.append(new.path)
                 durable.flush()
                 with self.manifest.transaction() as con:
                     seq = self.manifest.new_commit(con, kind, detail)
                     ids = self.manifest.add_shards(con, seq, [w for w, _ in placed])
                     if on_commit is not None:
                         on_commit(con, seq, ids)
+                    index.record(self.manifest, con, seq, ids, [w for w, _ in placed])
                     sent = True  # leaving the block sends COMMIT: from here the outcome may be unknown
             except BaseException:
                 if sent:
@@ -277,10 +340,11 @@ class Buffer:
             self.manifest.commit_ended(rolled_back=False)  # committed: the transaction deleted its intents
         return seq, self.manifest.shards_by_id(ids)
 
-    def _place(self, part: Part | WrittenPart, kind: str, durable: Durable) -> tuple[NewShard, int]:
+    def _place(self, part: Part | WrittenPart, kind: str,
+               durable: Durable) -> tuple[NewShard, int, pa.Table | None]:
         """Reserve the paths of one part in the catalog (intents, before any byte) and put its bytes
         in place in the buffer's folder (never over a committed file; an orphan is replaced);
-        returns its row-to-be and the inode of its file."""
+        returns its row-to-be, the inode of its file and its rows (None: a file written elsewhere)."""
         is_orphan = self.manifest.may_replace  # a file found there: ours to replace (no row names it)
         if isinstance(part, WrittenPart):
             if part.table_name == "rollouts":  # its rows were never seen here: not checked finite
@@ -292,6 +356,7 @@ class Buffer:
             self.manifest.intend([part.relpath])  # before the link: gc leaves it alone, the commit fences
             link_into_place(self.root, part.tmp_relpath, part.relpath, part.bytes, is_orphan, durable)
             new = NewShard(part.table_name, part.relpath, part.rows, part.tokens, part.bytes, part.sha256, part.key)
+            table = None
         else:
             table = stored_table(part)
             if part.table_name == "rollouts" and not part.checked:  # no path skips finite floats
@@ -302,7 +367,7 @@ class Buffer:
             nbytes, digest = publish_file(table, self.root, rel, is_orphan, tmp_rel, durable)
             new = NewShard(part.table_name, rel, table.num_rows, token_count(table), nbytes, digest, part.key,
                            finite=part.table_name == "rollouts")  # finite here: checked above or by its caller
-        return new, os.stat(os.path.join(self.root, new.path)).st_ino
+        return new, os.stat(os.path.join(self.root, new.path)).st_ino, table
 
     def _unplace(self, placed: list[tuple[NewShard, int]], uploaded: list[str]) -> None:
         """Before COMMIT was sent: remove the files of `placed` that are still ours (same inode) and

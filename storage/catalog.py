@@ -222,6 +222,30 @@ class Catalog(ABC):
     @abstractmethod
     def mark_collected(self, shard_ids: list[int]) -> None: ...
 
+    # ---- the step index and the prompt state (issue 49: a step's work flat in the run's history) --
+    @abstractmethod
+    def index_steps(self, con, rows: list[tuple]) -> None:
+        """In the commit that adds rollouts / prompt_selections shards: (shard_id, table, run, step range) rows."""
+    @abstractmethod
+    def step_shard_ids(self, table: str, run_id: str, first: int | None, last: int | None,
+                       seq: int | None = None, con=None) -> set[int]:
+        """The shards of `table` that may hold run `run_id`'s steps in [first, last], by index."""
+    @abstractmethod
+    def record_prompt_state(self, con, seq: int, new_ids: list[int], groups: dict, selections: dict) -> None:
+        """In the commit that adds them: fold new groups and selections into their runs' prompt state."""
+    @abstractmethod
+    def forget_prompt_state(self, con) -> None:
+        """In a commit that retires or restores rows other than by compaction: no run's state is kept."""
+    @abstractmethod
+    def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> tuple[tuple, dict] | None:
+        """A run's kept prompt state (its selection row, {prompt: state}), or None when not kept."""
+    @abstractmethod
+    def pin_shards(self, seq: int, ttl: float = 3600.0) -> str:
+        """A pin that keeps the shards visible at `seq`, not pruned checkpoints' files (a DuckDB session's)."""
+    @abstractmethod
+    def oldest_checkpoint_pin(self) -> int | None:
+        """The oldest snapshot pinned by a reader that may load a checkpoint (`pin_shards` pins left out)."""
+
     # ---- write intents (PostgreSQL's; nothing to do for the embedded manifest) -------------------
     def intend(self, paths: list[str]) -> None:
         """Intents on `paths` before their first byte (gc of every host leaves them alone)."""

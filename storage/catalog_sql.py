@@ -57,6 +57,30 @@ CHECKPOINT_COLS = ("shard_id", "version", "run_id", "parent_version", "path", "c
 # The shards a verify found good by hash (`verify --incremental`); made on first use.
 VERIFIED_DDL = "CREATE TABLE IF NOT EXISTS verified (shard_id BIGINT PRIMARY KEY, verified_at DOUBLE PRECISION NOT NULL)"
 
+SHARDS_PIN = "shards-"  # the id prefix of a pin that keeps shards' files only (`SqlCatalog.pin_shards`)
+# The step index (made by the first commit of a `rollouts` or `prompt_selections` shard; `Buffer.commit`):
+# one row per (shard, run_id) of those tables, the range of steps the shard's rows of that run hold, so
+# that "which shards hold run R's step S" is an index lookup, not a read of every shard. Meta's
+# `steps_indexed_through`: every shard of those tables with a lower or equal id has its rows here.
+STEP_INDEXED = ("rollouts", "prompt_selections")
+STEP_INDEX_DDL = (
+    "CREATE TABLE IF NOT EXISTS shard_steps (shard_id BIGINT NOT NULL, table_name TEXT NOT NULL, run_id TEXT, "
+    "step_min BIGINT, step_max BIGINT)",
+    "CREATE INDEX IF NOT EXISTS shard_steps_by_run ON shard_steps (table_name, run_id, step_max)",
+    "CREATE INDEX IF NOT EXISTS shard_steps_by_shard ON shard_steps (shard_id)",
+)
+# Each prompt's group history in a run and each run's newest prompt selection, kept as rows are committed
+# (`storage.prompt_state`; made by the first commit of rollouts or selections rows): pre-rollout prompt
+# selection reads them instead of the run's history.
+PROMPT_STATE_DDL = (
+    "CREATE TABLE IF NOT EXISTS prompt_state (run_id TEXT NOT NULL, prompt_id TEXT NOT NULL, groups BIGINT NOT NULL, "
+    "streak BIGINT NOT NULL, newest_step BIGINT NOT NULL, newest_group TEXT NOT NULL, "
+    "newest_all_correct BIGINT NOT NULL, PRIMARY KEY (run_id, prompt_id))",
+    "CREATE TABLE IF NOT EXISTS prompt_state_runs (run_id TEXT PRIMARY KEY, tracked BIGINT NOT NULL, "
+    "sel_step BIGINT, sel_position BIGINT, explore_easy DOUBLE PRECISION, explore_hard DOUBLE PRECISION, "
+    "seq BIGINT NOT NULL)",
+)
+
 
 def visible(seq: int | None) -> tuple[str, list]:
     """The condition (on shards `s`) and arguments of "visible at snapshot `seq`" (None: live now)."""
@@ -386,6 +410,167 @@ class SqlCatalog(Catalog):
     def mark_collected(self, shard_ids: list[int]) -> None:
         with self._pin_transaction() as con:  # the files are gone whatever this records
             con.executemany("UPDATE checkpoint_index SET collected = 1 WHERE shard_id = ?", [(int(i),) for i in shard_ids])
+
+    # ---- the step index (STEP_INDEX_DDL) ------------------------------------------------
+    def index_steps(self, con, rows: list[tuple]) -> None:
+        """Inside the transaction `con` that adds the shards: their step index rows, each (shard_id,
+        table_name, run_id, step_min, step_max); then `steps_indexed_through` moves up to the newest
+        shard below which every shard of STEP_INDEXED tables has its rows (a shard committed by a
+        rollstore without the index, or before it, holds it back until gc deletes its row).
+        Portable SQL (SQLite and PostgreSQL catalogs)."""
+        for statement in STEP_INDEX_DDL:
+            con.execute(statement)
+        if rows:
+            con.executemany("INSERT INTO shard_steps (shard_id, table_name, run_id, step_min, step_max) "
+                            "VALUES (?, ?, ?, ?, ?)", rows)
+        through = self._steps_indexed_through(con)
+        marks = ", ".join("?" * len(STEP_INDEXED))
+        gap = con.execute(
+            f"SELECT min(s.shard_id) FROM shards s WHERE s.shard_id > ? AND s.table_name IN ({marks}) "
+            "AND NOT EXISTS (SELECT 1 FROM shard_steps x WHERE x.shard_id = s.shard_id)",
+            (through, *STEP_INDEXED)).fetchone()[0]
+        top = (con.execute("SELECT max(shard_id) FROM shards").fetchone()[0] or 0) if gap is None else int(gap) - 1
+        if top > through:
+            con.execute("INSERT INTO meta (key, value) VALUES ('steps_indexed_through', ?) "
+                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(top)),))
+
+    def _steps_indexed_through(self, con) -> int:
+        row = con.execute("SELECT value FROM meta WHERE key = 'steps_indexed_through'").fetchone()
+        return -1 if row is None else int(row[0])
+
+    def step_shard_ids(self, table: str, run_id: str, first: int | None, last: int | None,
+                       seq: int | None = None, con=None) -> set[int]:
+        """The ids of the shards of `table` (one of STEP_INDEXED) visible at snapshot `seq` (live when
+        None) that may hold a row of `run_id` with a step in [`first`, `last`] (None: unbounded): those
+        whose index rows say so, and every one without index rows (committed before the index, or by a
+        rollstore without it: read by every look-up until gc deletes its row). Index look-ups only
+        when every shard is indexed: the cost does not grow with the shards of other steps."""
+        con = con or self.con
+        where_visible, args = visible(seq)
+        if not self.has_table("shard_steps", con):
+            return {int(r[0]) for r in con.execute(
+                f"SELECT s.shard_id FROM shards s WHERE s.table_name = ? AND {where_visible}", (table, *args))}
+        sql = ("SELECT s.shard_id FROM shard_steps x JOIN shards s ON s.shard_id = x.shard_id "
+               f"WHERE x.table_name = ? AND x.run_id = ? AND {where_visible}")
+        where: list = [table, run_id, *args]
+        if first is not None:
+            sql += " AND x.step_max >= ?"
+            where.append(int(first))
+        if last is not None:
+            sql += " AND x.step_min <= ?"
+            where.append(int(last))
+        found = {int(r[0]) for r in con.execute(sql, where)}
+        found.update(int(r[0]) for r in con.execute(
+            f"SELECT s.shard_id FROM shards s WHERE s.shard_id > ? AND s.table_name = ? AND {where_visible} "
+            "AND NOT EXISTS (SELECT 1 FROM shard_steps x WHERE x.shard_id = s.shard_id)",
+            (self._steps_indexed_through(con), table, *args)))
+        return found
+
+    # ---- prompt state (PROMPT_STATE_DDL, storage.prompt_state) ----------------------------
+    def record_prompt_state(self, con, seq: int, new_ids: list[int], groups: dict, selections: dict) -> None:
+        """Inside the transaction `con` of commit `seq` that adds the shards `new_ids` (their step index
+        recorded first, `index_steps`): fold `groups` ({(run, prompt): storage.prompt_state.Groups}) and
+        `selections` ({run: Selected}) into the state of their runs. A run met for the first time is kept
+        only when no earlier shard holds a row of it; one whose rows come out of order stops being kept
+        (`storage.prompt_state` invariants). Portable SQL (SQLite and PostgreSQL catalogs)."""
+        from .prompt_state import merged
+
+        for statement in PROMPT_STATE_DDL:
+            con.execute(statement)
+        runs = sorted({run for run, _ in groups} | set(selections))
+        for run in runs:
+            row = con.execute("SELECT tracked, sel_step, sel_position, explore_easy, explore_hard FROM "
+                              "prompt_state_runs WHERE run_id = ?", (run,)).fetchone()
+            if row is None:
+                earlier = (self.step_shard_ids("rollouts", run, None, None, con=con)
+                           | self.step_shard_ids("prompt_selections", run, None, None, con=con)) - set(new_ids)
+                row = (0 if earlier else 1, None, None, None, None)
+                con.execute("INSERT INTO prompt_state_runs (run_id, tracked, seq) VALUES (?, ?, ?)",
+                            (run, row[0], int(seq)))
+            tracked, sel_step, sel_position, easy, hard = row
+            mine = {p: g for (r, p), g in groups.items() if r == run}
+            states: list[tuple] = []
+            if tracked and mine:
+                old = {}
+                names = sorted(mine)
+                for i in range(0, len(names), 500):
+                    chunk = names[i:i + 500]
+                    old.update({str(r[0]): tuple(r[1:]) for r in con.execute(
+                        "SELECT prompt_id, groups, streak, newest_step, newest_group, newest_all_correct "
+                        f"FROM prompt_state WHERE run_id = ? AND prompt_id IN ({', '.join('?' * len(chunk))})",
+                        (run, *chunk))})
+                for p in names:
+                    state = None if mine[p] is None else merged(old.get(p), mine[p])
+                    if state is None:
+                        tracked = 0
+                        break
+                    states.append((run, p, *state))
+            sel = selections.get(run, False)
+            if tracked and sel is not False:
+                if sel is None or (sel_step is not None and sel.first <= sel_step):
+                    tracked = 0
+                else:
+                    sel_step, easy, hard = sel.last, sel.easy, sel.hard
+                    sel_position = sel.position if sel_position is None else max(sel_position, sel.position)
+            if tracked and states:
+                con.executemany(
+                    "INSERT INTO prompt_state (run_id, prompt_id, groups, streak, newest_step, newest_group, "
+                    "newest_all_correct) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, prompt_id) DO UPDATE SET "
+                    "groups = excluded.groups, streak = excluded.streak, newest_step = excluded.newest_step, "
+                    "newest_group = excluded.newest_group, newest_all_correct = excluded.newest_all_correct", states)
+            if not tracked:
+                con.execute("DELETE FROM prompt_state WHERE run_id = ?", (run,))
+            con.execute("UPDATE prompt_state_runs SET tracked = ?, sel_step = ?, sel_position = ?, explore_easy = ?, "
+                        "explore_hard = ?, seq = ? WHERE run_id = ?",
+                        (int(tracked), sel_step, sel_position, easy, hard, int(seq), run))
+
+    def forget_prompt_state(self, con) -> None:
+        """Inside a transaction that retires or restores shards other than by compaction: no run's prompt
+        state is kept from here on (readers recompute from the shards). Portable SQL."""
+        if self.has_table("prompt_state_runs", con):
+            con.execute("UPDATE prompt_state_runs SET tracked = 0")
+            con.execute("DELETE FROM prompt_state")
+
+    def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> tuple[tuple, dict] | None:
+        """(the run's row: sel_step, sel_position, explore_easy, explore_hard, seq; {prompt_id: (groups,
+        streak, newest_step, newest_group, newest_all_correct)} of those of `prompt_ids` with a group)
+        when the run's state is kept, else None. Index look-ups only. Portable SQL."""
+        if not self.has_table("prompt_state_runs"):
+            return None
+        row = self.con.execute("SELECT tracked, sel_step, sel_position, explore_easy, explore_hard, seq FROM "
+                               "prompt_state_runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None or not row[0]:
+            return None
+        found: dict = {}
+        names = sorted(set(prompt_ids or ()))
+        for i in range(0, len(names), 500):
+            chunk = names[i:i + 500]
+            found.update({str(r[0]): tuple(r[1:]) for r in self.con.execute(
+                "SELECT prompt_id, groups, streak, newest_step, newest_group, newest_all_correct FROM prompt_state "
+                f"WHERE run_id = ? AND prompt_id IN ({', '.join('?' * len(chunk))})", (run_id, *chunk))})
+        again = self.con.execute("SELECT seq FROM prompt_state_runs WHERE run_id = ?", (run_id,)).fetchone()
+        if again is None or again[0] != row[5]:  # a commit landed between the reads: not one state
+            return None
+        return tuple(row[1:]), found
+
+    # ---- pins of readers of shards only (a DuckDB session), which keep no checkpoint's files ----
+    def pin_shards(self, seq: int, ttl: float = 3600.0) -> str:
+        """A pin of `seq` (as `pin`) that keeps the files of the shards visible at it, not the folders of
+        checkpoint versions pruned after it (`oldest_checkpoint_pin` leaves it out): what a reader that
+        never loads a model's weights holds (a DuckDB session kept between a loop's steps). Its id
+        starts with SHARDS_PIN. Portable SQL (SQLite and PostgreSQL catalogs)."""
+        pin_id = self.pin(seq, ttl)
+        with self._pin_transaction() as con:  # until this commits it is a full pin: stricter, never looser
+            con.execute("UPDATE pins SET pin_id = ? WHERE pin_id = ?", (SHARDS_PIN + pin_id, pin_id))
+        return SHARDS_PIN + pin_id
+
+    def oldest_checkpoint_pin(self) -> int | None:
+        """The oldest snapshot pinned by a reader that may load a checkpoint's files: `oldest_pinned_seq`
+        but the pins of `pin_shards`. Portable SQL, on the dialect's clock."""
+        clock, args = self.dialect.now()
+        row = self.con.execute(f"SELECT min(seq) FROM pins WHERE expires_at > {clock} AND pin_id NOT LIKE ?",
+                               (*args, SHARDS_PIN + "%")).fetchone()
+        return None if row[0] is None else int(row[0])
 
     def _claim_ids(self, con, shard_id: int, pairs: Iterable[tuple[str, str]], groups: Iterable[str]) -> None:
         """Insert the ids (one row each); a taken one raises `CatalogConflict` (from the connection)."""

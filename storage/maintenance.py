@@ -293,7 +293,8 @@ def collect_pruned(buf: Buffer, report: GcReport | None = None) -> GcReport:
     rows = man.pruned_uncollected()
     if not rows:
         return report
-    oldest_pin = man.oldest_pinned_seq()
+    # (a DuckDB session's pin keeps shards' files, never a checkpoint's: `Catalog.pin_shards`)
+    oldest_pin = man.oldest_checkpoint_pin()
     store = man.store
     done = []
     for shard_id, path, pruned_seq in rows:
@@ -451,7 +452,7 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str 
                 offsets = [0, *itertools.accumulate(s.rows for s in batch)][:-1]
                 buf.manifest.record_moves(con, seq, [(s.path, to_path, o) for s, o in zip(batch, offsets)])
 
-    buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire)
+    buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire, rewritten=True)
     return rows
 
 

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .catalog import Catalog, Shard
+from .catalog_sql import STEP_INDEXED
 from .errors import CatalogError, ManifestError, UnknownName, did_you_mean
 from .references import is_thin, locate, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
@@ -89,6 +90,33 @@ class Snapshot:
             "host": pa.array(cols[4], pa.string()),
         })
 
+    def _check_readable(self) -> None:
+        """Raise one line when gc collected shards retired after this snapshot since it was opened (an
+        unpinned snapshot kept open): the catalog no longer knows what it read, nor do its files exist."""
+        if self.seq < self._manifest.collected_seq():
+            raise ManifestError(f"{self.root}: snapshot {self.seq} is no longer readable: gc removed shards "
+                                f"retired after it (pin it while reading: `with buf.snapshot(pin=True)`)")
+
+    def hold(self):
+        """A pin of this snapshot owned by the caller, which outlives this object's own (`with`): for a
+        reader that keeps reading its files after it (a DuckDB session kept between a loop's steps,
+        `queries.session.Session`), so that `compact` and `gc` meanwhile remove none of them (it keeps
+        shards' files only, `Catalog.pin_shards`: no checkpoint's, which a session never loads). Returns
+        the function that releases it (a pin expires by itself after an hour; on a read-only manifest
+        nothing is held)."""
+        try:  # a pin of shards only: pruned checkpoints' folders go as if it were not there
+            pin = self._manifest.pin_shards(self.seq)
+        except CatalogError:
+            pin = None
+
+        def release() -> None:
+            if pin is not None:
+                try:
+                    self._manifest.unpin(pin)
+                except CatalogError:
+                    pass  # the pin expires by itself
+        return release
+
     def close(self) -> None:
         if self._pin is not None:
             try:
@@ -123,6 +151,42 @@ class Snapshot:
 
     def files(self, table: str) -> list[str]:
         return [os.path.join(self.root, s.path) for s in self._table(table)]
+
+    def step_files(self, table: str, run_id: str, first: int | None = None, last: int | None = None) -> list[str]:
+        """The files of `table` (`rollouts` or `prompt_selections`) that may hold a row of `run_id` with a
+        step in [`first`, `last`] (None: unbounded), by the catalog's step index
+        (`Catalog.step_shard_ids`), in commit order: what a query of one run's steps reads, however
+        many shards the history holds. A superset of the files that hold such rows, never a subset."""
+        if table not in STEP_INDEXED:
+            raise ValueError(f"no step index of table {table!r} (only {', '.join(STEP_INDEXED)})")
+        ids = self._manifest.step_shard_ids(table, run_id, first, last, self.seq)
+        self._check_readable()  # (after the look-up: a gc between the two cannot go unseen)
+        shards = [s for s in self._shards[table] if s.shard_id in ids]
+        if self._manifest.store is not None:  # only these into the host's cache
+            cache_shards(self.root, self._manifest, shards)
+        return [os.path.join(self.root, s.path) for s in shards]
+
+    def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> tuple[tuple, dict] | None:
+        """The run's prompt state as kept by the catalog (`Catalog.prompt_state`, `storage.prompt_state`)
+        when it is this snapshot's: None when the run's state is not kept, or a later commit than this
+        snapshot changed it (the caller reads the shards instead)."""
+        got = self._manifest.prompt_state(run_id, prompt_ids)
+        if got is None or got[0][4] > self.seq:
+            return None
+        return got
+
+    def newest_checkpoints(self, runs: list[str]) -> dict[str, int] | None:
+        """{run: the newest checkpoint version of this snapshot} of those of `runs` that have one, by
+        the catalog's checkpoint index (`Catalog.checkpoint_index`, one look-up a run); None when a
+        visible checkpoints shard has no index row (its version is only in its file: read the files)."""
+        out: dict[str, int] = {}
+        for run in runs:
+            rows, unindexed = self._manifest.checkpoint_index(self.seq, run_id=run, newest=True)
+            if unindexed:
+                return None
+            if rows:
+                out[run] = int(rows[0][1])
+        return out
 
     def rows(self, table: str) -> int:
         return sum(s.rows for s in self._table(table))
@@ -180,11 +244,17 @@ class Snapshot:
                 pl.from_arrow(ROLLOUTS.empty_table()).schema), extra_columns="ignore")
         return pl.scan_parquet(files, glob=False, hive_partitioning=False)
 
-    def check_present(self, tables: list[str] | None = None) -> None:
-        """Raise one line for the first shard whose file is missing or of the wrong size (cheap)."""
+    def check_present(self, tables: list[str] | None = None, since: "Snapshot | None" = None) -> None:
+        """Raise one line for the first shard whose file is missing or of the wrong size (cheap).
+        `since`: a snapshot of this buffer whose shards were checked already and are pinned by the caller
+        (a session's previous one): only the shards it does not have are checked."""
         folders: dict = {}  # each folder checked once for all tables
         for name in tables or list(TABLES):
-            check_present(self.root, self._table(name), folders)
+            shards = self._table(name)
+            if since is not None:
+                known = {s.shard_id for s in since._shards.get(name, ())}
+                shards = [s for s in shards if s.shard_id not in known]
+            check_present(self.root, shards, folders)
 
     def verify(self, tables: list[str] | None = None) -> "Snapshot":
         """Raise one line for the first shard whose file is not the manifest's (size and sha256);
@@ -223,6 +293,22 @@ class SnapshotFiles:
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None) -> None:
         _register_duckdb(con, self.files, tables, self.root, self.moves)
+
+    def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> None:
+        """None: a listing has no catalog to keep a run's prompt state (its reader reads the shards)."""
+        return None
+
+    def newest_checkpoints(self, runs: list[str]) -> None:
+        """None: a listing has no checkpoint index (its reader reads the checkpoint files)."""
+        return None
+
+    def step_files(self, table: str, run_id: str, first: int | None = None, last: int | None = None) -> list[str]:
+        """[]: a listing has no step index (its reader reads every file of the table)."""
+        return []
+
+    def hold(self):
+        """Nothing to hold: the process that made the listing pins it. Returns a no-op release."""
+        return lambda: None
 
 
 @functools.lru_cache(maxsize=65536)

@@ -298,6 +298,7 @@ def retire(manifest: Catalog, shards: list[Shard], kind: str, detail: dict | Non
     with manifest.transaction() as con:
         seq = manifest.new_commit(con, kind, {"shards": ids, "paths": [s.path for s in shards], **(detail or {})})
         manifest.retire_shards(con, seq, ids)
+        manifest.forget_prompt_state(con)  # rows leave the history (storage.prompt_state)
     return seq
 
 
@@ -444,6 +445,7 @@ def restore(root: str, manifest: Catalog) -> tuple[list[Shard], list[str]]:
                                 f"appended since the quarantine ({type(exc).__name__}); left quarantined")
                     continue
             manifest.unretire(con, shard.shard_id, seq)
+            manifest.forget_prompt_state(con)  # rows come back into the history (storage.prompt_state)
             restored.append(shard)
         if not restored:
             raise ShardError("; ".join(left))  # rolls the empty commit back

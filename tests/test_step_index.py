@@ -1,0 +1,134 @@
+"""The catalog's step index (issue 49): which shards hold run R's step S, by index, on SQLite and
+PostgreSQL; a loop's curation of one step reads only those shards, and decides exactly what a read of
+every shard decides (same curation id, same audit, same curated rows); compaction, shards without
+index rows (a buffer written before the index) and the newest checkpoint by the index."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rollstore.builtin.synthetic import rollouts_table
+from rollstore.curate import steps as curate_steps
+from rollstore.curate.params import load_recipe, step_where
+from rollstore.curate.run import curate
+from rollstore.storage.buffer import Buffer
+from rollstore.storage.maintenance import compact
+
+
+def _rollouts(run: str, step: int, version: int = 0, groups: int = 3) -> pa.Table:
+    return rollouts_table(n_groups=groups, group_size=4, mean_tokens=8, seed=1000 * len(run) + step, run_id=run,
+                          step=step, policy_version=version, n_prompts=groups)
+
+
+def _history(buf: Buffer, steps: int = 5) -> None:
+    for s in range(steps):
+        for run in ("run-a", "run-b"):
+            buf.append_rollouts(_rollouts(run, s), source=f"{run}-{s}")
+
+
+def _paths(buf: Buffer, table: str, run: str, first, last, seq=None) -> set[str]:
+    ids = buf.manifest.step_shard_ids(table, run, first, last, seq)
+    return {s.path for s in buf.manifest.shards(table, seq) if s.shard_id in ids}
+
+
+def _holding(buf: Buffer, run: str, step: int) -> set[str]:
+    """The rollouts shards that hold a row of (run, step), read from every file."""
+    out = set()
+    for s in buf.manifest.shards("rollouts"):
+        t = pq.read_table(f"{buf.root}/{s.path}", columns=["run_id", "step"]).to_pylist()
+        if any(r["run_id"] == run and r["step"] == step for r in t):
+            out.add(s.path)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_index_names_exactly_the_shards_of_a_step_on_both_catalogs(tmp_path, request, kind):
+    catalog = request.getfixturevalue("pg").fresh_dsn() if kind == "postgres" else None
+    with Buffer.init(str(tmp_path / "buf"), catalog=catalog) as buf:
+        _history(buf)
+        buf.append_rollouts(pa.concat_tables([_rollouts("run-a", 7), _rollouts("run-b", 9)]), source="mixed")
+        for run, step in (("run-a", 0), ("run-a", 4), ("run-b", 3), ("run-a", 7), ("run-b", 9)):
+            assert _paths(buf, "rollouts", run, step, step) == _holding(buf, run, step)
+        assert _paths(buf, "rollouts", "run-a", 8, 8) == set()
+        assert _paths(buf, "rollouts", "nobody", None, None) == set()
+        assert len(_paths(buf, "rollouts", "run-b", None, None)) == 6  # the run's shards, every step
+        seq = buf.manifest.latest_seq()
+        merged = compact(buf, "rollouts", target_bytes=1 << 40)
+        assert merged.new_shards == 1
+        for run, step in (("run-a", 0), ("run-b", 9)):
+            after = _paths(buf, "rollouts", run, step, step)
+            assert after == _holding(buf, run, step) and len(after) == 1  # the merged shard
+            assert _paths(buf, "rollouts", run, step, step, seq) == {  # an older snapshot: the old shards
+                s.path for s in buf.manifest.shards("rollouts", seq) if s.path in
+                {p for p in _paths(buf, "rollouts", run, step, step, seq)}}
+        assert buf.manifest.con.execute(
+            "SELECT value FROM meta WHERE key = 'steps_indexed_through'").fetchone() is not None
+
+
+def test_shards_without_index_rows_are_always_named(buffer_dir):
+    """A buffer written before the index: every shard of it is named by each look-up (a superset), until
+    its rows are gone; the shards committed after it are looked up by index."""
+    with Buffer.open(buffer_dir) as buf:
+        _history(buf, 3)
+        old = {s.path for s in buf.manifest.shards("rollouts")}
+        with buf.manifest.transaction() as con:  # as a rollstore without the index left it
+            con.execute("DROP TABLE shard_steps")
+            con.execute("DELETE FROM meta WHERE key = 'steps_indexed_through'")
+        assert _paths(buf, "rollouts", "run-a", 1, 1) == old
+        buf.append_rollouts(_rollouts("run-a", 3), source="new")
+        new = _paths(buf, "rollouts", "run-a", 3, 3)
+        assert old < new and len(new) == len(old) + 1
+        assert _paths(buf, "rollouts", "run-b", 3, 3) == old
+
+
+def test_a_steps_curation_reads_its_shards_only_and_decides_as_a_full_read(tmp_path, monkeypatch):
+    recipe = load_recipe("d3s")
+    results = {}
+    for how in ("index", "every shard"):
+        with Buffer.init(str(tmp_path / how)) as buf:
+            _history(buf, 6)
+            read = []
+            original = curate_steps.parquet
+
+            def spy(paths, *a, **k):
+                read.append(list(paths))
+                return original(paths, *a, **k)
+
+            monkeypatch.setattr("rollstore.curate.run.parquet", spy)
+            if how == "every shard":  # the reading of earlier versions: every rollouts shard
+                monkeypatch.setattr(curate_steps, "step_of_where", lambda where: None)
+            res = curate(buf, recipe, {"where": step_where("run-a", 4)})
+            monkeypatch.undo()
+            audit = buf.snapshot().arrow("selections").to_table().sort_by("rollout_id")
+            curated = buf.snapshot().arrow("curated").to_table().sort_by("rollout_id")
+            results[how] = (res.curation_id, audit.drop_columns(["curation_id"]), curated.drop_columns(
+                [c for c in ("curation_id", "created_at") if c in curated.column_names]), read)
+    (cid, audit, curated, read), (cid2, audit2, curated2, read2) = results["index"], results["every shard"]
+    assert cid == cid2
+    assert audit.equals(audit2) and audit.num_rows == 12
+    assert curated.equals(curated2) and curated.num_rows > 0
+    assert len(read[0]) == 1 and len(read2[0]) == 12  # the batch: the step's one shard, of 12
+
+
+def test_the_runs_newest_checkpoint_is_read_from_the_index(buffer_dir, monkeypatch):
+    import json
+
+    from learner_util import tiny_llama
+    from rollstore.learner.checkpoint import Publish, save_checkpoint
+
+    with Buffer.open(buffer_dir) as buf:
+        _history(buf, 2)
+        model = tiny_llama()
+        for v in (1, 2):
+            save_checkpoint(buf, model, publish=Publish(v, "run-a", [], parent_version=v - 1, step=v))
+        with buf.snapshot() as snap:
+            assert snap.newest_checkpoints(["run-a", "run-b"]) == {"run-a": 2}
+
+        def no_files(session):
+            raise AssertionError("a checkpoint file was read")
+
+        monkeypatch.setattr(curate_steps, "checkpoint_versions", no_files)
+        res = curate(buf, load_recipe("d3s"), {"where": step_where("run-a", 1)}, dry_run=True)
+        assert json.loads(res.record["params"])["current_version"] == 2

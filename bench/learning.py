@@ -104,8 +104,32 @@ def run_folder(job: dict) -> str:
     return os.path.join(job["out_root"], f"{job['split']}-{job['name']}-s{job['seed']}")
 
 
+def claim_run_folder(root: str):
+    """An exclusive lock on the run folder `root` (a file beside it: the folder itself may be removed
+    and made again), held until the returned file is closed or its process ends. A second process
+    that would run the same configuration in the same folder (a killed driver's pool worker still
+    running, a second invocation on the same --root) is refused in one line instead of removing the
+    folder under the first."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
+    fh = open(root + ".lock", "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise BenchError(f"{root}: another process is running this configuration (lock {root}.lock held)")
+    return fh
+
+
 def run_one(job: dict) -> dict:
-    """One loop run (in a worker process): its evaluation curve, consumption and wall time."""
+    """One loop run (in a worker process): its evaluation curve, consumption and wall time; the
+    run folder is locked for the run's whole time (`claim_run_folder`)."""
+    with claim_run_folder(run_folder(job)):
+        return _run_one(job)
+
+
+def _run_one(job: dict) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 

@@ -163,3 +163,34 @@ def test_best_points_of_a_grid_are_what_best_runs(tmp_path):
         "train": ["grpo", "grpo@2,lr=0.0002", "d3s@1,lr=0.0002"]}
     # to 97 % of the best grpo's final only grpo@2 gets: d3s has no best point there
     assert learning.best_specs(str(tmp_path), ["train"], 1e-4, "97") == {"train": ["grpo", "grpo@2,lr=0.0002"]}
+
+
+def test_a_run_folder_is_run_by_one_process_at_a_time(tmp_path):
+    """A second claim on a run folder (a killed driver's worker still running it) is refused in one
+    line; once the first holder lets go, it is granted."""
+    import multiprocessing
+
+    from bench.learning import BenchError, claim_run_folder
+
+    root = str(tmp_path / "runs" / "chains-d3s@4-s0")
+    first = claim_run_folder(root)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:  # another process, as a pool worker is
+        refused = pool.apply(_claim_message, (root,))
+    assert refused is not None and "another process is running this configuration" in refused
+    first.close()
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_claim_message, (root,)) is None
+    with pytest.raises(BenchError):  # (flock is per open file: a second open in this process is refused too)
+        with claim_run_folder(root):
+            claim_run_folder(root)
+
+
+def _claim_message(root: str):
+    from bench.learning import BenchError, claim_run_folder
+
+    try:
+        claim_run_folder(root).close()
+    except BenchError as exc:
+        return str(exc)
+    return None

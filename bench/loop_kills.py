@@ -74,7 +74,7 @@ def loop_config(root: str, recipe: str, iterations: int):
 def arm(point: str, nth: int) -> None:
     """SIGKILL this process right after the `nth` pass of `point`."""
     from rollstore.learner import consume
-    from rollstore.loop import run, step
+    from rollstore.loop import driver, step
     from rollstore.storage.manifest import Manifest
 
     seen = [0]
@@ -102,7 +102,7 @@ def arm(point: str, nth: int) -> None:
     elif point == "ack":
         die_after(Manifest, "ack_paths")  # inside the publish transaction of a leasing learner
     elif point == "synced":
-        real_train = run._Run.train
+        real_train = driver._Run.train
 
         def train_then_die(self, *a, **k):
             out = real_train(self, *a, **k)
@@ -111,7 +111,7 @@ def arm(point: str, nth: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
 
-        run._Run.train = train_then_die
+        driver._Run.train = train_then_die
     else:
         raise ValueError(point)
 
@@ -158,9 +158,9 @@ def _loop(root: str, recipe: str, iterations: int, point: str | None, nth: int, 
     from rollstore.loop.driver import run_loop
 
     if not fixed:
-        from rollstore.loop import run
+        from rollstore.loop import driver
 
-        run._Run.resumed_curation = lambda self, it: None  # the loop before issue 47: curate again
+        driver._Run.resumed_curation = lambda self, it: None  # the loop before issue 47: curate again
     if point is not None:
         arm(point, nth)
     return len(run_loop(loop_config(root, recipe, iterations))["iterations"])
@@ -305,15 +305,15 @@ def trial(recipe: str, point: str, nth: int, iterations: int, fixed: bool = True
 def warm() -> None:
     """Import and build once, before the forks: each trial's children start from here."""
     from rollstore.builtin.resolve import resolve_model
-    from rollstore.loop import run, step  # noqa: F401
+    from rollstore.loop import driver, step  # noqa: F401
     from rollstore.learner import consume, trainer  # noqa: F401
-    from rollstore.loop import trainer as loop_trainer  # noqa: F401
+    from rollstore.loop import learner_loop  # noqa: F401
     from rollstore.curate import run as curate_run  # noqa: F401
     import pyarrow
 
     resolve_model("builtin:tiny")
     pyarrow.array([0]).to_numpy()
-    run._prompt_pool("builtin:arith", 64, 0)
+    driver._prompt_pool("builtin:arith", 64, 0)
 
 
 def plan(trials: int, seed: int, recipes=RECIPES, points=POINTS + tuple(f"lease-{p}" for p in LEASE_POINTS)

@@ -151,7 +151,9 @@ def test_only_shards_with_a_selected_row_are_opened_and_entropies_read_once(step
     per_step = {name: bound for name, bound in rec.bound if bound}
     assert set(per_step) == {"curate_candidates"}
     assert all("read_parquet" not in sql for name, sql in rec.sql if name == "curate_materialise")
-    assert files == [shards] * 2  # the where's check, the candidates: every shard (the `where` may match any row)
+    # the candidates, the where's check: every shard (the `where` may match any row); then, as the buffer
+    # has no checkpoint for the version's default, the run's newest policy_version over every shard
+    assert files == [shards] * 3
     assert reads == [(shards[1], "entropies", n)] * 2, reads  # the token stage, then the materialisation
     assert not [name for name, sql in rec.sql if re.search(r"\bentropies\b", _code(sql)) and "read_parquet" in sql]
     token_lists = ("response_token_ids", "prompt_token_ids", "gen_logprobs", "entropies")

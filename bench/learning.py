@@ -122,6 +122,16 @@ def claim_run_folder(root: str):
     return fh
 
 
+def _one_line_refusals(results):
+    """The runs' results; a run refused by a `BenchError` (its folder locked by another process) ends
+    the bench with that one line on stderr and exit status 2, not a worker's traceback."""
+    try:
+        yield from results
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def run_one(job: dict) -> dict:
     """One loop run (in a worker process): its evaluation curve, consumption and wall time; the
     run folder is locked for the run's whole time (`claim_run_folder`)."""
@@ -763,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
-            for r in pool.map(run_one, jobs):
+            for r in _one_line_refusals(pool.map(run_one, jobs)):
                 last = r["curve"][-1]
                 positions = r.get("learner_positions")
                 print(f"{r['split']:7s} {r['name']:22s} seed {r['seed']}: pass@1 {r['curve'][0]['pass@1']:.3f} → "

@@ -194,3 +194,23 @@ def _claim_message(root: str):
     except BenchError as exc:
         return str(exc)
     return None
+
+
+def test_a_locked_run_folder_ends_the_bench_in_one_line(tmp_path, capsys):
+    """Through the real call path: a run whose folder another process holds ends `bench.learning` with
+    one `error:` line and exit status 2 (no worker traceback)."""
+    from bench.learning import claim_run_folder
+
+    root = tmp_path / "runs"
+    args = ["--quick", "--splits", "train", "--recipes", "grpo", "--seeds", "1", "--jobs", "1", "--no-record",
+            "--root", str(root), "--out", str(tmp_path / "out")]
+    held = claim_run_folder(str(root / "train-grpo-s0"))
+    try:
+        with pytest.raises(SystemExit) as stop:
+            learning.main(args)
+    finally:
+        held.close()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "another process is running this configuration" in err[-1]
+    assert "Traceback" not in "\n".join(err)

@@ -176,7 +176,7 @@ class History:
         self.session.close()
         self.buf.close()
 
-    def step(self, total: int) -> dict:
+    def step(self, total: int, main_path: bool = True) -> dict:
         from rollstore.curate.params import step_where
         from rollstore.curate.prompts import select, state
         from rollstore.curate.run import curate
@@ -203,8 +203,9 @@ class History:
             self.buf, self.recipe, {**self.sets, "where": step_where(RUN, s), "progress": f"{min(1.0, s / total):.6f}"},
             session=self.session))
         _, *out["learner bookkeeping"] = timed(lambda: new_bookkeeping(self.buf, self.version, cur.curation_id))
-        _, *out["learner bookkeeping, main's path"] = timed(
-            lambda: main_bookkeeping(self.buf, self.version, cur.curation_id))
+        if main_path:  # (only in the steps a point's medians take: main's path grows with the history)
+            _, *out["learner bookkeeping, main's path"] = timed(
+                lambda: main_bookkeeping(self.buf, self.version, cur.curation_id))
         shards = [sh for sh in self.buf.manifest.shards("curated") if sh.key == cur.curation_id]
         publish = Publish(self.version + 1, RUN, [consumed_entry(cur.curation_id, sh.path) for sh in shards],
                           parent_version=self.version, step=s + 1, metrics={"iteration": s},
@@ -297,7 +298,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
     try:
         for n in points:
             while h.steps < n:
-                recent = (recent + [h.step(total)])[-window:]
+                recent = (recent + [h.step(total, main_path=n - h.steps <= window)])[-window:]
             at = {"per step": medians(recent), "commands": commands(h, work)}
             _, *at["list checkpoints (index)"] = timed(lambda: list_checkpoints(h.buf))
             _, *at["list checkpoints (main's path)"] = timed(lambda: main_list(h.buf))

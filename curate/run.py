@@ -60,6 +60,7 @@ from .steps import (
     latest_step,
     parquet,
     run_version,
+    step_inputs,
     verifying_inputs,
 )
 
@@ -120,13 +121,16 @@ def curate(
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
     with buf.snapshot(snapshot_seq, pin=True) as snap, contextlib.ExitStack() as stack:
-        if session is not None:  # rebound before the inputs' hashing starts: its presence check of every
-            session.rebind(snap)  # shard runs alone (beside the hashing thread: 4 ms of a loop's curation, not 1)
-            verified = stack.enter_context(verifying_inputs(snap, dry_run))
+        inputs = step_inputs(snap, params)  # a loop's step: only the shards it reads (the catalog's indexes)
+        read = None if inputs is None else inputs.shards
+        if session is not None:  # rebound before the inputs' hashing starts: its presence check of the
+            session.rebind(snap)  # new shards runs alone (beside the hashing thread)
+            verified = stack.enter_context(verifying_inputs(snap, dry_run, read))
         else:  # a new session: the hashing runs beside its making (~70 ms)
-            verified = stack.enter_context(verifying_inputs(snap, dry_run))
+            verified = stack.enter_context(verifying_inputs(snap, dry_run, read))
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
-        files = batch_files(snap, params)  # a loop's step: only the shards holding it (the step index)
+        files = batch_files(snap, params) if inputs is None else inputs.files
+        audits = committed_audits(snap) if inputs is None else inputs.audit_files
         everything = parquet(files, located=True, numbered=True)
         latest = latest_step(session, everything) if params["where"] is None else None
         params = params.with_defaults(latest, None)
@@ -140,9 +144,10 @@ def curate(
             runner = Runner(session, dict(plan.values))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES),
-                 {"rollouts": everything, "selections": Audits(committed_audits(snap))}, results)
+                 {"rollouts": everything, "selections": Audits(audits)}, results)
+        finite = snap.finite_files if inputs is None else (lambda: snap.finite_files(inputs.batch))
         try:
-            return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, snap.finite_files)
+            return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, finite)
         finally:
             release(runner.decoded)  # a spilled token stage's file (`curate.entropies.spill`)
 

@@ -36,19 +36,20 @@ CURATION_INPUTS = ["rollouts", "selections", "curations", "checkpoints"]
 
 
 @contextlib.contextmanager
-def verifying_inputs(snap, dry_run: bool):
+def verifying_inputs(snap, dry_run: bool, shards=None):
     """The snapshot's curation inputs hashed against the manifest (sha256) on a background thread
     beside the run's queries or tasks (most selection steps leave a core idle): yields `done`, which
     returns once every input is hashed and raises the first mismatch; both engines call it before
     anything is written or committed. When the run fails, a mismatch is raised in its place (a
     corrupt file explains a failed query). A dry run commits nothing, so it hashes nothing (at 1 B
     tokens that is 10 GiB read once more) and keeps the size check every read makes: `done`
-    returns at once."""
+    returns at once. `shards`: the shards the run reads, when known (a loop's step,
+    `step_inputs`): only those are hashed, not every shard of CURATION_INPUTS."""
     if dry_run:
         yield lambda: None
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollstore-verify") as pool:
-        hashed = pool.submit(snap.verify, CURATION_INPUTS)
+        hashed = pool.submit(snap.verify, CURATION_INPUTS) if shards is None else pool.submit(snap.verify_shards, shards)
         try:
             yield hashed.result
         except BaseException:
@@ -134,8 +135,59 @@ def committed_audits(snap) -> tuple[str, ...]:
     """The audit shards of the snapshot's committed curations: those whose key (their curation id)
     is the key of a `curations` shard. Both are written in one commit; a curation whose record
     shard was retired (quarantined) does not count, as the spec's `curations` join says."""
-    committed = {s.key for s in snap.shards("curations")}
-    return tuple(os.path.join(snap.root, s.path) for s in snap.shards("selections") if s.key in committed)
+    return tuple(os.path.join(snap.root, s.path) for s in _committed_audit_shards(snap, None))
+
+
+def _committed_audit_shards(snap, since: int | None) -> list:
+    """`committed_audits`' shards; with `since`, only those committed after commit `since` (a record
+    and its audit share their commit, so both listings are index ranges)."""
+    if since is None:
+        curations, audits = snap.shards("curations"), snap.shards("selections")
+    else:
+        curations, audits = snap.shards_after("curations", since), snap.shards_after("selections", since)
+    committed = {s.key for s in curations}
+    return [s for s in audits if s.key in committed]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a loop's curation of one step reads, found by the catalog's indexes (`step_inputs`)."""
+
+    root: str
+    batch: list  # the rollouts shards holding the step's rows (`Snapshot.step_shards`)
+    audits: list  # the committed audit shards that may name one of their rows
+    checkpoints: list  # the checkpoint shards read for the default current_version: none when indexed
+
+    @property
+    def files(self) -> list[str]:
+        return [os.path.join(self.root, s.path) for s in self.batch]
+
+    @property
+    def audit_files(self) -> tuple[str, ...]:
+        return tuple(os.path.join(self.root, s.path) for s in self.audits)
+
+    @property
+    def shards(self) -> list:
+        return [*self.batch, *self.audits, *self.checkpoints]
+
+
+def step_inputs(snap, params) -> StepInputs | None:
+    """The inputs of a curation whose `where` is `step_where`'s (a loop's step), when the step index
+    names its shards; None otherwise (every shard of CURATION_INPUTS is an input, as before). A past
+    curation can have selected a row only if it committed after the row's shard was added: the audits
+    read are those committed after the oldest batch shard — all of them when a batch shard was written
+    by compaction (its rows are older than it). None of the indexes grows the work with the history."""
+    step = step_of_where(params["where"])
+    if step is None or isinstance(snap, SnapshotFiles):
+        return None
+    run, s = step
+    replay = params["replay"] != "none"
+    batch = snap.step_shards("rollouts", run, None if replay else s, None if replay else s)
+    if not batch:
+        return None
+    since = None if snap.written_by_compaction(batch) else min(b.added_seq for b in batch) - 1
+    checkpoints = snap.shards("checkpoints") if snap.newest_checkpoints([run]) is None else []
+    return StepInputs(snap.root, batch, _committed_audit_shards(snap, since), checkpoints)
 
 
 def bound_relations(step: Step, relations: dict, session: Session) -> dict | None:

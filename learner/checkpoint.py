@@ -162,21 +162,22 @@ def _unindexed_rows(buf: Buffer, missing: list[tuple[int, str]]) -> list[dict]:
     return rows
 
 
-def checkpoint_rows(buf: Buffer, run_id: str | None = None, version: int | None = None, newest: bool = False,
-                    con=None, exclude: Sequence[int] = ()) -> list[dict]:
-    """The live checkpoints rows (of `run_id`, of `version`; `newest`: the highest version alone), by
-    version, answered by the catalog's checkpoint index (`storage.catalog_sql.CHECKPOINT_DDL`): no
-    checkpoint file is read, but those of shards published before the index existed. `con`: inside
-    that transaction; `exclude`: shard ids left out (the commit in progress)."""
-    indexed, missing = buf.manifest.checkpoint_index(None, run_id, version, newest, con)
-    rows = [r for r in map(_from_index, indexed) if r["shard_id"] not in exclude]
+def checkpoint_rows(buf: Buffer, run_id: str | None = None, version: int | None = None, newest: int = 0,
+                    con=None, exclude: Sequence[int] = (), unpruned: bool = False) -> list[dict]:
+    """The live checkpoints rows (of `run_id`, of `version`; `newest` > 0: the highest `newest`
+    versions alone; `unpruned`: those whose files retention kept), by version, answered by the
+    catalog's checkpoint index (`storage.catalog_sql.CHECKPOINT_DDL`): no checkpoint file is read, but
+    those of shards published before the index existed. `con`: inside that transaction; `exclude`:
+    shard ids left out (the commit in progress)."""
+    n = int(newest) + len(exclude) if newest else 0  # (the excluded ones may be among the highest)
+    indexed, missing = buf.manifest.checkpoint_index(None, run_id, version, n, con, unpruned)
+    rows = sorted((r for r in map(_from_index, indexed) if r["shard_id"] not in exclude), key=lambda r: int(r["version"]))
     missing = [(i, p) for i, p in missing if i not in exclude]
     if missing:
         rows += [r for r in _unindexed_rows(buf, missing)
                  if (run_id is None or r["run_id"] == run_id) and (version is None or int(r["version"]) == version)]
         rows.sort(key=lambda r: int(r["version"]))
-        rows = rows[-1:] if newest else rows
-    return rows
+    return rows[-int(newest):] if newest else rows
 
 
 def list_checkpoints(buf: Buffer, run_id: str | None = None) -> list[Checkpoint]:

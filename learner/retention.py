@@ -85,7 +85,12 @@ def prune_in(buf: Buffer, con, seq: int, keep: int, replay_window: int = 0, run_
     """Inside the transaction `con` (commit `seq`): prune every version of `run_id` (each run when
     None) the module's rules do not keep; return the versions pruned now (see the invariants)."""
     man = buf.manifest
-    rows = checkpoint_rows(buf, run_id, con=con, exclude=exclude)
+    if run_id is None:
+        rows = checkpoint_rows(buf, None, con=con, exclude=exclude)
+    else:  # a run's newest (the kept and the replay window's), and the others whose files are still kept:
+        newest = checkpoint_rows(buf, run_id, newest=max(keep, replay_window + 1), con=con, exclude=exclude)
+        rows = list({int(r["version"]): r for r in newest + checkpoint_rows(  # not every version of a long run
+            buf, run_id, con=con, exclude=exclude, unpruned=True)}.values())
     if not rows:
         return []
     held = man.checkpoint_holds(con)

@@ -95,13 +95,9 @@ def parse_memory_limit(text: str) -> int:
     return value
 
 
-def _table_keys(snapshot: Snapshot) -> dict[str, tuple]:
-    """Per table, what its view is bound over: its files (`curated`: also the rollouts files and the
-    moves its references follow)."""
-    keys = {name: tuple(snapshot.files(name)) for name in TABLES}
-    moves = snapshot.moves() if callable(snapshot.moves) else snapshot.moves  # a Snapshot's, or a SnapshotFiles'
-    keys["curated"] += (keys["rollouts"], tuple(sorted(moves.items())))
-    return keys
+def _table_keys(snapshot) -> dict[str, tuple]:
+    """Per table, what its view is bound over (`Snapshot.table_keys`, `SnapshotFiles.table_keys`)."""
+    return snapshot.table_keys()
 
 
 # Tables and views.sql's objects (views and macros over the tables), by the words that name them.

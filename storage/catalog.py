@@ -100,8 +100,16 @@ class Catalog(ABC):
     def add_shards(self, con, seq: int, shards: list[NewShard]) -> list[int]:
         """Inside `con`: rows for `shards`; a path another writer committed first: FileExistsError."""
     @abstractmethod
-    def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]:
-        """Shards visible at snapshot `seq` (latest when None), in commit order."""
+    def shards(self, table: str | None = None, seq: int | None = None, after: int | None = None) -> list[Shard]:
+        """Shards visible at snapshot `seq` (latest when None), in commit order; with `after`, only
+        those added by a commit after it (an index range: what a reader of `after` has not seen)."""
+    @abstractmethod
+    def table_stamp(self, table: str, seq: int) -> tuple:
+        """A value that changes whenever `table`'s shards visible at snapshot `seq` do: two snapshots
+        with equal stamps list the same shards (index look-ups, not a listing)."""
+    @abstractmethod
+    def merge_targets(self, paths: list[str]) -> set[str]:
+        """Those of `paths` (rollouts shards) that compaction wrote rows of other shards into."""
     @abstractmethod
     def shards_by_id(self, ids: list[int], con=None) -> list[Shard]: ...
     @abstractmethod
@@ -200,7 +208,10 @@ class Catalog(ABC):
                     exclude: tuple = ()) -> list[tuple[str, int]]: ...
     @abstractmethod
     def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
-                         newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]: ...
+                         newest: int = 0, con=None, unpruned: bool = False
+                         ) -> tuple[list[tuple], list[tuple[int, str]]]:
+        """(index rows by version — `newest` > 0: the highest `newest` alone, newest first; `unpruned`:
+        only versions whose files retention kept —, visible checkpoints shards without an index row)."""
     @abstractmethod
     def unindexed_checkpoints(self, seq: int | None = None, con=None) -> list[tuple[int, str]]: ...
     @abstractmethod

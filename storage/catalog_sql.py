@@ -43,6 +43,7 @@ CHECKPOINT_DDL = (
     "consumed TEXT NOT NULL, metrics TEXT NOT NULL, pruned_seq BIGINT, tag TEXT, collected BIGINT)",
     "CREATE INDEX IF NOT EXISTS checkpoint_index_by_run ON checkpoint_index (run_id, version)",
     "CREATE INDEX IF NOT EXISTS checkpoint_index_by_version ON checkpoint_index (version)",
+    "CREATE INDEX IF NOT EXISTS checkpoint_index_kept ON checkpoint_index (run_id, pruned_seq)",
     "CREATE TABLE IF NOT EXISTS checkpoint_holds (holder TEXT PRIMARY KEY, version BIGINT NOT NULL, "
     "expires_at DOUBLE PRECISION NOT NULL)",
     # the consumed ledger, one row per (version, shard) (a PostgreSQL catalog has it from schema version 2;
@@ -68,6 +69,8 @@ STEP_INDEX_DDL = (
     "step_min BIGINT, step_max BIGINT)",
     "CREATE INDEX IF NOT EXISTS shard_steps_by_run ON shard_steps (table_name, run_id, step_max)",
     "CREATE INDEX IF NOT EXISTS shard_steps_by_shard ON shard_steps (shard_id)",
+    # (not the step index's, but made with it: `table_stamp`'s look-up of a table's newest retirement)
+    "CREATE INDEX IF NOT EXISTS shards_by_removal ON shards (table_name, removed_seq)",
 )
 # Each prompt's group history in a run and each run's newest prompt selection, kept as rows are committed
 # (`storage.prompt_state`; made by the first commit of rollouts or selections rows): pre-rollout prompt
@@ -109,15 +112,38 @@ class SqlCatalog(Catalog):
     def latest_seq(self) -> int:
         return int(self.con.execute("SELECT coalesce(max(seq), 0) FROM commits").fetchone()[0])
 
-    def shards(self, table: str | None = None, seq: int | None = None) -> list[Shard]:
-        """Shards visible at snapshot `seq` (latest when None), in commit order."""
+    def shards(self, table: str | None = None, seq: int | None = None, after: int | None = None) -> list[Shard]:
+        """Shards visible at snapshot `seq` (latest when None), in commit order; with `after`, only
+        those added after commit `after` (a range of the index on (table_name, added_seq))."""
         seq = self.latest_seq() if seq is None else seq
         sql = f"SELECT {SHARD_COLS} FROM shards WHERE added_seq <= ? AND (removed_seq IS NULL OR removed_seq > ?)"
         args: list = [seq, seq]
         if table is not None:
             sql += " AND table_name = ?"
             args.append(table)
+        if after is not None:
+            sql += " AND added_seq > ?"
+            args.append(int(after))
         return [Shard(*row) for row in self.con.execute(sql + " ORDER BY added_seq, shard_id", args)]
+
+    def table_stamp(self, table: str, seq: int) -> tuple:
+        """(newest add, newest retirement at or before `seq`, collected_seq): equal for two snapshots
+        only when no shard of `table` was added or retired between them. gc deletes only rows retired
+        at or before `collected_seq`, so while it is unchanged no retirement between the two can have
+        lost its row. Two index look-ups (`shards_by_table`, `shards_by_removal`)."""
+        row = self.con.execute(
+            "SELECT (SELECT max(added_seq) FROM shards WHERE table_name = ? AND added_seq <= ?), "
+            "(SELECT max(removed_seq) FROM shards WHERE table_name = ? AND removed_seq <= ?)",
+            (table, seq, table, seq)).fetchone()
+        return row[0], row[1], self.collected_seq()
+
+    def merge_targets(self, paths: list[str]) -> set[str]:
+        if not paths or not self.has_table("moved"):
+            return set()
+        found: set[str] = set()
+        for cond, args in self.dialect.in_list("to_path", list(paths)):
+            found.update(str(r[0]) for r in self.con.execute(f"SELECT DISTINCT to_path FROM moved WHERE {cond}", args))
+        return found
 
     def shards_by_id(self, ids: list[int], con=None) -> list[Shard]:
         rows = {}
@@ -328,11 +354,13 @@ class SqlCatalog(Catalog):
         return out
 
     def checkpoint_index(self, seq: int | None = None, run_id: str | None = None, version: int | None = None,
-                         newest: bool = False, con=None) -> tuple[list[tuple], list[tuple[int, str]]]:
+                         newest: int = 0, con=None, unpruned: bool = False
+                         ) -> tuple[list[tuple], list[tuple[int, str]]]:
         """(the index rows (CHECKPOINT_COLS) of the checkpoints visible at snapshot `seq` (latest when
-        None; inside `con` when given), of `run_id` / `version` when given, by version (`newest`: the
-        highest alone); the (shard_id, path) of visible `checkpoints` shards that have no index row,
-        whose rows only their files hold)."""
+        None; inside `con` when given), of `run_id` / `version` when given, by version (`newest` > 0:
+        the highest `newest` alone, highest first; `unpruned`: those whose files retention kept); the
+        (shard_id, path) of visible `checkpoints` shards that have no index row, whose rows only their
+        files hold)."""
         con = con or self.con
         cond, args = visible(seq)
         if not self.has_table("checkpoint_index", con):
@@ -346,7 +374,13 @@ class SqlCatalog(Catalog):
         if version is not None:
             sql += " AND c.version = ?"
             where.append(int(version))
-        sql += " ORDER BY c.version DESC LIMIT 1" if newest else " ORDER BY c.version"
+        if unpruned:
+            sql += " AND c.pruned_seq IS NULL"
+        if newest:
+            sql += " ORDER BY c.version DESC LIMIT ?"
+            where.append(int(newest))
+        else:
+            sql += " ORDER BY c.version"
         return con.execute(sql, where).fetchall(), self.unindexed_checkpoints(seq, con)
 
     def unindexed_checkpoints(self, seq: int | None = None, con=None) -> list[tuple[int, str]]:

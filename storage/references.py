@@ -175,6 +175,7 @@ def _rows_of(path: str, positions: np.ndarray, source: str, columns=RESOLVED_COL
 
 COLUMN_CACHE_BYTES = 64 * 2**20  # the decoded columns `column_at` keeps for a process's next read of the same rows
 _columns: "OrderedDict[tuple, tuple[np.ndarray, pa.Array]]" = OrderedDict()
+_columns_bytes = 0  # the sum of the cached columns' nbytes
 _columns_lock = threading.Lock()
 
 
@@ -201,10 +202,16 @@ def column_at(path: str, positions: np.ndarray, column: str, source: str) -> pa.
     col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     if 0 < col.nbytes <= COLUMN_CACHE_BYTES // 4:
         order = np.argsort(positions, kind="stable")
+        global _columns_bytes
         with _columns_lock:
+            if not _columns:
+                _columns_bytes = 0
+            if key in _columns:
+                _columns_bytes -= _columns.pop(key)[1].nbytes
             _columns[key] = (positions[order], col.take(pa.array(order)))
-            while sum(v.nbytes for _, v in _columns.values()) > COLUMN_CACHE_BYTES:
-                _columns.popitem(last=False)
+            _columns_bytes += _columns[key][1].nbytes
+            while _columns_bytes > COLUMN_CACHE_BYTES and len(_columns) > 1:  # (a running total: a long run's cache holds thousands)
+                _columns_bytes -= _columns.popitem(last=False)[1][1].nbytes
     return col
 
 

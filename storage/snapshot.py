@@ -70,7 +70,8 @@ class Snapshot:
                     f"{root}: snapshot {seq} is no longer readable: gc removed shards retired after it "
                     f"(snapshots >= {collected} are readable)"
                 )
-            self._shards = {name: manifest.shards(name, seq) for name in TABLES}
+            self._collected = collected
+            self._shards: dict[str, list[Shard]] = {}  # each table's shards, listed when first asked
         except BaseException:
             self.close()
             raise
@@ -134,17 +135,53 @@ class Snapshot:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _listed(self, table: str) -> list[Shard]:
+        """`table`'s shards, listed by the catalog the first time they are asked for (a loop's step
+        asks for few tables, and for those through the step index: no listing of the others)."""
+        if table not in TABLES:
+            raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
+                              f"(tables: {', '.join(TABLES)})")
+        got = self._shards.get(table)
+        if got is None:
+            got = self._manifest.shards(table, self.seq)
+            self._check_readable()  # (after the listing: a gc between the two cannot go unseen)
+            self._shards[table] = got
+        return got
+
     def _table(self, table: str) -> list[Shard]:
         """The shards of `table`; a name that is not a table is one `UnknownName` line. A buffer
         whose shards live in object storage has them in its host-local cache first (verified by
         sha256 as they download; curated shards bring the rollouts shards they refer to)."""
-        if table not in self._shards:
-            raise UnknownName(f"no table {table!r} in a rollstore buffer{did_you_mean(table, TABLES)} "
-                              f"(tables: {', '.join(TABLES)})")
+        shards = self._listed(table)
         if self._manifest.store is not None:  # (each time: `trim_cache` may have removed a copy)
             for name in (table, "rollouts") if table == "curated" else (table,):
-                cache_shards(self.root, self._manifest, self._shards[name])
-        return self._shards[table]
+                cache_shards(self.root, self._manifest, self._listed(name))
+        return shards
+
+    def shards_after(self, table: str, seq: int) -> list[Shard]:
+        """The shards of `table` this snapshot sees that commits after `seq` added, in commit order, by
+        the catalog's index (what a reader of snapshot `seq` has not seen), in the host's cache."""
+        if table not in TABLES:
+            raise UnknownName(f"no table {table!r} in a rollstore buffer")
+        if table in self._shards:
+            return [s for s in self._shards[table] if s.added_seq > seq]
+        shards = self._manifest.shards(table, self.seq, after=seq)
+        self._check_readable()
+        if self._manifest.store is not None:
+            cache_shards(self.root, self._manifest, shards)
+        return shards
+
+    def written_by_compaction(self, shards: list[Shard]) -> bool:
+        """Whether compaction wrote rows of other (older) shards into one of these rollouts shards."""
+        return bool(self._manifest.merge_targets([s.path for s in shards]))
+
+    def table_keys(self) -> dict[str, tuple]:
+        """Per table, a key that changes whenever the table's view over this snapshot would
+        (`Catalog.table_stamp`; `curated`'s also with the rollouts', whose rows it joins): a session
+        compares them to know which views a rebind must make again, without listing any shard."""
+        keys = {name: self._manifest.table_stamp(name, self.seq) for name in TABLES}
+        keys["curated"] += keys["rollouts"]
+        return keys
 
     def shards(self, table: str) -> list[Shard]:
         return list(self._table(table))
@@ -157,14 +194,18 @@ class Snapshot:
         step in [`first`, `last`] (None: unbounded), by the catalog's step index
         (`Catalog.step_shard_ids`), in commit order: what a query of one run's steps reads, however
         many shards the history holds. A superset of the files that hold such rows, never a subset."""
+        return [os.path.join(self.root, s.path) for s in self.step_shards(table, run_id, first, last)]
+
+    def step_shards(self, table: str, run_id: str, first: int | None = None, last: int | None = None) -> list[Shard]:
+        """The shards `step_files` names."""
         if table not in STEP_INDEXED:
             raise ValueError(f"no step index of table {table!r} (only {', '.join(STEP_INDEXED)})")
         ids = self._manifest.step_shard_ids(table, run_id, first, last, self.seq)
-        self._check_readable()  # (after the look-up: a gc between the two cannot go unseen)
-        shards = [s for s in self._shards[table] if s.shard_id in ids]
+        shards = sorted(self._manifest.shards_by_id(sorted(ids)), key=lambda s: (s.added_seq, s.shard_id))
+        self._check_readable()  # (after the look-ups: a gc between them cannot go unseen)
         if self._manifest.store is not None:  # only these into the host's cache
             cache_shards(self.root, self._manifest, shards)
-        return [os.path.join(self.root, s.path) for s in shards]
+        return shards
 
     def prompt_state(self, run_id: str, prompt_ids: list[str] | None = None) -> tuple[tuple, dict] | None:
         """The run's prompt state as kept by the catalog (`Catalog.prompt_state`, `storage.prompt_state`)
@@ -203,11 +244,12 @@ class Snapshot:
             return ds.dataset(pa.Table.from_batches([], schema=TABLES[table]))
         return ds.dataset(files, schema=TABLES[table], format="parquet")
 
-    def finite_files(self) -> frozenset[str]:
+    def finite_files(self, shards: list[Shard] | None = None) -> frozenset[str]:
         """The rollouts files (absolute paths, as `files`) whose content was checked finite when it
         was committed (`Manifest.finite_checked`, by sha256): a caller that verifies a file's sha256
-        before it commits anything from it need not decode its floats to look for NaN again."""
-        shards = self._shards["rollouts"]
+        before it commits anything from it need not decode its floats to look for NaN again. Of
+        `shards` (those a caller reads) when given, else of every rollouts shard."""
+        shards = self._listed("rollouts") if shards is None else shards
         checked = self._manifest.finite_checked(sorted({s.sha256 for s in shards}))
         return frozenset(os.path.join(self.root, s.path) for s in shards if s.sha256 in checked)
 
@@ -215,7 +257,7 @@ class Snapshot:
         """{retired rollouts shard path: (the shard of this snapshot its rows are in, the offset of
         its row 0 there)} for every shard compaction retired whose rows are in this snapshot."""
         if self._moves is None:
-            live = {s.path for s in self._shards["rollouts"]}
+            live = {s.path for s in self._listed("rollouts")}
             moved = self._manifest.moves()
             found = {rel: locate(rel, self.root, live, moved) for rel in moved if rel not in live}
             self._moves = {rel: at for rel, at in found.items() if at is not None}
@@ -223,7 +265,7 @@ class Snapshot:
 
     def curated(self) -> pa.Table:
         """Every curated row of this snapshot, resolved (schema `CURATED`), in manifest order."""
-        live = [s.path for s in self._shards["rollouts"]]
+        live = [s.path for s in self._listed("rollouts")]
         moves = self.moves()
         tables = [read_curated_file(f, self.root, live, moves) for f in self.files("curated")]
         return pa.concat_tables(tables) if tables else CURATED.empty_table()
@@ -250,11 +292,16 @@ class Snapshot:
         (a session's previous one): only the shards it does not have are checked."""
         folders: dict = {}  # each folder checked once for all tables
         for name in tables or list(TABLES):
-            shards = self._table(name)
-            if since is not None:
-                known = {s.shard_id for s in since._shards.get(name, ())}
-                shards = [s for s in shards if s.shard_id not in known]
+            if since is not None and since.seq <= self.seq:  # what `since` sees, this one sees only if added
+                shards = self.shards_after(name, since.seq)  # at or before its seq: the rest, by the index
+            else:
+                shards = self._table(name)
             check_present(self.root, shards, folders)
+
+    def verify_shards(self, shards: list[Shard]) -> "Snapshot":
+        """`verify` of these shards only (those a caller reads, from this snapshot's listings)."""
+        verify_shards(self.root, shards, {})
+        return self
 
     def verify(self, tables: list[str] | None = None) -> "Snapshot":
         """Raise one line for the first shard whose file is not the manifest's (size and sha256);
@@ -270,7 +317,8 @@ class Snapshot:
         that every file is there with its recorded size (unless the caller just did: `checked`)."""
         if not checked:
             self.check_present(tables)
-        _register_duckdb(con, self.files, tables, self.root, self.moves())
+        curated = tables is None or "curated" in tables  # (the only view that follows moved rows)
+        _register_duckdb(con, self.files, tables, self.root, self.moves() if curated else None)
 
     def frozen(self) -> "SnapshotFiles":
         """This snapshot's file lists as a plain, picklable value (for processes that must not open
@@ -309,6 +357,13 @@ class SnapshotFiles:
     def hold(self):
         """Nothing to hold: the process that made the listing pins it. Returns a no-op release."""
         return lambda: None
+
+    def table_keys(self) -> dict[str, tuple]:
+        """As `Snapshot.table_keys`: here, each table's files (`curated`: with the rollouts files and the
+        moves its references follow)."""
+        keys = {name: tuple(self.listing[name]) for name in TABLES}
+        keys["curated"] += (keys["rollouts"], tuple(sorted(self.moves.items())))
+        return keys
 
 
 @functools.lru_cache(maxsize=65536)

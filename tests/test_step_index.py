@@ -6,12 +6,13 @@ index rows (a buffer written before the index) and the newest checkpoint by the 
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from rollstore.builtin.synthetic import rollouts_table
 from rollstore.curate import steps as curate_steps
-from rollstore.curate.params import load_recipe, step_where
+from rollstore.curate.params import load_recipe, resolve, step_where
 from rollstore.curate.run import curate
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.maintenance import compact
@@ -132,3 +133,43 @@ def test_the_runs_newest_checkpoint_is_read_from_the_index(buffer_dir, monkeypat
         monkeypatch.setattr(curate_steps, "checkpoint_versions", no_files)
         res = curate(buf, load_recipe("d3s"), {"where": step_where("run-a", 1)}, dry_run=True)
         assert json.loads(res.record["params"])["current_version"] == 2
+
+
+def _uses_history(buf: Buffer, recipe) -> None:
+    """Two runs of 4 steps as a loop writes them, every step curated twice after its append (its rows'
+    `uses` count the first)."""
+    for s in range(4):
+        for run in ("run-a", "run-b"):
+            buf.append_rollouts(_rollouts(run, s), source=f"{run}-{s}")
+        for progress in ("0.2", "0.6"):
+            curate(buf, recipe, {"where": step_where("run-a", s), "progress": progress})
+
+
+def test_a_steps_audits_are_read_by_index_and_count_uses_as_a_full_read(tmp_path, monkeypatch):
+    """The uses step of a loop's curation reads only the audits committed after its batch's shards
+    were added (`steps.step_inputs`), and every audit when a batch shard is compaction's (its rows are
+    older than it): the audit rows (uses included) equal those of a read of every shard, both ways."""
+    recipe = load_recipe("d3s")
+    out = {}
+    for how in ("index", "every shard"):
+        with Buffer.init(str(tmp_path / how)) as buf:
+            _uses_history(buf, recipe)
+            with buf.snapshot() as snap:
+                inputs = curate_steps.step_inputs(snap, resolve(recipe, {"where": step_where("run-a", 3)}))
+                every = curate_steps.committed_audits(snap)
+            assert len(inputs.batch) == 1 and 0 < len(inputs.audits) < len(every)
+            rows = []
+            for compacted in (False, True):
+                if compacted:
+                    compact(buf, "rollouts", target_bytes=1 << 40)
+                if how == "every shard":
+                    monkeypatch.setattr(curate_steps, "step_of_where", lambda where: None)
+                res = curate(buf, recipe, {"where": step_where("run-a", 3), "progress": "0.9" if compacted else "0.8"})
+                monkeypatch.undo()
+                audit = buf.snapshot().arrow("selections").to_table()
+                audit = audit.filter(pc.equal(audit.column("curation_id"), res.curation_id))
+                rows.append(audit.drop_columns(["curation_id"]).sort_by("rollout_id"))
+            out[how] = rows
+    for mine, full in zip(out["index"], out["every shard"]):
+        assert mine.equals(full) and mine.num_rows == 12
+        assert max(mine.column("uses").to_pylist()) >= 2  # the earlier curations of the step counted

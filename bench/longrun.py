@@ -10,7 +10,13 @@ publishes one checkpoint of a tiny Llama (`save_checkpoint`, real safetensors, K
 of these is timed (CPU and wall seconds, median of the `--window` steps before each point), all in
 this one process; the learner's bookkeeping is also timed along main 37bb4b9's path (copied below:
 every checkpoint row read from its file through a 4,096-entry cache, four listings a step), side by
-side on the same buffer.
+side on the same buffer, in the steps whose medians a point reports (it grows with the history).
+Greso examines more prompts a step as its synthetic prompts' zero-variance streaks grow (each one a
+`prompt_selections` row the append writes): the count is reported, and both costs per prompt examined.
+
+At each point the loop's peak resident set over its steps since the last point is reported (the
+commands' apart), and a resumed process's first step: the buffer and the session opened afresh,
+every per-process cache emptied, one step — against the median warm step.
 
 At each point of `--at` the user commands run in this process through the CLI (`report`, `audit`,
 `info`, `curate --dry-run`, a full `verify`, then one more step and `verify --incremental`).
@@ -47,6 +53,8 @@ GROUP_SIZE = 8
 POOL = 4096  # prompts in the pool greso examines (the loop's default pool is 2,048)
 Prompt = namedtuple("Prompt", "prompt_id prompt")
 MAIN_LIST = "list (main's path)"
+EXAMINED = "prompts greso examined (count)"  # one prompt_selections row each, appended with the step
+MAIN_KEYS = ("learner bookkeeping, main's path", EXAMINED)  # not part of this code's step time
 
 
 def timed(fn):
@@ -176,6 +184,17 @@ class History:
         self.session.close()
         self.buf.close()
 
+    def resume(self) -> None:
+        """As a resumed process would start: the buffer and the session opened afresh and every cache
+        this process keeps between steps emptied (file hashes, footers, checkpoint rows, columns)."""
+        from rollstore.queries.session import Session
+        from rollstore.storage.buffer import Buffer
+
+        self.close()
+        _clear_process_caches()
+        self.buf = Buffer.open(self.root)
+        self.session = Session(self.buf.snapshot(), threads=1)
+
     def step(self, total: int, main_path: bool = True) -> dict:
         from rollstore.curate.params import step_where
         from rollstore.curate.prompts import select, state
@@ -197,8 +216,10 @@ class History:
         sel, *out["greso selection"] = timed(selection)
         self.position = sel.next_position
         table = _rollouts(s, self.version, [p.prompt_id for p in sel.chosen], self.mean_tokens)
+        selections = sel.table()
         _, *out["append"] = timed(lambda: self.buf.append_rollouts(table, source=f"longrun-{s}",
-                                                                   also={"prompt_selections": sel.table()}))
+                                                                   also={"prompt_selections": selections}))
+        out[EXAMINED] = (selections.num_rows, selections.num_rows)  # (a count: the work greso and append scale with)
         cur, *out["curation of the newest step"] = timed(lambda: curate(
             self.buf, self.recipe, {**self.sets, "where": step_where(RUN, s), "progress": f"{min(1.0, s / total):.6f}"},
             session=self.session))
@@ -214,6 +235,26 @@ class History:
         self.version += 1
         self.steps += 1
         return out
+
+
+def _clear_process_caches() -> None:
+    """Empty what a rollstore process keeps between a loop's steps: every lru_cache of its modules and
+    the module-level caches of file hashes, decoded columns, moves and checkpoint rows."""
+    import sys
+
+    from rollstore.curate import steps
+    from rollstore.storage import references, verify
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("rollstore") or name.split(".")[0] in ("storage", "curate", "queries", "learner"):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+    verify._verified.clear()
+    references._columns.clear()
+    references._moves_seen.clear()
+    steps._CHECKPOINT_RUNS.clear()
+    _main_rows_of_file.cache_clear()
 
 
 def _tiny_model():
@@ -297,9 +338,16 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
     started = time.perf_counter()
     try:
         for n in points:
+            common.reset_peak_rss()  # the loop's own peak over the steps since the last point (no command)
             while h.steps < n:
                 recent = (recent + [h.step(total, main_path=n - h.steps <= window)])[-window:]
+            loop_rss = common.peak_rss_mib()
             at = {"per step": medians(recent), "commands": commands(h, work)}
+            warm = statistics.median(sum(c for k, (c, _w) in r.items() if k not in MAIN_KEYS) for r in recent)
+            _, resume_cpu, _ = timed(h.resume)
+            first = h.step(total, main_path=False)
+            at["resumed process's first step"] = (resume_cpu + sum(c for c, _w in first.values()), warm)
+            at["loop peak RSS MiB"] = loop_rss
             _, *at["list checkpoints (index)"] = timed(lambda: list_checkpoints(h.buf))
             _, *at["list checkpoints (main's path)"] = timed(lambda: main_list(h.buf))
             rollouts = h.buf.manifest.con.execute(
@@ -368,14 +416,20 @@ def report(results: dict, args, command: str) -> str:
     first = ns[0]
     keys = list(pts[first]["per step"])
     rows = []
-    for k in keys:
+    post_steps = results["after compact"]["per step"]
+
+    def per_examined(step: dict) -> dict:  # greso's and append's cost per prompt examined (ms; CPU / wall)
+        n = max(1.0, step[EXAMINED][0])
+        return {f"{k} per prompt examined (ms)": (1e3 * step[k][0] / n, 1e3 * step[k][1] / n)
+                for k in ("greso selection", "append")}
+
+    for k in keys + list(per_examined(pts[first]["per step"])):
         cells = [k]
-        for n in ns:
-            c, w = pts[n]["per step"][k]
-            cells.append(f"{c:.4f} / {w:.4f}")
-        post = results["after compact"]["per step"][k]
-        cells.append(f"{post[0]:.4f} / {post[1]:.4f}")
-        cells.append(f"{pts[ns[-1]]['per step'][k][0] / max(1e-9, pts[first]['per step'][k][0]):.2f}×")
+        values = [pts[n]["per step"][k] if k in keys else per_examined(pts[n]["per step"])[k] for n in ns]
+        post = post_steps[k] if k in keys else per_examined(post_steps)[k]
+        fmt = "{:.0f}" if k == EXAMINED else "{:.4f} / {:.4f}"
+        cells += [fmt.format(*v) for v in values] + [fmt.format(*post)]
+        cells.append(f"{values[-1][0] / max(1e-9, values[0][0]):.2f}×")
         rows.append(cells)
     head = ["per step (CPU s / wall s, median)"] + [f"{n:,} steps" for n in ns] + [f"{ns[-1]:,}, compacted",
                                                                                  f"CPU {ns[-1]:,} ÷ {first}"]
@@ -391,10 +445,16 @@ def report(results: dict, args, command: str) -> str:
     post = results["after compact"]
     prow = [[k, f"{v[0]:.2f} / {v[1]:.2f}"] for k, v in post.items() if isinstance(v, list) and len(v) == 2]
     t3 = common.md_table(["maintenance after the last point (CPU s / wall s)", "seconds"], prow)
+    def resumed(n) -> str:
+        first, warm = pts[n]["resumed process's first step"]
+        return f"{first:.3f} / {warm:.3f} = {first / max(1e-9, warm):.2f}×"
+
     drow = [[f"{n:,}", pts[n]["rollouts"], pts[n]["checkpoint folders"], f"{pts[n]['manifest bytes per rollout']:.0f}",
-             f"{pts[n]['peak_rss_mib']:.0f}", f"{pts[n]['elapsed_s']:.0f}"] for n in ns]
+             f"{pts[n]['loop peak RSS MiB']:.0f}", f"{pts[n]['peak_rss_mib']:.0f}", resumed(n),
+             f"{pts[n]['elapsed_s']:.0f}"] for n in ns]
     t4 = common.md_table(["steps", "rollouts", "checkpoint folders on disk", "manifest bytes / rollout",
-                          "peak RSS MiB (process)", "elapsed s"], drow)
+                          "loop's peak RSS MiB (its steps since the last point)", "peak RSS MiB (with the commands)",
+                          "resumed process's first step ÷ a warm step (CPU s)", "elapsed s"], drow)
     extra = [f"{results['rows_per_step']} rows a step ({args.groups} greso-selected prompts × {GROUP_SIZE}), mean "
              f"{args.mean_tokens} response tokens; K = {args.keep}; medians of the {args.window} steps before each point; "
              f"{post['shards merged']} shards merged, {post['shards retired']} retired by gc"]

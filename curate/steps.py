@@ -42,10 +42,14 @@ def verifying_inputs(snap, dry_run: bool, shards=None):
     returns once every input is hashed and raises the first mismatch; both engines call it before
     anything is written or committed. When the run fails, a mismatch is raised in its place (a
     corrupt file explains a failed query). A dry run commits nothing, so it hashes nothing (at 1 B
-    tokens that is 10 GiB read once more) and keeps the size check every read makes: `done`
-    returns at once. `shards`: the shards the run reads, when known (a loop's step,
+    tokens that is 10 GiB read once more) and checks each input's size: `done` returns at
+    once. `shards`: the shards the run reads, when known (a loop's step,
     `step_inputs`): only those are hashed, not every shard of CURATION_INPUTS."""
-    if dry_run:
+    if dry_run:  # each input's place and size (one lstat each), before a query reads it
+        if shards is None:
+            snap.check_present(CURATION_INPUTS)
+        else:
+            snap.check_shards(shards)
         yield lambda: None
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollstore-verify") as pool:

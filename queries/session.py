@@ -49,7 +49,7 @@ from rollstore.storage.buffer import SUBDIRS
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.maintenance import spill_prefix
 from rollstore.storage.schema import TABLES
-from rollstore.storage.snapshot import MOVED_TABLE, Snapshot, sql_string
+from rollstore.storage.snapshot import MOVED_TABLE, Snapshot, register_empty, sql_string
 
 from . import load_sql
 
@@ -163,7 +163,15 @@ class Session:
         self._bound: dict[str, tuple] = {}  # each table's view: what it was bound over (`_table_keys`)
         self._own: set[str] = set()  # what the table views (their tables: MOVED_TABLE) and views.sql make
         self._stale: set[str] = set()  # tables whose views a `rebind` left to make (`bind`)
-        if snapshot is not None:
+        self._unchecked: set[str] = set()  # tables whose shards' presence no one checked yet (`bind` does)
+        self._placeholders: set[str] = set()  # tables standing in for views not made yet (empty, same columns)
+        if isinstance(snapshot, Snapshot):  # the views are made when a statement first names them (`bind`):
+            register_empty(self._con, self.root)  # a resumed loop's first step lists no shard
+            self._stale = self._unchecked = self._placeholders = set(TABLES)
+            self._con.execute(load_sql("views"))
+            self._bound = _table_keys(snapshot)
+            self._own = {n for c, n, _ in self._objects() if c != "temp"} | set(TABLES) | {MOVED_TABLE}
+        elif snapshot is not None:  # a listing (a Dask worker's): its files are at hand
             snapshot.register_duckdb(self._con)
             self._con.execute(load_sql("views"))
             self._bound = _table_keys(snapshot)
@@ -220,7 +228,8 @@ class Session:
             self._con.execute("\n".join(drops))
         self.snapshot = snapshot
         self._bound = keys
-        self._stale |= set(changed)  # made when a statement first names them (`bind`)
+        self._stale = self._stale | set(changed)  # made when a statement first names them (`bind`)
+        self._placeholders = self._placeholders - set(changed)  # (dropped above with the changed views)
         return self
 
     def bind(self, tables=None) -> None:
@@ -230,8 +239,17 @@ class Session:
         3-4 ms to make at 20 iterations)."""
         wanted = self._stale if tables is None else self._stale.intersection(tables)
         if wanted:
-            self.snapshot.register_duckdb(self._con, [t for t in TABLES if t in wanted], checked=True)
-            self._stale -= wanted
+            names = [t for t in TABLES if t in wanted]
+            unchecked = [t for t in names if t in self._unchecked]
+            if unchecked:  # (a new session's first use of them: every shard's presence, once)
+                self.snapshot.check_present(unchecked)
+            placeholders = [t for t in names if t in self._placeholders]
+            if placeholders:
+                self._con.execute("\n".join(f'DROP TABLE IF EXISTS main."{t}";' for t in placeholders))
+            self.snapshot.register_duckdb(self._con, names, checked=True)
+            self._stale = self._stale - wanted
+            self._unchecked = self._unchecked - wanted
+            self._placeholders = self._placeholders - wanted
 
     def bind_named(self, text: str) -> None:
         """`bind` the tables that `text` (SQL) names, directly or through views.sql's objects."""

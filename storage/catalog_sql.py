@@ -71,6 +71,8 @@ STEP_INDEX_DDL = (
     "CREATE INDEX IF NOT EXISTS shard_steps_by_shard ON shard_steps (shard_id)",
     # (not the step index's, but made with it: `table_stamp`'s look-up of a table's newest retirement)
     "CREATE INDEX IF NOT EXISTS shards_by_removal ON shards (table_name, removed_seq)",
+    # (and `live_keyed`'s look-up of one curation's shards; a PostgreSQL catalog has it from its creation)
+    "CREATE INDEX IF NOT EXISTS shards_by_key ON shards (table_name, key)",
 )
 # Each prompt's group history in a run and each run's newest prompt selection, kept as rows are committed
 # (`storage.prompt_state`; made by the first commit of rollouts or selections rows): pre-rollout prompt

@@ -298,6 +298,10 @@ class Snapshot:
                 shards = self._table(name)
             check_present(self.root, shards, folders)
 
+    def check_shards(self, shards: list[Shard]) -> None:
+        """`check_present` of these shards only (those a caller reads, from this snapshot's listings)."""
+        check_present(self.root, shards, {})
+
     def verify_shards(self, shards: list[Shard]) -> "Snapshot":
         """`verify` of these shards only (those a caller reads, from this snapshot's listings)."""
         verify_shards(self.root, shards, {})
@@ -482,6 +486,11 @@ def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[st
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
             con.unregister(f"_empty_{name}")
+
+
+def register_empty(con: "duckdb.DuckDBPyConnection", root: str) -> None:
+    """Each table as an empty table of its columns (what a session's views stand on until it makes them)."""
+    _register_duckdb(con, lambda name: [], None, root)
 
 
 MOVED_TABLE = "_rollstore_moved"  # `Snapshot.moves` as a table of the connection (moved, shard, row_offset)

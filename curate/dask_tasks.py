@@ -53,7 +53,7 @@ class TaskContext:
     write_threads: int  # the client's READ_THREADS: row groups as the embedded engine would cut them
     timeout: float | None  # seconds each task that evaluates the user's `where` may run (None, 0: none)
     hooks: dict = field(default_factory=dict)  # tests: {task kind: seconds to sleep first, or "fail"}
-    audits: tuple = ()  # the committed curations' audit shards (`steps.committed_audits`): the uses step's input
+    audits: Audits = Audits(())  # the committed curations' audit shards (`steps.committed_audits`): the uses step's input
 
     def shard(self, i: int) -> str:
         return self.files.listing["rollouts"][i]
@@ -144,7 +144,7 @@ def map_shard(ctx: TaskContext, i: int) -> list[dict[str, pa.Table]]:
     snapshot, as in the embedded engine."""
     _start(ctx, "map")
     inputs = {"rollouts": parquet([ctx.shard(i)], located=True, numbered=True), "rows": parquet([ctx.shard(i)]),
-              "selections": Audits(ctx.audits)}
+              "selections": ctx.audits}
     with _session(ctx, whole=True) as s, s.deadline(ctx.timeout):
         runner = Runner(s, dict(ctx.values))
         names: dict[str, None] = {}  # the tables the steps wrote, each unloaded once, after the last step

@@ -51,7 +51,6 @@ from .params import CurationError, ParamError, Recipe, resolve
 from .plan import GLOBAL, SELECTION_PHASES, Plan, Step, build
 from .entropies import release
 from .steps import (
-    Audits,
     Runner,
     batch_files,
     bound_relations,
@@ -130,7 +129,7 @@ def curate(
             verified = stack.enter_context(verifying_inputs(snap, dry_run, read))
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
         files = batch_files(snap, params) if inputs is None else inputs.files
-        audits = committed_audits(snap) if inputs is None else inputs.audit_files
+        audits = committed_audits(snap) if inputs is None else inputs.uses_audits
         everything = parquet(files, located=True, numbered=True)
         latest = latest_step(session, everything) if params["where"] is None else None
         params = params.with_defaults(latest, None)
@@ -144,7 +143,7 @@ def curate(
             runner = Runner(session, dict(plan.values))
             results: dict = {}
             _run(runner, plan, ("candidates", *SELECTION_PHASES),
-                 {"rollouts": everything, "selections": Audits(audits)}, results)
+                 {"rollouts": everything, "selections": audits}, results)
         finite = snap.finite_files if inputs is None else (lambda: snap.finite_files(inputs.batch))
         try:
             return _output(buf, snap.seq, files, runner, plan, results, commit, dry_run, verified, finite)

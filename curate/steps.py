@@ -113,9 +113,11 @@ class Audits:
     of the snapshot's committed curations (`committed_audits`), narrowed in each session to those
     whose rollout_id range (footer statistics, `storage.snapshot.string_range`) meets the range of
     the session's `work`. A loop's batch is rows no past curation saw: no shard is left, and the
-    step is skipped instead of reading an audit per past curation."""
+    step is skipped instead of reading an audit per past curation. `excluded`: curations whose rows
+    a compacted audit shard holds but that do not count (their record is not in the snapshot)."""
 
     paths: tuple[str, ...]
+    excluded: tuple[str, ...] = ()
 
     def relation(self, session: Session) -> str | None:
         """The relation over the shards left, or None when none is."""
@@ -128,29 +130,46 @@ class Audits:
         if not files:
             return None
         listing = ", ".join(sql_string(p) for p in files)
-        return f"read_parquet([{listing}], hive_partitioning = false{union_option(files)})"
+        relation = f"read_parquet([{listing}], hive_partitioning = false{union_option(files)})"
+        if self.excluded:
+            left = ", ".join(sql_string(c) for c in self.excluded)
+            relation = f"(SELECT * FROM {relation} WHERE curation_id NOT IN ({left}))"
+        return relation
 
 
 def _meets(span: tuple[str, str] | None, low: str, high: str) -> bool:
     return span is None or (span[0] <= high and low <= span[1])
 
 
-def committed_audits(snap) -> tuple[str, ...]:
+def committed_audits(snap) -> Audits:
     """The audit shards of the snapshot's committed curations: those whose key (their curation id)
     is the key of a `curations` shard. Both are written in one commit; a curation whose record
-    shard was retired (quarantined) does not count, as the spec's `curations` join says."""
-    return tuple(os.path.join(snap.root, s.path) for s in _committed_audit_shards(snap, None))
+    shard was retired (quarantined) does not count, as the spec's `curations` join says. A shard
+    that compaction merged from several curations' audits (`storage.maintenance.compact`) counts for
+    those of its curations that are committed (`Audits.excluded`: the others)."""
+    shards, excluded = _committed_audit_shards(snap, None)
+    return Audits(tuple(os.path.join(snap.root, s.path) for s in shards), excluded)
 
 
-def _committed_audit_shards(snap, since: int | None) -> list:
-    """`committed_audits`' shards; with `since`, only those committed after commit `since` (a record
-    and its audit share their commit, so both listings are index ranges)."""
+def _committed_audit_shards(snap, since: int | None) -> tuple[list, tuple[str, ...]]:
+    """`committed_audits`' shards and excluded curations; with `since`, only the shards committed after
+    commit `since` (a record and its audit share their commit, so both listings are index ranges; a
+    merged shard's curations are looked up among every record, which happens once after a compaction)."""
     if since is None:
         curations, audits = snap.shards("curations"), snap.shards("selections")
     else:
         curations, audits = snap.shards_after("curations", since), snap.shards_after("selections", since)
     committed = {s.key for s in curations}
-    return [s for s in audits if s.key in committed]
+    merged = snap.shard_keys([s.shard_id for s in audits if s.key is None])
+    if since is not None and any(k not in committed for keys in merged.values() for k in keys):
+        committed = {s.key for s in snap.shards("curations")}
+    out, excluded = [], set()
+    for s in audits:
+        keys = merged.get(s.shard_id, [s.key])
+        if any(k in committed for k in keys):
+            out.append(s)
+            excluded.update(k for k in keys if k not in committed)
+    return out, tuple(sorted(excluded))
 
 
 @dataclass(frozen=True)
@@ -166,9 +185,11 @@ class StepInputs:
     def files(self) -> list[str]:
         return [os.path.join(self.root, s.path) for s in self.batch]
 
+    excluded: tuple = ()  # curations of a merged audit shard that do not count (`committed_audits`)
+
     @property
-    def audit_files(self) -> tuple[str, ...]:
-        return tuple(os.path.join(self.root, s.path) for s in self.audits)
+    def uses_audits(self) -> Audits:
+        return Audits(tuple(os.path.join(self.root, s.path) for s in self.audits), self.excluded)
 
     @property
     def shards(self) -> list:
@@ -191,7 +212,8 @@ def step_inputs(snap, params) -> StepInputs | None:
         return None
     since = None if snap.written_by_compaction(batch) else min(b.added_seq for b in batch) - 1
     checkpoints = snap.shards("checkpoints") if snap.newest_checkpoints([run]) is None else []
-    return StepInputs(snap.root, batch, _committed_audit_shards(snap, since), checkpoints)
+    audits, excluded = _committed_audit_shards(snap, since)
+    return StepInputs(snap.root, batch, audits, checkpoints, excluded)
 
 
 def bound_relations(step: Step, relations: dict, session: Session) -> dict | None:

@@ -108,6 +108,12 @@ class Catalog(ABC):
         """A value that changes whenever `table`'s shards visible at snapshot `seq` do: two snapshots
         with equal stamps list the same shards (index look-ups, not a listing)."""
     @abstractmethod
+    def record_shard_keys(self, con, rows: list[tuple[int, str]]) -> None:
+        """Inside `con`: (shard_id, key) of each key a shard merged from several keys holds."""
+    @abstractmethod
+    def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
+        """{shard_id: its keys} of those of `ids` merged from several keys (their own `key` is null)."""
+    @abstractmethod
     def merge_targets(self, paths: list[str]) -> set[str]:
         """Those of `paths` (rollouts shards) that compaction wrote rows of other shards into."""
     @abstractmethod

@@ -74,6 +74,12 @@ STEP_INDEX_DDL = (
     # (and `live_keyed`'s look-up of one curation's shards; a PostgreSQL catalog has it from its creation)
     "CREATE INDEX IF NOT EXISTS shards_by_key ON shards (table_name, key)",
 )
+# The keys (curation ids) of a shard that compaction merged from shards of several keys (audit shards):
+# the merged shard's own `key` is null, its rows name their curation; made by the first such merge.
+SHARD_KEYS_DDL = (
+    "CREATE TABLE IF NOT EXISTS shard_keys (shard_id BIGINT NOT NULL, key TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS shard_keys_by_shard ON shard_keys (shard_id)",
+)
 # Each prompt's group history in a run and each run's newest prompt selection, kept as rows are committed
 # (`storage.prompt_state`; made by the first commit of rollouts or selections rows): pre-rollout prompt
 # selection reads them instead of the run's history.
@@ -298,12 +304,31 @@ class SqlCatalog(Catalog):
             "SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()]
 
     def forget_retired(self, con, ids: list[int], removed_seq: int) -> None:
+        keyed = self.has_table("shard_keys", con)
         for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
             con.execute(f"DELETE FROM shards WHERE {cond}", args)
+            if keyed:
+                con.execute(f"DELETE FROM shard_keys WHERE {cond}", args)
         d = self.dialect
         con.execute("INSERT INTO meta (key, value) VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
                     f"SET value = CAST({d.greatest}(CAST(meta.value AS {d.integer}), "
                     f"CAST(excluded.value AS {d.integer})) AS TEXT)", (str(int(removed_seq)),))
+
+    def record_shard_keys(self, con, rows: list[tuple[int, str]]) -> None:
+        """Inside the transaction `con` that adds merged shards: (shard_id, key) of each key they hold."""
+        for statement in SHARD_KEYS_DDL:
+            con.execute(statement)
+        con.executemany("INSERT INTO shard_keys (shard_id, key) VALUES (?, ?)", rows)
+
+    def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
+        """{shard_id: the keys it holds} of those of `ids` that compaction merged from several keys."""
+        out: dict[int, list[str]] = {}
+        if not ids or not self.has_table("shard_keys"):
+            return out
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
+            for i, k in self.con.execute(f"SELECT shard_id, key FROM shard_keys WHERE {cond} ORDER BY key", args):
+                out.setdefault(int(i), []).append(str(k))
+        return out
 
     def verified_ids(self) -> set[int]:
         if not self.has_table("verified"):

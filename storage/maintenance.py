@@ -382,10 +382,22 @@ def compact(
     man.require_writable()  # a write command: refused up front, also when nothing is left to merge
     leased = man.leased_ids()
     shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
+    keys: list[list[str]] | None = None
+    if table == "selections":  # audits: runs of committed curations' shards, merged across curations
+        batches, keys = _audit_batches(man, shards, target_bytes)
+    else:  # a merged shard keeps its key and folder (e.g. a curation's)
+        batches = _runs(shards, target_bytes, lambda s: (s.key, os.path.dirname(s.path)))
+    report = CompactReport()
+    if not batches:
+        return report
+    report.rows = _rewrite(buf, table, batches, f"compact:{table}", keys=keys)
+    report.merged_shards = sum(len(b) for b in batches)
+    report.new_shards = len(batches)
+    return report
 
-    def home(s) -> tuple:  # a merged shard keeps its key and folder (e.g. a curation's)
-        return s.key, os.path.dirname(s.path)
 
+def _runs(shards: list, target_bytes: int, home) -> list[list]:
+    """Runs of consecutive shards with the same `home`, each up to ~target_bytes; runs of one left out."""
     batches, current, size = [], [], 0
     for s in shards:
         if current and home(s) != home(current[0]):
@@ -396,16 +408,27 @@ def compact(
         if size >= target_bytes:
             batches.append(current)
             current, size = [], 0
-    if len(current) > 1:
-        batches.append(current)
-    report = CompactReport()
-    batches = [b for b in batches if len(b) > 1]
-    if not batches:
-        return report
-    report.rows = _rewrite(buf, table, batches, f"compact:{table}")
-    report.merged_shards = sum(len(b) for b in batches)
-    report.new_shards = len(batches)
-    return report
+    batches.append(current)
+    return [b for b in batches if len(b) > 1]
+
+
+def _audit_batches(man, shards: list, target_bytes: int) -> tuple[list[list], list[list[str]]]:
+    """Runs of consecutive (commit order: a loop's steps in order) audit shards that may merge, and the
+    curation ids each run holds. A shard may merge when every curation it holds is committed (its
+    record live) and it was added at or before every live pin: a curation in flight looks for the
+    audits committed after its snapshot by their key (`Catalog.committed_since`), so none of those is
+    merged under it. Rows are never rewritten: each keeps its `curation_id`."""
+    committed = {s.key for s in man.shards("curations")}
+    pinned = man.oldest_pinned_seq()
+    merged = man.shard_keys([s.shard_id for s in shards if s.key is None])
+    keys_of = {s.shard_id: merged.get(s.shard_id, [] if s.key is None else [s.key]) for s in shards}
+
+    def home(s) -> bool:
+        keys = keys_of[s.shard_id]
+        return bool(keys) and all(k in committed for k in keys) and (pinned is None or s.added_seq <= pinned)
+
+    batches = [b for b in _runs(shards, target_bytes, home) if home(b[0])]
+    return batches, [sorted({k for s in b for k in keys_of[s.shard_id]}) for b in batches]
 
 
 def _read_shard(root: str, shard) -> pa.Table:
@@ -415,12 +438,14 @@ def _read_shard(root: str, shard) -> pa.Table:
     return table.drop_columns([RESPONSE_LENGTH]) if RESPONSE_LENGTH in table.column_names else table
 
 
-def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str = "compaction") -> int:
+def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str = "compaction",
+             keys: list[list[str]] | None = None) -> int:
     """Replace each batch of shards by one new shard holding their rows in order, in ONE manifest
     commit that retires the old shards, moves their rollout and group ids and (rollouts) records
     where each old shard's rows now are (`moved`); returns the rows written. The old shards are
     verified first; the commit refuses when one changed or was leased. Until the commit, the old
-    files are the live ones."""
+    files are the live ones. `keys`: each batch's keys (audits of several curations), recorded for
+    its merged shard (`Catalog.record_shard_keys`), whose own key is null, under `audit/merged/`."""
     store = buf.manifest.store
     if store is not None:  # shards in object storage: into this host's cache first, verified
         for sh in (sh for b in batches for sh in b):
@@ -429,17 +454,22 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str 
     parts = []
     rows = 0
     for batch in batches:
-        merged = pa.concat_tables(_read_shard(buf.root, s) for s in batch)
+        merged = pa.concat_tables((_read_shard(buf.root, s) for s in batch), promote_options="default")
         subdir = os.path.relpath(os.path.dirname(batch[0].path), TABLE_DIRS[table])
         # one shard rewritten alone (a migration) keeps its footer's notes (e.g. an import's lossy conversions)
         notes = {k.decode(): v.decode() for k, v in (merged.schema.metadata or {}).items()
                  if k != b"ARROW:schema"} if len(batch) == 1 else None
-        parts.append(Part(table, merged, key=batch[0].key, subdir=None if subdir == "." else subdir,
-                          metadata=notes or None))
+        if keys is not None:
+            parts.append(Part(table, merged, key=None, subdir="merged"))
+        else:
+            parts.append(Part(table, merged, key=batch[0].key, subdir=None if subdir == "." else subdir,
+                              metadata=notes or None))
         rows += merged.num_rows
     old = [s for b in batches for s in b]
 
     def retire(con, seq: int, new_ids: list[int]) -> None:
+        if keys is not None:
+            buf.manifest.record_shard_keys(con, [(i, k) for i, ks in zip(new_ids, keys) for k in ks])
         for batch, new_id in zip(batches, new_ids):
             ids = [s.shard_id for s in batch]
             if buf.manifest.retire_shards(con, seq, ids, release_ids=False) != len(ids):

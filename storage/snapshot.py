@@ -171,6 +171,11 @@ class Snapshot:
             cache_shards(self.root, self._manifest, shards)
         return shards
 
+    def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
+        """{shard_id: its keys} of those of `ids` that compaction merged from several keys (audit shards
+        of several curations; `Catalog.shard_keys`)."""
+        return self._manifest.shard_keys(ids)
+
     def written_by_compaction(self, shards: list[Shard]) -> bool:
         """Whether compaction wrote rows of other (older) shards into one of these rollouts shards."""
         return bool(self._manifest.merge_targets([s.path for s in shards]))

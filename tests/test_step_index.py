@@ -156,7 +156,7 @@ def test_a_steps_audits_are_read_by_index_and_count_uses_as_a_full_read(tmp_path
             _uses_history(buf, recipe)
             with buf.snapshot() as snap:
                 inputs = curate_steps.step_inputs(snap, resolve(recipe, {"where": step_where("run-a", 3)}))
-                every = curate_steps.committed_audits(snap)
+                every = curate_steps.committed_audits(snap).paths
             assert len(inputs.batch) == 1 and 0 < len(inputs.audits) < len(every)
             rows = []
             for compacted in (False, True):

@@ -161,7 +161,7 @@ def main_scan_references(root, man) -> list[str]:
 class History:
     """One synthetic run in `root`: `step()` does one loop step and returns its timings."""
 
-    def __init__(self, root: str, groups: int, keep: int, mean_tokens: int):
+    def __init__(self, root: str, groups: int, keep: int, mean_tokens: int, existing: bool = False):
         import torch
 
         from rollstore.curate.params import load_recipe, resolve
@@ -170,7 +170,7 @@ class History:
         from rollstore.storage.buffer import Buffer
 
         torch.set_num_threads(1)
-        self.buf = Buffer.init(root)
+        self.buf = Buffer.open(root) if existing else Buffer.init(root)
         self.root, self.groups, self.keep, self.mean_tokens = root, groups, keep, mean_tokens
         self.recipe = load_recipe("d3s")
         self.sets = {"prompt_skip": "greso"}
@@ -179,6 +179,10 @@ class History:
         self.session = Session(self.buf.snapshot(), threads=1)
         self.model = _tiny_model()
         self.version, self.steps, self.position = 0, 0, 0
+        if existing:  # a history this bench built (`--reopen`): one checkpoint a step, from version 0
+            from rollstore.learner.checkpoint import latest_checkpoint
+
+            self.version = self.steps = latest_checkpoint(self.buf, RUN).version
 
     def close(self) -> None:
         self.session.close()
@@ -346,7 +350,8 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
             warm = statistics.median(sum(c for k, (c, _w) in r.items() if k not in MAIN_KEYS) for r in recent)
             _, resume_cpu, _ = timed(h.resume)
             first = h.step(total, main_path=False)
-            at["resumed process's first step"] = (resume_cpu + sum(c for c, _w in first.values()), warm)
+            at["resumed process's first step"] = (
+                resume_cpu + sum(c for k, (c, _w) in first.items() if k not in MAIN_KEYS), warm)
             at["loop peak RSS MiB"] = loop_rss
             _, *at["list checkpoints (index)"] = timed(lambda: list_checkpoints(h.buf))
             _, *at["list checkpoints (main's path)"] = timed(lambda: main_list(h.buf))
@@ -358,31 +363,72 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
             at["manifest bytes per rollout"] = at["manifest bytes"] / max(1, at["rollouts"])
             results["points"][n] = at
             print(json.dumps({"steps": n, "elapsed_s": round(at["elapsed_s"], 1)}), flush=True)
-        # compaction, gc (this code vs main's loop on a copy), verify's references (this code vs main's)
-        post: dict = {}
-        (r1, r2), *post["compact (rollouts + selections)"] = timed(
-            lambda: (compact(h.buf, "rollouts"), compact(h.buf, "selections")))
-        post["shards merged"] = r1.merged_shards + r2.merged_shards
-        h.session.rebind(h.buf.snapshot())  # as the loop's next curation does: its pin moves past the compaction
-        copy = os.path.join(work, "copy")
-        shutil.copytree(root, copy)
-        from rollstore.storage.buffer import Buffer
-
-        with Buffer.open(copy) as old:
-            n_old, *post["gc retirement, main's loop (one transaction a shard)"] = timed(lambda: main_gc_retired(old))
-        shutil.rmtree(copy)
-        rep, *post["gc --grace 0 (this code)"] = timed(lambda: gc(h.buf, 0))
-        post["shards retired"] = rep.retired_removed
-        _, *post["verify references (this code)"] = timed(lambda: scan_references(root, h.buf.manifest))
-        _, *post["verify references (main's path)"] = timed(lambda: main_scan_references(root, h.buf.manifest))
-        recent = [h.step(total) for _ in range(after)]
-        post["per step"] = medians(recent[1:] if len(recent) > 2 else recent)
-        post["commands"] = commands(h, work)
-        post.update(disk(root), peak_rss_mib=common.peak_rss_mib())
-        results["after compact"] = post
+        results["after compact"] = after_compaction(h, work, total, after)
     finally:
         h.close()
     return results
+
+
+def after_compaction(h: "History", work: str, total: int, after: int) -> dict:
+    """Compaction of rollouts, prompt selections' and audits' shards, gc (this code vs main's loop on a
+    copy), verify's references (this code vs main's), then `after` more steps and the commands."""
+    from bench import common
+    from rollstore.storage.buffer import Buffer
+    from rollstore.storage.maintenance import compact, gc
+    from rollstore.storage.verify import scan_references
+
+    root = h.root
+    post: dict = {}
+    reports, *post["compact (rollouts + selections + audits)"] = timed(
+        lambda: [compact(h.buf, t) for t in ("rollouts", "prompt_selections", "selections")])
+    post["shards merged"] = sum(r.merged_shards for r in reports)
+    h.session.rebind(h.buf.snapshot())  # as the loop's next curation does: its pin moves past the compaction
+    copy = os.path.join(work, "copy")
+    shutil.copytree(root, copy)
+    with Buffer.open(copy) as old:
+        _n_old, *post["gc retirement, main's loop (one transaction a shard)"] = timed(lambda: main_gc_retired(old))
+    shutil.rmtree(copy)
+    rep, *post["gc --grace 0 (this code)"] = timed(lambda: gc(h.buf, 0))
+    post["shards retired"] = rep.retired_removed
+    _, *post["verify references (this code)"] = timed(lambda: scan_references(root, h.buf.manifest))
+    _, *post["verify references (main's path)"] = timed(lambda: main_scan_references(root, h.buf.manifest))
+    recent = [h.step(total) for _ in range(after)]
+    post["per step"] = medians(recent[1:] if len(recent) > 2 else recent)
+    post["commands"] = commands(h, work)
+    post.update(disk(root), peak_rss_mib=common.peak_rss_mib())
+    return post
+
+
+def reopen(work: str, groups: int, keep: int, mean_tokens: int, after: int) -> dict:
+    """The commands, then compaction and the steps and commands after it, on a history an earlier run
+    of this bench left in `work` (`--work`): a later code's commands on the same buffer."""
+    from bench import common
+
+    common.warm_libraries()
+    h = History(os.path.join(work, "buf"), groups, keep, mean_tokens, existing=True)
+    try:
+        out = {"steps": h.steps, "commands": commands(h, work)}
+        out["after compact"] = after_compaction(h, work, 10 ** 9, after)
+    finally:
+        h.close()
+    return out
+
+
+def reopen_report(out: dict, command: str) -> str:
+    from bench import common
+
+    post = out["after compact"]
+    rows = [[k, "{:.2f} / {:.2f}".format(*out["commands"][k]), "{:.2f} / {:.2f}".format(*post["commands"][k])]
+            for k in out["commands"]]
+    t1 = common.md_table(["command (CPU s / wall s)", f"{out['steps']:,} steps", "compacted"], rows)
+    rows = [[k, "{:.2f} / {:.2f}".format(*v)] for k, v in post.items() if isinstance(v, list) and len(v) == 2]
+    t2 = common.md_table(["maintenance (CPU s / wall s)", "seconds"], rows)
+    rows = [[k, "{:.4f} / {:.4f}".format(*v)] for k, v in post["per step"].items()]
+    t3 = common.md_table(["per step after compaction (CPU s / wall s, median)", "seconds"], rows)
+    extra = [f"{post['shards merged']} shards merged, {post['shards retired']} retired by gc"]
+    return (common.header("A long run's buffer reopened: commands and compaction (bench/longrun.py --reopen)",
+                          command, extra, libs=("duckdb", "pyarrow", "torch"))
+            + "\n\n" + t1 + "\n\n" + t2 + "\n\n" + t3 + "\n")
 
 
 def cliff(n: int, counts: list[int], work: str) -> dict:
@@ -494,6 +540,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5, help="steps whose median each point reports")
     ap.add_argument("--after", type=int, default=5, help="steps after compaction")
     ap.add_argument("--cliff", type=int, default=0, help="instead: publish this many checkpoints and list them")
+    ap.add_argument("--reopen", action="store_true", help="instead: the commands and compaction on the history "
+                    "an earlier run left in --work")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--work", help="the working folder (default: a temporary one, removed)")
     a = ap.parse_args()
@@ -501,6 +549,12 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     command = common.command_line()
     try:
+        if a.reopen:
+            if not a.work:
+                raise SystemExit("--reopen needs --work, the folder of an earlier run")
+            out = reopen(work, a.groups, a.keep, a.mean_tokens, a.after)
+            common.publish(reopen_report(out, command), record=not a.no_record)
+            return
         if a.cliff:
             counts = sorted({c for c in (1000, 2000, 4000, 4096, 4200, a.cliff) if c <= a.cliff})
             common.publish(cliff_report(cliff(a.cliff, counts, work), command), record=not a.no_record)

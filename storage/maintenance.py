@@ -63,7 +63,7 @@ DATA_DIRS = ("rollouts", "curated", "audit", "meta")  # where committed shards (
 DEFAULT_GRACE_S = 3600.0
 GC_LOCK_WAIT_S = 30.0  # how long gc waits for writers to let it scan the data folders
 COMPACT_TARGET_BYTES = 128 * 1024 * 1024
-COMPACTABLE = ("rollouts", "selections")
+COMPACTABLE = ("rollouts", "prompt_selections", "selections")
 
 
 @dataclass

@@ -91,6 +91,7 @@ def _run_history(buf: Buffer, steps) -> None:
                 ordered = False
             elif extra == "compact":
                 compact(buf, "rollouts")
+                compact(buf, "prompt_selections")
             elif extra == "quarantine" and s > 1:
                 from rollstore.storage.verify import retire
 

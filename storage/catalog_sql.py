@@ -416,13 +416,20 @@ class SqlCatalog(Catalog):
         con = con or self.con
         cond, args = visible(seq)
         sql = f"SELECT s.shard_id, s.path FROM shards s WHERE s.table_name = 'checkpoints' AND {cond}"
-        if self.has_table("checkpoint_index", con):
-            sql += " AND NOT EXISTS (SELECT 1 FROM checkpoint_index c WHERE c.shard_id = s.shard_id)"
-            through = con.execute("SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()
-            if through is not None and seq is None:  # every live one up to it is indexed: look past it only
-                sql += " AND s.shard_id > ?"
-                args = [*args, int(through[0])]
-        return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
+        if not self.has_table("checkpoint_index", con):
+            return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
+        sql += " AND NOT EXISTS (SELECT 1 FROM checkpoint_index c WHERE c.shard_id = s.shard_id)"
+        through = con.execute("SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()
+        if through is None:
+            return [(int(i), str(p)) for i, p in con.execute(sql + " ORDER BY s.shard_id", args)]
+        # Every shard up to `through` that was live when it was set is indexed: an unindexed one up to it
+        # was retired before, so a snapshot sees it only if it is retired after the snapshot (an index
+        # range of `shards_by_removal`); past `through`, a range of shard ids. No look-up reads them all.
+        found = con.execute(sql + " AND s.shard_id > ?", [*args, int(through[0])]).fetchall()
+        if seq is not None:
+            found += con.execute(sql + " AND s.shard_id <= ? AND s.removed_seq > ?",
+                                 [*args, int(through[0]), int(seq)]).fetchall()
+        return sorted((int(i), str(p)) for i, p in found)
 
     def indexed_through(self, con, shard_id: int | None = None) -> None:
         """Inside the transaction that indexed every live checkpoints shard up to `shard_id` (None: every

@@ -414,8 +414,9 @@ def _runs(shards: list, target_bytes: int, home) -> list[list]:
 
 def _audit_batches(man, shards: list, target_bytes: int) -> tuple[list[list], list[list[str]]]:
     """Runs of consecutive (commit order: a loop's steps in order) audit shards that may merge, and the
-    curation ids each run holds. A shard may merge when every curation it holds is committed (its
-    record live) and it was added at or before every live pin: a curation in flight looks for the
+    curation ids each run holds (none: shards written without a key, which merge among themselves). A
+    shard may merge when every curation it holds is committed (its record live) and it was added at or
+    before every live pin: a curation in flight looks for the
     audits committed after its snapshot by their key (`Catalog.committed_since`), so none of those is
     merged under it. Rows are never rewritten: each keeps its `curation_id`."""
     committed = {s.key for s in man.shards("curations")}
@@ -423,11 +424,13 @@ def _audit_batches(man, shards: list, target_bytes: int) -> tuple[list[list], li
     merged = man.shard_keys([s.shard_id for s in shards if s.key is None])
     keys_of = {s.shard_id: merged.get(s.shard_id, [] if s.key is None else [s.key]) for s in shards}
 
-    def home(s) -> bool:
+    def home(s) -> str | None:  # shards without any key (written without a curation) merge among themselves
         keys = keys_of[s.shard_id]
-        return bool(keys) and all(k in committed for k in keys) and (pinned is None or s.added_seq <= pinned)
+        if not keys:
+            return "unkeyed"
+        return "committed" if all(k in committed for k in keys) and (pinned is None or s.added_seq <= pinned) else None
 
-    batches = [b for b in _runs(shards, target_bytes, home) if home(b[0])]
+    batches = [b for b in _runs(shards, target_bytes, home) if home(b[0]) is not None]
     return batches, [sorted({k for s in b for k in keys_of[s.shard_id]}) for b in batches]
 
 

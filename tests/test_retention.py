@@ -136,6 +136,31 @@ def test_a_buffer_written_before_the_index_is_read_from_its_files_then_indexed(t
         assert [e["shard"] for e in consumed_ledger(b, 4)][:3] == shards
 
 
+def test_an_older_snapshot_still_sees_an_unindexed_checkpoint_retired_after_it(tmp_path):
+    """The look-up of unindexed checkpoints skips the shards up to `checkpoints_indexed_through` (it
+    does not read every checkpoint of a long run): one left unindexed there was retired before the
+    marker was set, and a snapshot older than its retirement still finds it (by the removal index)."""
+    root = str(tmp_path / "b")
+    make_buffer(root, 3)
+    learn(root, None)
+    with Buffer.open(root) as b:
+        first = b.manifest.shards("checkpoints")[0]
+        with b.manifest.transaction() as con:  # as an older rollstore left it: v1 not indexed
+            con.execute("DELETE FROM checkpoint_index WHERE shard_id = ?", (first.shard_id,))
+        before = b.manifest.latest_seq()
+        from rollstore.storage.verify import retire
+
+        retire(b.manifest, [first], "quarantine")  # v1's shard retired (not indexed: it was not live)
+    commit_curated(Buffer.open(root), "c2", [curated_rows("c2", 4, seed=40, model=tiny_llama(0))])
+    learn(root, None)  # its save indexes every live checkpoint and sets the marker past v1's shard
+    with Buffer.open(root) as b:
+        through = int(b.manifest.con.execute(
+            "SELECT value FROM meta WHERE key = 'checkpoints_indexed_through'").fetchone()[0])
+        assert through > first.shard_id and b.manifest.unindexed_checkpoints() == []
+        assert b.manifest.unindexed_checkpoints(before) == [(first.shard_id, first.path)]
+        assert b.manifest.unindexed_checkpoints(b.manifest.latest_seq()) == []
+
+
 def test_keep_k_leaves_the_newest_k_folders_and_every_row(tmp_path):
     root = str(tmp_path / "b")
     shards = make_buffer(root, 5)

@@ -176,7 +176,7 @@ class History:
         self.sets = {"prompt_skip": "greso"}
         self.params = resolve(self.recipe, self.sets)
         self.plan = prompt_plan(self.params)  # greso's own plan (the loop's `skipping`)
-        self.session = Session(self.buf.snapshot(), threads=1)
+        self.session = Session(self.buf.snapshot(), threads=1, long_lived=True)  # as the loop's
         self.model = _tiny_model()
         self.version, self.steps, self.position = 0, 0, 0
         if existing:  # a history this bench built (`--reopen`): one checkpoint a step, from version 0
@@ -188,16 +188,20 @@ class History:
         self.session.close()
         self.buf.close()
 
+    def forget(self) -> None:
+        """As a killed process: the buffer and the session closed, every cache this process keeps
+        between steps emptied (file hashes, footers, checkpoint rows, columns). Not a resumed process's
+        cost: `resume` is."""
+        self.close()
+        _clear_process_caches()
+
     def resume(self) -> None:
-        """As a resumed process would start: the buffer and the session opened afresh and every cache
-        this process keeps between steps emptied (file hashes, footers, checkpoint rows, columns)."""
+        """As a resumed process starts (after `forget`): the buffer and the session opened afresh."""
         from rollstore.queries.session import Session
         from rollstore.storage.buffer import Buffer
 
-        self.close()
-        _clear_process_caches()
         self.buf = Buffer.open(self.root)
-        self.session = Session(self.buf.snapshot(), threads=1)
+        self.session = Session(self.buf.snapshot(), threads=1, long_lived=True)
 
     def step(self, total: int, main_path: bool = True) -> dict:
         from rollstore.curate.params import step_where
@@ -348,6 +352,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
             loop_rss = common.peak_rss_mib()
             at = {"per step": medians(recent), "commands": commands(h, work)}
             warm = statistics.median(sum(c for k, (c, _w) in r.items() if k not in MAIN_KEYS) for r in recent)
+            h.forget()
             _, resume_cpu, _ = timed(h.resume)
             first = h.step(total, main_path=False)
             at["resumed process's first step"] = (

@@ -142,10 +142,14 @@ class Session:
         *,
         root: str | None = None,
         rollouts: str | None = None,
+        long_lived: bool = False,
     ):
         """`snapshot=None` opens a session of the buffer at `root` with no table views: it reads
         what its caller loads, and `rollouts`, when given, is the one Parquet file seen as the
-        `rollouts` view (a Dask task's session). Limits, spill folder and sandbox are the same."""
+        `rollouts` view (a Dask task's session). Limits, spill folder and sandbox are the same.
+        `long_lived`: a loop's session, rebound every step for thousands of steps, each reading new
+        files once: DuckDB's cache of Parquet footers, which would keep every file's ever read
+        (memory growing with the run), is off."""
         if (snapshot is None) == (root is None):
             raise ValueError("a Session needs either a snapshot or the root of a buffer")
         self.snapshot = snapshot
@@ -157,7 +161,8 @@ class Session:
         self._con.execute(f"SET memory_limit={sql_string(memory_limit)}")
         self._con.execute(f"SET temp_directory={sql_string(self.spill_dir)}")
         self._con.execute("SET preserve_insertion_order=false")
-        self._con.execute("SET parquet_metadata_cache=true")  # shards are immutable: see the invariants
+        # shards are immutable (see the invariants): a footer read is kept for the session's next reads
+        self._con.execute(f"SET parquet_metadata_cache={'false' if long_lived else 'true'}")
         if threads:
             self._con.execute(f"SET threads={int(threads)}")
         self._bound: dict[str, tuple] = {}  # each table's view: what it was bound over (`_table_keys`)

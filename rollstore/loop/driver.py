@@ -335,7 +335,7 @@ def _run(cfg: LoopConfig, on_iteration, on_eval) -> dict:
     pool = RewardPool()
     # One DuckDB connection for the run's curations, with the run's thread count: at a demo batch (1k rows)
     # DuckDB's second thread only schedules, ~5 ms of a 70 ms curation (bench/RESULTS.md, issue 37's fifth session).
-    session = Session(buf.snapshot(), threads=cfg.threads)
+    session = Session(buf.snapshot(), threads=cfg.threads, long_lived=True)
     run.session = session
     generation = dataclasses.replace(cfg.generation, score_batch_size=run.train_config.micro_batch_size)
     run.writer = StepWriter(buf, backend, pool, generation, run.run_id, recipe=cfg.recipe, sets=run.sets,

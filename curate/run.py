@@ -120,19 +120,20 @@ def curate(
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
     with buf.snapshot(snapshot_seq, pin=True) as snap, contextlib.ExitStack() as stack:
-        inputs = step_inputs(snap, params)  # a loop's step: only the shards it reads (the catalog's indexes)
-        read = None if inputs is None else inputs.shards
         if session is not None:  # rebound before the inputs' hashing starts: its presence check of the
             session.rebind(snap)  # new shards runs alone (beside the hashing thread)
-            verified = stack.enter_context(verifying_inputs(snap, dry_run, read))
-        else:  # a new session: the hashing runs beside its making (~70 ms)
-            verified = stack.enter_context(verifying_inputs(snap, dry_run, read))
+        else:  # (a new session makes its views when a statement first names them: ~10 ms)
             session = stack.enter_context(Session(snap, limits.memory_limit, limits.threads))
+        latest = None
+        if params["where"] is None:  # the latest step, among the shards holding the newest rows (time index)
+            newest = snap.newest_files()
+            latest = latest_step(session, parquet(newest, located=True, numbered=True)) if newest else None
+            params = params.with_defaults(latest, None)
+        inputs = step_inputs(snap, params)  # a step's batch: only the shards it reads (the catalog's indexes)
+        verified = stack.enter_context(verifying_inputs(snap, dry_run, None if inputs is None else inputs.shards))
         files = batch_files(snap, params) if inputs is None else inputs.files
         audits = committed_audits(snap) if inputs is None else inputs.uses_audits
         everything = parquet(files, located=True, numbered=True)
-        latest = latest_step(session, everything) if params["where"] is None else None
-        params = params.with_defaults(latest, None)
         with session.deadline(limits.timeout):
             session.check_predicate(params["where"], rollouts=parquet(files))
             if params["current_version"] is None:  # its default: the batch's own run's newest version

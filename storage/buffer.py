@@ -177,6 +177,7 @@ class StepIndexRows:
     def __init__(self, rewritten: bool = False):
         self.rewritten = rewritten
         self.steps: dict[int, list[tuple]] = {}  # part index -> its step index rows (`step_ranges`)
+        self.times: dict[int, int | None] = {}  # rollouts part index -> its newest created_at (µs; None: no row)
         self.groups: dict = {}
         self.selections: dict = {}
         self.unread = False  # a file of a step-indexed table written elsewhere: its rows are not read here
@@ -188,13 +189,17 @@ class StepIndexRows:
             self.unread = True
             return
         self.steps[i] = step_ranges(table)
+        if table_name == "rollouts":
+            newest = pc.max(table.column("created_at")).cast(pa.timestamp("us", tz="UTC")).value
+            self.times[i] = None if newest is None else int(newest)
         if not self.rewritten:
             summarise_new_rows(table_name, table, self.groups, self.selections)
 
     def record(self, catalog, con, seq: int, ids: list[int], written: list[NewShard]) -> None:
         if self.steps:  # which shards hold a run's step, for look-ups that read one step
             catalog.index_steps(con, [(ids[i], written[i].table_name, *r)
-                                      for i, rows in self.steps.items() for r in rows])
+                                      for i, rows in self.steps.items() for r in rows],
+                                [(ids[i], t) for i, t in self.times.items()])
         if self.groups or self.selections:
             catalog.record_prompt_state(con, seq, ids, self.groups, self.selections)
         if self.unread and not self.rewritten:

@@ -114,6 +114,10 @@ class Catalog(ABC):
     def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
         """{shard_id: its keys} of those of `ids` merged from several keys (their own `key` is null)."""
     @abstractmethod
+    def newest_shard_ids(self, table: str, seq: int) -> set[int] | None:
+        """Ids of the `table` shards visible at `seq` that may hold its newest row by `created_at`
+        (a superset; None: no time index, every shard may)."""
+    @abstractmethod
     def merge_targets(self, paths: list[str]) -> set[str]:
         """Those of `paths` (rollouts shards) that compaction wrote rows of other shards into."""
     @abstractmethod
@@ -241,8 +245,9 @@ class Catalog(ABC):
 
     # ---- the step index and the prompt state (issue 49: a step's work flat in the run's history) --
     @abstractmethod
-    def index_steps(self, con, rows: list[tuple]) -> None:
-        """In the commit that adds rollouts / prompt_selections shards: (shard_id, table, run, step range) rows."""
+    def index_steps(self, con, rows: list[tuple], times: list[tuple] = ()) -> None:
+        """In the commit that adds rollouts / prompt_selections shards: (shard_id, table, run, step range) rows
+        and the rollouts shards' (shard_id, newest created_at in µs)."""
     @abstractmethod
     def step_shard_ids(self, table: str, run_id: str, first: int | None, last: int | None,
                        seq: int | None = None, con=None) -> set[int]:

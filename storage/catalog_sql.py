@@ -73,6 +73,10 @@ STEP_INDEX_DDL = (
     "CREATE INDEX IF NOT EXISTS shards_by_removal ON shards (table_name, removed_seq)",
     # (and `live_keyed`'s look-up of one curation's shards; a PostgreSQL catalog has it from its creation)
     "CREATE INDEX IF NOT EXISTS shards_by_key ON shards (table_name, key)",
+    # the newest `created_at` of each rollouts shard (µs; null: no row): the default batch's latest step
+    # is looked for in the shards holding the newest rows only (`newest_shard_ids`)
+    "CREATE TABLE IF NOT EXISTS shard_times (shard_id BIGINT PRIMARY KEY, created_max BIGINT)",
+    "CREATE INDEX IF NOT EXISTS shard_times_by_time ON shard_times (created_max)",
 )
 # The keys (curation ids) of a shard that compaction merged from shards of several keys (audit shards):
 # the merged shard's own `key` is null, its rows name their curation; made by the first such merge.
@@ -304,11 +308,13 @@ class SqlCatalog(Catalog):
             "SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()]
 
     def forget_retired(self, con, ids: list[int], removed_seq: int) -> None:
-        keyed = self.has_table("shard_keys", con)
+        keyed, timed = self.has_table("shard_keys", con), self.has_table("shard_times", con)
         for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
             con.execute(f"DELETE FROM shards WHERE {cond}", args)
             if keyed:
                 con.execute(f"DELETE FROM shard_keys WHERE {cond}", args)
+            if timed:
+                con.execute(f"DELETE FROM shard_times WHERE {cond}", args)
         d = self.dialect
         con.execute("INSERT INTO meta (key, value) VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
                     f"SET value = CAST({d.greatest}(CAST(meta.value AS {d.integer}), "
@@ -480,17 +486,21 @@ class SqlCatalog(Catalog):
             con.executemany("UPDATE checkpoint_index SET collected = 1 WHERE shard_id = ?", [(int(i),) for i in shard_ids])
 
     # ---- the step index (STEP_INDEX_DDL) ------------------------------------------------
-    def index_steps(self, con, rows: list[tuple]) -> None:
+    def index_steps(self, con, rows: list[tuple], times: list[tuple] = ()) -> None:
         """Inside the transaction `con` that adds the shards: their step index rows, each (shard_id,
-        table_name, run_id, step_min, step_max); then `steps_indexed_through` moves up to the newest
-        shard below which every shard of STEP_INDEXED tables has its rows (a shard committed by a
-        rollstore without the index, or before it, holds it back until gc deletes its row).
-        Portable SQL (SQLite and PostgreSQL catalogs)."""
+        table_name, run_id, step_min, step_max), and each rollouts shard's (shard_id, newest created_at
+        in µs); then `steps_indexed_through` moves up to the newest shard below which every shard of
+        STEP_INDEXED tables has its rows (a shard committed by a rollstore without the index, or before
+        it, holds it back until gc deletes its row), and `times_indexed_through` likewise for the
+        rollouts shards' times. Portable SQL (SQLite and PostgreSQL catalogs)."""
         for statement in STEP_INDEX_DDL:
             con.execute(statement)
         if rows:
             con.executemany("INSERT INTO shard_steps (shard_id, table_name, run_id, step_min, step_max) "
                             "VALUES (?, ?, ?, ?, ?)", rows)
+        if times:
+            con.executemany("INSERT INTO shard_times (shard_id, created_max) VALUES (?, ?)", list(times))
+        self._move_marker(con, "times_indexed_through", "shard_times", ("rollouts",))
         through = self._steps_indexed_through(con)
         marks = ", ".join("?" * len(STEP_INDEXED))
         gap = con.execute(
@@ -501,6 +511,38 @@ class SqlCatalog(Catalog):
         if top > through:
             con.execute("INSERT INTO meta (key, value) VALUES ('steps_indexed_through', ?) "
                         "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(int(top)),))
+
+    def _move_marker(self, con, key: str, index: str, tables: tuple[str, ...]) -> None:
+        """Move meta `key` up to the newest shard below which every shard of `tables` has a row in `index`."""
+        row = con.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        through = -1 if row is None else int(row[0])
+        marks = ", ".join("?" * len(tables))
+        gap = con.execute(
+            f"SELECT min(s.shard_id) FROM shards s WHERE s.shard_id > ? AND s.table_name IN ({marks}) "
+            f"AND NOT EXISTS (SELECT 1 FROM {index} x WHERE x.shard_id = s.shard_id)", (through, *tables)).fetchone()[0]
+        top = (con.execute("SELECT max(shard_id) FROM shards").fetchone()[0] or 0) if gap is None else int(gap) - 1
+        if top > through:
+            con.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
+                        "SET value = excluded.value", (key, str(int(top))))
+
+    def newest_shard_ids(self, table: str, seq: int) -> set[int] | None:
+        """The ids of the shards of `table` (rollouts) visible at `seq` that may hold its newest row by
+        `created_at`: those whose newest time is the highest (ties: all of them), and every one without
+        a time (committed before the index); None when the catalog has no time index. Index look-ups."""
+        if table != "rollouts" or not self.has_table("shard_times"):
+            return None
+        where_visible, args = visible(seq)
+        join = f"FROM shard_times t JOIN shards s ON s.shard_id = t.shard_id WHERE {where_visible}"
+        top = self.con.execute(f"SELECT t.created_max {join} AND t.created_max IS NOT NULL "
+                               "ORDER BY t.created_max DESC LIMIT 1", args).fetchone()
+        found = set() if top is None else {int(r[0]) for r in self.con.execute(
+            f"SELECT t.shard_id {join} AND t.created_max = ?", (*args, top[0]))}
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'times_indexed_through'").fetchone()
+        found.update(int(r[0]) for r in self.con.execute(
+            f"SELECT s.shard_id FROM shards s WHERE s.shard_id > ? AND s.table_name = 'rollouts' AND {where_visible} "
+            "AND NOT EXISTS (SELECT 1 FROM shard_times t WHERE t.shard_id = s.shard_id)",
+            (-1 if row is None else int(row[0]), *args)))
+        return found
 
     def _steps_indexed_through(self, con) -> int:
         row = con.execute("SELECT value FROM meta WHERE key = 'steps_indexed_through'").fetchone()

@@ -171,6 +171,18 @@ class Snapshot:
             cache_shards(self.root, self._manifest, shards)
         return shards
 
+    def newest_files(self) -> list[str]:
+        """The rollouts files that may hold this snapshot's newest row by `created_at` (the default
+        batch's latest step is among their rows): by the catalog's time index, or every file."""
+        ids = self._manifest.newest_shard_ids("rollouts", self.seq)
+        if ids is None:
+            return self.files("rollouts")
+        shards = sorted(self._manifest.shards_by_id(sorted(ids)), key=lambda s: (s.added_seq, s.shard_id))
+        self._check_readable()
+        if self._manifest.store is not None:
+            cache_shards(self.root, self._manifest, shards)
+        return [os.path.join(self.root, s.path) for s in shards]
+
     def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
         """{shard_id: its keys} of those of `ids` that compaction merged from several keys (audit shards
         of several curations; `Catalog.shard_keys`)."""

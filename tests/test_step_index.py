@@ -173,3 +173,36 @@ def test_a_steps_audits_are_read_by_index_and_count_uses_as_a_full_read(tmp_path
     for mine, full in zip(out["index"], out["every shard"]):
         assert mine.equals(full) and mine.num_rows == 12
         assert max(mine.column("uses").to_pylist()) >= 2  # the earlier curations of the step counted
+
+
+def test_the_default_batch_is_looked_for_in_the_newest_shards_only(tmp_path):
+    """A curation without `where` takes the latest step by creation time (ties: the highest run_id,
+    then step): the catalog's time index names the shards holding the newest rows (every shard of the
+    highest time, so ties are decided by their rows), in any commit order, after compaction, and every
+    shard where a buffer has no time index. The decision equals that of a read of every row."""
+    import json
+
+    with Buffer.init(str(tmp_path / "b")) as buf:
+        for run, step in (("run-a", 5), ("run-a", 1), ("run-b", 5), ("run-a", 2)):  # not in time order
+            buf.append_rollouts(_rollouts(run, step), source=f"{run}-{step}")
+        with buf.snapshot() as snap:
+            newest = set(snap.newest_files())
+            every = snap.files("rollouts")
+        highest = {f: max(pq.read_table(f, columns=["created_at"]).column("created_at").to_pylist()) for f in every}
+        top = max(highest.values())
+        assert newest == {f for f, t in highest.items() if t == top} and len(newest) == 2  # run-a 5, run-b 5
+        res = curate(buf, load_recipe("d3s"), {}, dry_run=True)
+        assert json.loads(res.record["params"])["where"] == step_where("run-b", 5)
+        compact(buf, "rollouts", target_bytes=1 << 40)
+        with buf.snapshot() as snap:
+            assert len(snap.newest_files()) == 1 == len(snap.files("rollouts"))
+        with buf.manifest.transaction() as con:  # as a rollstore without the time index left it
+            con.execute("DROP TABLE shard_times")
+            con.execute("DELETE FROM meta WHERE key = 'times_indexed_through'")
+        with buf.snapshot() as snap:
+            assert set(snap.newest_files()) == set(snap.files("rollouts"))  # no index: every shard
+        buf.append_rollouts(_rollouts("run-a", 0), source="late")  # (older rows, committed last)
+        with buf.snapshot() as snap:
+            assert set(snap.newest_files()) == set(snap.files("rollouts"))  # the old shard has no time: read
+        assert json.loads(curate(buf, load_recipe("d3s"), {}, dry_run=True).record["params"])["where"] == \
+            step_where("run-b", 5)

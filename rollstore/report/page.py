@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -47,7 +48,7 @@ from rollstore.output.outfile import check_output_file, write_output
 from rollstore.report.token_text import TokenText
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.errors import RollstoreError
-from rollstore.storage.snapshot import sql_string
+from rollstore.storage.snapshot import Snapshot, curated_view, sql_string
 
 # (section id, heading): the page's sections, in order.
 SECTIONS = [
@@ -142,8 +143,34 @@ def with_literals(sql: str, params: dict) -> str:
 
 def run_query(session: Session, name: str, curation_id: str | None, scope: Scope = Scope()) -> Result:
     sql = with_literals(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
-    rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
+    with picked_masks(session, sql) if name == "report_tokens" else contextlib.nullcontext():
+        rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
     return Result(name, sql, rows, name + scope.suffix)
+
+
+PICKED = "-- The picked rows with their rollouts and curated masks:"  # where report_tokens.sql's picks end
+
+
+@contextlib.contextmanager
+def picked_masks(session: Session, sql: str):
+    """While report_tokens runs: a temp view `curated` over the curated shards (by catalog key) of the
+    curations of its picked rows only, the only rows its `LEFT JOIN curated` can match, so the same
+    masks come out without resolving every curated row of the snapshot against its rollouts."""
+    snap = session.snapshot
+    if not isinstance(snap, Snapshot) or PICKED not in sql:  # a session over a listing: the view as it is
+        yield
+        return
+    picks = session.con.sql(sql.split(PICKED)[0] + "SELECT DISTINCT curation_id FROM picks").fetchall()
+    wanted = {cid for (cid,) in picks}
+    shards = [s for s in snap.shards("curated") if s.key is None or s.key in wanted]
+    files = [os.path.join(snap.root, s.path) for s in shards]
+    view = (curated_view(files, snap.files("rollouts"), snap.root, bool(snap.moves())) if files
+            else "SELECT * FROM main.curated WHERE false")
+    session.con.execute(f"CREATE OR REPLACE TEMP VIEW curated AS {view}")
+    try:
+        yield
+    finally:
+        session.con.execute("DROP VIEW IF EXISTS temp.curated")
 
 
 def scopes(session: Session, curation_id: str | None) -> list[Scope]:
@@ -158,7 +185,29 @@ def scopes(session: Session, curation_id: str | None) -> list[Scope]:
     return [Scope(recipe, f"__{i}", n) for i, (recipe, n) in enumerate(recipes, 1)]
 
 
-def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
+# Tables several report queries read: each is loaded once into a temp table of the same name (its
+# columns that the queries use), which the queries then read instead of the view (DuckDB looks a name
+# up in the temp catalog first). The rows are the snapshot's, so every result is the one the printed
+# SQL gives over the views; but the shards are opened once per report, not once per query (a long
+# run holds one `selections`, `curations` and `checkpoints` shard per step, thousands of small files).
+READ_ONCE = {
+    "selections": ("curation_id", "rollout_id", "selected", "reason", "group_accuracy", "difficulty", "advantage_raw",
+                   "amplification", "advantage_final", "tokens_total", "tokens_kept", "replayed", "age"),
+    "curations": ("curation_id", "recipe", "created_at", "snapshot_seq", "progress", "n_candidates", "n_selected",
+                  "sample_budget", "token_fraction", "token_threshold", "tokens_candidate", "tokens_kept",
+                  "adv_var_before", "adv_var_after"),
+    "checkpoints": ("run_id", "version", "path"),
+}
+
+
+def read_once(session: Session) -> None:
+    """Load the `READ_ONCE` tables of the session's snapshot into temp tables that shadow their views."""
+    for name, columns in READ_ONCE.items():
+        session.execute(f"CREATE TEMP TABLE {name} AS SELECT {', '.join(columns)} FROM main.{name}")
+
+
+def collect(session: Session, curation_id: str | None, blocks: list[Scope] | None = None) -> dict[str, Result]:
+    """Every query's result (`QUERIES`; the `SCOPED` ones once per block of `scopes`, or of `blocks`)."""
     if session.one("SELECT count(*) FROM rollouts")[0] == 0:
         raise RollstoreError(f"{session.root}: the buffer has no rollouts: nothing to report "
                              "(append some with `rollstore generate` or `rollstore import`)")
@@ -168,7 +217,7 @@ def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
         raise RollstoreError(f"no curation {curation_id!r} in this buffer ({n} curations; "
                              "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
     res = {}
-    blocks = scopes(session, curation_id)
+    blocks = scopes(session, curation_id) if blocks is None else blocks
     for name in QUERIES:
         for scope in blocks if name in SCOPED else [Scope()]:
             result = run_query(session, name, curation_id, scope)
@@ -616,9 +665,11 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
     t0 = time.perf_counter()
     kwargs = {"memory_limit": memory_limit} if memory_limit else {}
     with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:
-        res = collect(session, curation_id)
+        read_once(session)
+        blocks = scopes(session, curation_id)
+        res = collect(session, curation_id, blocks)
         text = TokenText.for_snapshot(session)
-        page = render(res, text, buf.root, snap.seq, curation_id, scopes(session, curation_id))
+        page = render(res, text, buf.root, snap.seq, curation_id, blocks)
         seq = snap.seq
     def write(partial: str) -> None:
         with open(partial, "x", encoding="utf-8") as fh:

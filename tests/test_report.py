@@ -257,6 +257,34 @@ def test_scoped_reports_equal_the_documented_queries_and_pick_in_the_documented_
         assert [(p["curation_id"], p["rollout_id"]) for p in page["report_tokens"]] == expected_picks(mine)
 
 
+def test_checkpoints_come_from_the_catalog_index_else_from_their_files(loop_buffer, report_html, tmp_path):
+    """The page's checkpoints (counted, versions of each run, the newest tokenizer) are the catalog index's
+    copy of the rows when every visible shard has one; a buffer whose shards lack index rows (published
+    before the index) reads the files and gives the same page."""
+    import sqlite3
+
+    from rollstore.report.page import indexed_checkpoints
+
+    with Buffer.open(loop_buffer) as buf, buf.snapshot() as snap:
+        index = indexed_checkpoints(buf, snap.seq).to_pylist()
+        files = snap.arrow("checkpoints").to_table(columns=["run_id", "version", "path"]).to_pylist()
+    assert len(index) >= 3 and sorted(index, key=str) == sorted(files, key=str)
+    copy = str(tmp_path / "unindexed")
+    shutil.copytree(loop_buffer, copy)
+    con = sqlite3.connect(os.path.join(copy, "manifest.sqlite"))
+    con.execute("DELETE FROM checkpoint_index")
+    con.commit()
+    con.close()
+    with Buffer.open(copy) as buf, buf.snapshot() as snap:
+        assert indexed_checkpoints(buf, snap.seq) is None
+        build_report(buf, str(tmp_path / "r.html"))
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "checkpoints/v3/tokenizer.json" in page
+    before = data_blocks_keys(report_html[1])
+    assert all(same(data_blocks_keys(page)[k], before[k]) for k in ("report_overview", "report_accuracy_by_version",
+                                                                     "report_evaluations", "report_tokens"))
+
+
 def data_blocks_keys(html: str) -> dict[str, list[dict]]:
     """Every JSON block of the page by its key (recipe blocks suffixed `__i`)."""
     return {name: json.loads(text) for name, text in re.findall(

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from html import escape
 
+import pyarrow as pa
+
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
 from rollstore.output.formats import jsonable
@@ -47,7 +49,9 @@ from rollstore.report.svg import (
 from rollstore.output.outfile import check_output_file, write_output
 from rollstore.report.token_text import TokenText
 from rollstore.storage.buffer import Buffer
+from rollstore.storage.catalog_sql import CHECKPOINT_COLS
 from rollstore.storage.errors import RollstoreError
+from rollstore.storage.schema import CHECKPOINTS
 from rollstore.storage.snapshot import Snapshot, curated_view, sql_string
 
 # (section id, heading): the page's sections, in order.
@@ -200,10 +204,26 @@ READ_ONCE = {
 }
 
 
-def read_once(session: Session) -> None:
-    """Load the `READ_ONCE` tables of the session's snapshot into temp tables that shadow their views."""
+def read_once(session: Session, checkpoints: pa.Table | None = None) -> None:
+    """Load the `READ_ONCE` tables of the session's snapshot into temp tables that shadow their views;
+    `checkpoints`: the snapshot's checkpoints rows already known (`indexed_checkpoints`), not read again."""
     for name, columns in READ_ONCE.items():
-        session.execute(f"CREATE TEMP TABLE {name} AS SELECT {', '.join(columns)} FROM main.{name}")
+        if name == "checkpoints" and checkpoints is not None:
+            session.load(name, checkpoints.select(list(columns)))
+        else:
+            session.execute(f"CREATE TEMP TABLE {name} AS SELECT {', '.join(columns)} FROM main.{name}")
+
+
+def indexed_checkpoints(buf: Buffer, seq: int) -> pa.Table | None:
+    """The `checkpoints` rows visible at snapshot `seq` (their `READ_ONCE` columns) as the catalog's
+    checkpoint index holds them (storage.catalog_sql.CHECKPOINT_DDL: a copy of each row, written in the
+    commit that publishes it), so no checkpoint shard is opened; None when a visible checkpoints shard
+    has no index row (published before the index): then the files are read."""
+    rows, unindexed = buf.manifest.checkpoint_index(seq)
+    if unindexed:
+        return None
+    at = {c: CHECKPOINT_COLS.index(c) for c in READ_ONCE["checkpoints"]}
+    return pa.table({c: pa.array([r[i] for r in rows], CHECKPOINTS.field(c).type) for c, i in at.items()})
 
 
 def collect(session: Session, curation_id: str | None, blocks: list[Scope] | None = None) -> dict[str, Result]:
@@ -665,7 +685,7 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
     t0 = time.perf_counter()
     kwargs = {"memory_limit": memory_limit} if memory_limit else {}
     with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:
-        read_once(session)
+        read_once(session, indexed_checkpoints(buf, snap.seq))
         blocks = scopes(session, curation_id)
         res = collect(session, curation_id, blocks)
         text = TokenText.for_snapshot(session)

@@ -57,7 +57,7 @@ from rollstore.storage.buffer import Buffer
 from rollstore.storage.catalog_sql import CHECKPOINT_COLS
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.schema import CHECKPOINTS
-from rollstore.storage.snapshot import Snapshot, curated_view, sql_string
+from rollstore.storage.snapshot import Snapshot, curated_view, file_schema, sql_string
 
 # (section id, heading): the page's sections, in order.
 SECTIONS = [
@@ -163,8 +163,10 @@ PICKED = "-- The picked rows with their rollouts and curated masks:"  # where re
 @contextlib.contextmanager
 def picked_masks(session: Session, sql: str):
     """While report_tokens runs: a temp view `curated` over the curated shards (by catalog key) of the
-    curations of its picked rows only, the only rows its `LEFT JOIN curated` can match, so the same
-    masks come out without resolving every curated row of the snapshot against its rollouts."""
+    curations of its picked rows only, the only rows its `LEFT JOIN curated` can match, resolved
+    against the rollouts shards those shards refer to (followed through compaction's moves) only: the
+    same masks come out without resolving every curated row of the snapshot against every rollouts
+    shard."""
     snap = session.snapshot
     if not isinstance(snap, Snapshot) or PICKED not in sql:  # a session over a listing: the view as it is
         yield
@@ -173,13 +175,28 @@ def picked_masks(session: Session, sql: str):
     wanted = {cid for (cid,) in picks}
     shards = [s for s in snap.shards("curated") if s.key is None or s.key in wanted]
     files = [os.path.join(snap.root, s.path) for s in shards]
-    view = (curated_view(files, snap.files("rollouts"), snap.root, bool(snap.moves())) if files
+    view = (curated_view(files, referred_rollouts(snap, files), snap.root, bool(snap.moves())) if files
             else "SELECT * FROM main.curated WHERE false")
     session.con.execute(f"CREATE OR REPLACE TEMP VIEW curated AS {view}")
     try:
         yield
     finally:
         session.con.execute("DROP VIEW IF EXISTS temp.curated")
+
+
+def referred_rollouts(snap: Snapshot, curated_files: list[str]) -> list[str]:
+    """The snapshot's rollouts files that the thin curated shards `curated_files` refer to, each
+    reference followed through compaction's moves (`Snapshot.moves`), in snapshot order: the only
+    rollouts rows those shards' `curated_view` can join (a reference to no live shard joins none)."""
+    import pyarrow.parquet as pq
+
+    named = set()
+    for f in curated_files:
+        if "rollouts_shard" in file_schema(f).names:  # thin; a materialised shard refers to nothing
+            named.update(pq.read_table(f, columns=["rollouts_shard"]).column(0).unique().to_pylist())
+    moves = snap.moves()
+    at = {moves[p][0] if p in moves else p for p in named}
+    return [os.path.join(snap.root, s.path) for s in snap.shards("rollouts") if s.path in at]
 
 
 def scopes(session: Session, curation_id: str | None) -> list[Scope]:

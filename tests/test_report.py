@@ -285,6 +285,24 @@ def test_checkpoints_come_from_the_catalog_index_else_from_their_files(loop_buff
                                                                      "report_evaluations", "report_tokens"))
 
 
+def test_report_of_a_compacted_buffer_equals_its_queries(two_recipe_report, tmp_path):
+    """After compaction the curated references name retired rollouts shards: the token cards' masks,
+    resolved against the shards the picked curations' references name (followed through the moves),
+    are the plain `curated` view's."""
+    from rollstore.storage.maintenance import compact
+
+    root = str(tmp_path / "compacted")
+    shutil.copytree(two_recipe_report[0], root)
+    with Buffer.open(root) as buf:
+        assert compact(buf, "rollouts").merged_shards >= 2
+        build_report(buf, str(tmp_path / "r.html"))
+    blocks = data_blocks_keys((tmp_path / "r.html").read_text(encoding="utf-8"))
+    for i, recipe in enumerate(("d3s", "replay-d3s"), 1):
+        cards = blocks[f"report_tokens__{i}"]
+        assert any(sum(c["kept"]) for c in cards)  # masks found through the moves
+        assert same(cards, documented(root, "report_tokens", recipe=recipe)), recipe
+
+
 def data_blocks_keys(html: str) -> dict[str, list[dict]]:
     """Every JSON block of the page by its key (recipe blocks suffixed `__i`)."""
     return {name: json.loads(text) for name, text in re.findall(

@@ -20,8 +20,8 @@ Invariants:
 - Every chart's legend names every series drawn (report_svg); a replayed row's token card is marked
   with its age.
 - The output file appears atomically (written beside its target, then renamed).
-- Each shard of `selections`, `curations` and `checkpoints` is read once per report (`READ_ONCE`: temp
-  tables of the same names, the snapshot's rows, which the queries read instead of the views), and the
+- Each shard of `selections`, `curations` and `checkpoints` (and views.sql's `run_versions`) is read once
+  per report (`READ_ONCE`: temp tables of the same names, the snapshot's rows, which the queries read instead of the views), and the
   token cards resolve only the picked curations' `curated` shards (`picked_masks`): the results are
   the printed SQL's over the views, at a cost that does not multiply a long history's shard count by
   the number of queries.
@@ -211,7 +211,7 @@ def scopes(session: Session, curation_id: str | None) -> list[Scope]:
     return [Scope(recipe, f"__{i}", n) for i, (recipe, n) in enumerate(recipes, 1)]
 
 
-# Tables several report queries read: each is loaded once into a temp table of the same name (its
+# Tables (and views.sql's `run_versions`) several report queries read: each is loaded once into a temp table of the same name (its
 # columns that the queries use), which the queries then read instead of the view (DuckDB looks a name
 # up in the temp catalog first). The rows are the snapshot's, so every result is the one the printed
 # SQL gives over the views; but the shards are opened once per report, not once per query (a long
@@ -223,6 +223,7 @@ READ_ONCE = {
                   "sample_budget", "token_fraction", "token_threshold", "tokens_candidate", "tokens_kept",
                   "adv_var_before", "adv_var_after"),
     "checkpoints": ("run_id", "version", "path"),
+    "run_versions": ("run_id", "policy_version", "run_version"),  # views.sql's view (reads every rollouts shard)
 }
 
 

@@ -20,11 +20,11 @@ Invariants:
 - Every chart's legend names every series drawn (report_svg); a replayed row's token card is marked
   with its age.
 - The output file appears atomically (written beside its target, then renamed).
-- Each shard of `selections`, `curations` and `checkpoints` (and views.sql's `run_versions`) is read once
-  per report (`READ_ONCE`: temp tables of the same names, the snapshot's rows, which the queries read instead of the views), and the
-  token cards resolve only the picked curations' `curated` shards (`picked_masks`): the results are
-  the printed SQL's over the views, at a cost that does not multiply a long history's shard count by
-  the number of queries.
+- Each shard of `selections`, `curations` and `checkpoints` (and views.sql's `run_versions`) is read
+  once per report (`READ_ONCE`: temp tables of the same names, the snapshot's rows, which the queries
+  read instead of the views), and the token cards resolve only the picked curations' `curated` shards
+  (`picked_masks`): the results are the printed SQL's over the views, at a cost that does not
+  multiply a long history's shard count by the number of queries.
 """
 
 from __future__ import annotations

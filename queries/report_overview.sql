@@ -1,13 +1,19 @@
--- Report, header: what the buffer holds at this snapshot (one row).
+-- Report, header: what the buffer holds at this snapshot (one row). The rollouts are scanned once.
+WITH r AS (
+    SELECT
+        count(*)                                 AS rollouts,
+        count(DISTINCT group_id)                 AS groups,
+        count(DISTINCT prompt_id)                AS prompts,
+        sum(response_length)::BIGINT             AS response_tokens,
+        count(DISTINCT run_id)                   AS runs,
+        min(policy_version)                      AS first_policy_version,
+        max(policy_version)                      AS last_policy_version
+    FROM rollouts
+)
 SELECT
-    (SELECT count(*) FROM rollouts)                              AS rollouts,
-    (SELECT count(DISTINCT group_id) FROM rollouts)              AS groups,
-    (SELECT count(DISTINCT prompt_id) FROM rollouts)             AS prompts,
-    (SELECT sum(response_length)::BIGINT FROM rollouts)           AS response_tokens,
-    (SELECT count(DISTINCT run_id) FROM rollouts)                AS runs,
-    (SELECT min(policy_version) FROM rollouts)                   AS first_policy_version,
-    (SELECT max(policy_version) FROM rollouts)                   AS last_policy_version,
+    r.*,
     (SELECT count(*) FROM curations)                             AS curations,
     (SELECT count(*) FROM checkpoints)                           AS checkpoints,
     (SELECT count(*) FROM training)                              AS training_steps,
-    (SELECT count(*) FROM evaluations)                           AS evaluations;
+    (SELECT count(*) FROM evaluations)                           AS evaluations
+FROM r;

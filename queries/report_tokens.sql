@@ -11,9 +11,25 @@ WITH scoped AS (
     WHERE ($curation_id IS NULL OR curation_id = $curation_id)
       AND ($recipe IS NULL OR curation_id IN (SELECT curation_id FROM curations WHERE recipe = $recipe))
 ),
-ranked AS (
+keyed AS (  -- each row's place in its reason's order (rank_in_reason below): partly pruned selected rows first
+    SELECT *,
+           CASE WHEN selected THEN '' ELSE reason END                                    AS part,
+           {'unpruned': NOT (selected AND tokens_kept > 0 AND tokens_kept < tokens_total),
+            'h': md5(curation_id || '/' || rollout_id)}                                  AS place
+    FROM scoped
+),
+cut AS (  -- the 6th place of each reason: no row past it can be picked
+    SELECT selected, part, max(p) AS last_place
+    FROM (SELECT selected, part, unnest(min(place, 6)) AS p FROM keyed GROUP BY selected, part)
+    GROUP BY selected, part
+),
+cut_replayed AS (  -- the 2nd md5 of the selected replayed rows (rank_in_replayed <= 2)
+    SELECT max(h) AS last_h FROM (SELECT unnest(min(place.h, 2)) AS h FROM keyed WHERE selected AND replayed IS TRUE)
+),
+ranked AS (  -- ranked among the rows `cut` keeps: the same order as among every row of the scope, so the
+             -- same picks, and the window sorts a few dozen rows instead of every candidate
     SELECT
-        *,
+        k.* EXCLUDE (part, place),
         row_number() OVER (
             PARTITION BY selected, CASE WHEN selected THEN '' ELSE reason END
             ORDER BY (selected AND tokens_kept > 0 AND tokens_kept < tokens_total) DESC,
@@ -22,7 +38,11 @@ ranked AS (
         row_number() OVER (
             PARTITION BY selected, replayed IS TRUE ORDER BY md5(curation_id || '/' || rollout_id)
         ) AS rank_in_replayed
-    FROM scoped
+    FROM keyed k
+    JOIN cut c USING (selected, part)
+    CROSS JOIN cut_replayed r
+    WHERE k.place <= c.last_place
+       OR (k.selected AND k.replayed IS TRUE AND k.place.h <= r.last_h)
 ),
 picks AS (  -- up to 2 of the selected rows are replayed ones, when the scope replayed any
     (SELECT * FROM ranked WHERE selected
@@ -30,6 +50,7 @@ picks AS (  -- up to 2 of the selected rows are replayed ones, when the scope re
     UNION ALL
     (SELECT * FROM ranked WHERE NOT selected ORDER BY rank_in_reason, reason LIMIT 6)
 )
+-- The picked rows with their rollouts and curated masks:
 SELECT
     p.curation_id,
     p.rollout_id,

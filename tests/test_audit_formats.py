@@ -4,6 +4,7 @@ compared side by side, every count recomputed from the raw `selections` rows."""
 from __future__ import annotations
 
 import csv
+import os
 import io
 import json
 from collections import Counter
@@ -117,3 +118,60 @@ def test_compare_with_itself_and_errors(cli, whatif):
                          (("--compare", a, "--rollout", "x"), "cannot be used together")):
         res = cli("audit", root, a, *args)
         assert res.code == 1 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def documented_audit(root: str, cid: str) -> dict:
+    """The record and the three views of `rollstore audit ROOT CID --format json`, run straight over the
+    latest snapshot's plain views (every shard of every table)."""
+    import duckdb
+
+    from rollstore.output.formats import jsonable
+    from rollstore.queries import load_sql
+
+    with Buffer.open(root) as buf, buf.snapshot() as snap:
+        con = duckdb.connect()
+        snap.register_duckdb(con)
+        con.execute(load_sql("views"))
+        out = {name: [jsonable(r) for r in con.sql(load_sql(f"audit_{name}"), params={"curation_id": cid})
+                      .to_arrow_table().to_pylist()] for name in ("reasons", "bands", "replay")}
+        latest = con.execute("SELECT curation_id FROM curations ORDER BY created_at DESC, curation_id DESC LIMIT 1").fetchone()
+        con.close()
+    return out, latest[0]
+
+
+def test_audit_reads_its_own_shards_only(cli, whatif, tmp_path):
+    """`rollstore audit ROOT [CID]` reads the curation's record and audit shards (by catalog key) and the
+    curations table, nothing else: its views equal the documented queries over every shard; another
+    curation's audit shard, or any rollouts shard, can be gone without it noticing; shards without a
+    key (written before keys) are read too."""
+    import shutil
+    import sqlite3
+
+    root, a, b, _ = whatif
+    views, latest = documented_audit(root, a)
+    doc = json.loads(cli("audit", root, a, "-f", "json").stdout)
+    assert {k: doc[k] for k in views} == views and sum(r["candidates"] for r in doc["reasons"]) > 0
+    assert latest == b and json.loads(cli("audit", root, "-f", "json").stdout)["curation"]["curation_id"] == b
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(root, copy)
+    with Buffer.open(copy) as buf, buf.snapshot() as snap:
+        other = [s.path for s in snap.shards("selections") if s.key == b]
+        rollouts = [s.path for s in snap.shards("rollouts")]
+    assert other and rollouts
+    for path in other + rollouts:
+        os.remove(os.path.join(copy, path))
+    assert json.loads(cli("audit", copy, a, "-f", "json").stdout) == doc
+    res = cli("audit", copy, b, "-f", "json")  # its own shard gone: one line naming the file
+    assert res.code == 1 and other[0] in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = cli("audit", copy, "cur-nope")
+    assert res.code == 1 and "no curation 'cur-nope'" in res.stderr and "2 curations" in res.stderr
+
+    unkeyed = str(tmp_path / "unkeyed")  # shards written before keys: read whatever curation they hold
+    shutil.copytree(root, unkeyed)
+    con = sqlite3.connect(os.path.join(unkeyed, "manifest.sqlite"))
+    con.execute("UPDATE shards SET key = NULL WHERE table_name IN ('selections', 'curations')")
+    con.commit()
+    con.close()
+    assert json.loads(cli("audit", unkeyed, a, "-f", "json").stdout) == doc
+    assert json.loads(cli("audit", unkeyed, "-f", "json").stdout)["curation"]["curation_id"] == b

@@ -543,8 +543,12 @@ def test_verify_refuses_what_readers_refuse(cli, curated, tmp_path, how):
     res = cli("verify", curated)
     assert res.code == 1 and path in res.stderr and "symbolic link" in res.stderr, res.stderr
     assert "symbolic link" in read_line
-    for args in (["curate", curated, "--recipe", "dapo"], ["audit", curated], ["export", curated, "--to", tmp_path / "x"]):
+    with Buffer.open(curated) as buf:
+        cid = buf.manifest.shards("curations")[0].key
+    for args in (["curate", curated, "--recipe", "dapo"], ["audit", curated, cid, "--compare", cid],
+                 ["export", curated, "--to", tmp_path / "x"]):
         one_error_line(cli(*args))
+    assert cli("audit", curated).code == 0  # one curation's audit reads its own shards, no rollouts shard
 
 
 # ---- 4: a row id covers everything that makes the row, also what is not in the file's bytes -----

@@ -203,6 +203,112 @@ def test_two_recipes_every_series_in_its_legend_and_one_block_per_recipe(two_rec
     assert not any(c["replayed"] for c in blocks["report_tokens__1"])  # d3s does not replay
 
 
+def expected_picks(rows: list[dict]) -> list[tuple[str, str]]:
+    """report_tokens' picks, ranked in Python over every candidate in scope (the order its header
+    documents): selected rows by (partly pruned first, md5), the first two replayed ones by md5 put
+    ahead, six in all; rejected rows by md5 within each reason, taken in turn from each reason."""
+    import hashlib
+
+    def h(r):
+        return hashlib.md5(f"{r['curation_id']}/{r['rollout_id']}".encode()).hexdigest()
+
+    selected = sorted((r for r in rows if r["selected"]),
+                      key=lambda r: (not 0 < r["tokens_kept"] < r["tokens_total"], h(r)))
+    rank = {r["curation_id"] + r["rollout_id"]: i for i, r in enumerate(selected)}
+    ahead = {r["curation_id"] + r["rollout_id"] for r in sorted(
+        (r for r in selected if r["replayed"] is True), key=h)[:2]}
+    kept = sorted(selected, key=lambda r: (r["curation_id"] + r["rollout_id"] not in ahead,
+                                           rank[r["curation_id"] + r["rollout_id"]]))[:6]
+    kept.sort(key=lambda r: rank[r["curation_id"] + r["rollout_id"]])
+    by_reason = defaultdict(list)
+    for r in rows:
+        if not r["selected"]:
+            by_reason[r["reason"]].append(r)
+    rejected = [(i, reason, r) for reason, rs in by_reason.items() for i, r in enumerate(sorted(rs, key=h))]
+    rejected = [r for _, _, r in sorted(rejected, key=lambda t: (t[0], t[1]))[:6]]
+    return [(r["curation_id"], r["rollout_id"]) for r in kept + rejected]
+
+
+def test_scoped_reports_equal_the_documented_queries_and_pick_in_the_documented_order(two_recipe_report, tmp_path):
+    """The page reads its tables once (temp tables) and resolves only the picked curations' masks:
+    for every scope (the whole buffer, each recipe, each curation) every embedded result equals its
+    query run over the snapshot's plain views, and the token picks equal a ranking of every candidate
+    in scope done in Python (replayed rows included: replay-d3s)."""
+    root, _, html = two_recipe_report
+    selections = raw(root, "selections")
+    curations = raw(root, "curations")
+    recipe_of = {c["curation_id"]: c["recipe"] for c in curations}
+    blocks = data_blocks_keys(html)
+    assert expected_picks(selections) and any(r["replayed"] for r in selections if r["selected"])
+    for i, recipe in enumerate(("d3s", "replay-d3s"), 1):
+        mine = [r for r in selections if recipe_of[r["curation_id"]] == recipe]
+        assert [(c["curation_id"], c["rollout_id"]) for c in blocks[f"report_tokens__{i}"]] == expected_picks(mine)
+    for c in curations:
+        cid = c["curation_id"]
+        out = str(tmp_path / f"{cid}.html")
+        with Buffer.open(root) as buf:
+            build_report(buf, out, curation_id=cid)
+        with open(out, encoding="utf-8") as fh:
+            page = data_blocks_keys(fh.read())
+        assert set(page) == set(QUERIES)
+        for name in QUERIES:
+            assert same(page[name], documented(root, name, cid)), (cid, name)
+        mine = [r for r in selections if r["curation_id"] == cid]
+        assert [(p["curation_id"], p["rollout_id"]) for p in page["report_tokens"]] == expected_picks(mine)
+
+
+def test_checkpoints_come_from_the_catalog_index_else_from_their_files(loop_buffer, report_html, tmp_path):
+    """The page's checkpoints (counted, versions of each run, the newest tokenizer) are the catalog index's
+    copy of the rows when every visible shard has one; a buffer whose shards lack index rows (published
+    before the index) reads the files and gives the same page."""
+    import sqlite3
+
+    from rollstore.report.page import indexed_checkpoints
+
+    with Buffer.open(loop_buffer) as buf, buf.snapshot() as snap:
+        index = indexed_checkpoints(buf, snap.seq).to_pylist()
+        files = snap.arrow("checkpoints").to_table(columns=["run_id", "version", "path"]).to_pylist()
+    assert len(index) >= 3 and sorted(index, key=str) == sorted(files, key=str)
+    copy = str(tmp_path / "unindexed")
+    shutil.copytree(loop_buffer, copy)
+    con = sqlite3.connect(os.path.join(copy, "manifest.sqlite"))
+    con.execute("DELETE FROM checkpoint_index")
+    con.commit()
+    con.close()
+    with Buffer.open(copy) as buf, buf.snapshot() as snap:
+        assert indexed_checkpoints(buf, snap.seq) is None
+        build_report(buf, str(tmp_path / "r.html"))
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "checkpoints/v3/tokenizer.json" in page
+    before = data_blocks_keys(report_html[1])
+    assert all(same(data_blocks_keys(page)[k], before[k]) for k in ("report_overview", "report_accuracy_by_version",
+                                                                     "report_evaluations", "report_tokens"))
+
+
+def test_report_of_a_compacted_buffer_equals_its_queries(two_recipe_report, tmp_path):
+    """After compaction the curated references name retired rollouts shards: the token cards' masks,
+    resolved against the shards the picked curations' references name (followed through the moves),
+    are the plain `curated` view's."""
+    from rollstore.storage.maintenance import compact
+
+    root = str(tmp_path / "compacted")
+    shutil.copytree(two_recipe_report[0], root)
+    with Buffer.open(root) as buf:
+        assert compact(buf, "rollouts").merged_shards >= 2
+        build_report(buf, str(tmp_path / "r.html"))
+    blocks = data_blocks_keys((tmp_path / "r.html").read_text(encoding="utf-8"))
+    for i, recipe in enumerate(("d3s", "replay-d3s"), 1):
+        cards = blocks[f"report_tokens__{i}"]
+        assert any(sum(c["kept"]) for c in cards)  # masks found through the moves
+        assert same(cards, documented(root, "report_tokens", recipe=recipe)), recipe
+
+
+def data_blocks_keys(html: str) -> dict[str, list[dict]]:
+    """Every JSON block of the page by its key (recipe blocks suffixed `__i`)."""
+    return {name: json.loads(text) for name, text in re.findall(
+        r'<script type="application/json" id="data-([a-z_0-9]+)">(.*?)</script>', html, re.DOTALL)}
+
+
 def test_two_recipe_report_in_headless_chromium(two_recipe_report, tmp_path):
     """Opened in a real browser: no console message, every section laid out, every chart's legend
     naming every series drawn (read back from the rendered DOM), no table wider than its frame."""

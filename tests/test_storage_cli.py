@@ -31,6 +31,32 @@ def test_init_is_idempotent_and_info_reports(cli, tmp_path):
     assert res.code == 0 and "rollouts" in res.stdout
 
 
+def test_info_reads_the_rollouts_shards_only(cli, tmp_path):
+    """`info` counts every table from the catalog and reads only the rollouts shards (a long run's
+    thousands of audit, record and checkpoint shards are not opened): a curated or audit shard gone
+    does not change what it prints, a rollouts shard gone is one line naming it."""
+    from rollstore.curate.params import load_recipe
+    from rollstore.curate.run import curate
+    from rollstore.storage.buffer import Buffer
+
+    root = str(tmp_path / "buf")
+    with Buffer.init(root) as buf:
+        for step in range(2):
+            buf.append_rollouts(rollouts_table(n_groups=4, group_size=4, step=step, policy_version=step, seed=step))
+        curate(buf, load_recipe("d3s"), {})
+        with buf.snapshot() as snap:
+            others = [s.path for t in ("curated", "selections", "curations") for s in snap.shards(t)]
+            rollouts = [s.path for s in snap.shards("rollouts")]
+    before = json.loads(cli("info", root, "-f", "json").stdout)
+    assert before["groups"] == 8 and before["policy_versions"] == [0, 1] and before["tables"]["selections"]["rows"] > 0
+    for path in others:
+        os.remove(os.path.join(root, path))
+    assert json.loads(cli("info", root, "-f", "json").stdout) == before
+    os.remove(os.path.join(root, rollouts[0]))
+    res = cli("info", root)
+    assert res.code == 1 and rollouts[0] in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
 def test_import_reports_each_file(cli, buffer_dir, tmp_path):
     a = write_parquet(rollouts_table(n_groups=1, group_size=4, step=0), tmp_path / "a.parquet")
     b = write_parquet(rollouts_table(n_groups=2, group_size=4, step=1), tmp_path / "b.parquet")

@@ -1,4 +1,8 @@
-"""`rollstore info`: a summary of a buffer from its manifest and a DuckDB pass over `rollouts`."""
+"""`rollstore info`: a summary of a buffer from its manifest and a DuckDB pass over `rollouts`.
+
+Invariant: the shard, row, token and byte counts come from the catalog (no file is opened for them);
+the DuckDB pass reads the `rollouts` shards only (`partial_session`), not every table's files.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 from rich.table import Table
 
-from rollstore.queries.session import Session
+from rollstore.report.partial import partial_session
 from rollstore.storage.buffer import Buffer
 from rollstore.storage.schema import TABLES
 
@@ -22,7 +26,7 @@ def buffer_info(buf: Buffer) -> dict:
                 "tokens": sum(s.tokens for s in shards),
                 "bytes": sum(s.bytes for s in shards),
             }
-        with Session(snap) as s:
+        with partial_session(snap, ["rollouts"]) as s:
             versions = [r[0] for r in s.execute(
                 "SELECT DISTINCT policy_version FROM rollouts ORDER BY 1").fetchall()]
             groups, prompts = s.one(

@@ -25,6 +25,7 @@ from rich.text import Text
 
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
+from rollstore.report.partial import partial_session
 from rollstore.output.formats import csv_ready, csv_text, jsonable, render_table
 from rollstore.report.token_text import TokenText
 from rollstore.storage.buffer import Buffer
@@ -342,12 +343,29 @@ def run_audit(buf: Buffer, curation_id: str | None, rollout_id: str | None, out:
         return
     if compare is not None and rollout_id is not None:
         raise RollstoreError("--compare and --rollout cannot be used together")
-    with buf.snapshot(pin=True) as snap, Session(snap) as s:
-        cid = curation_id or latest_curation(s)
-        record(s, cid)  # an unknown id is one line naming it, in every mode
-        if compare is not None:
-            audit_compare(s, cid, compare, fmt, out)
-        elif rollout_id is not None:
-            audit_rollout(s, cid, rollout_id, fmt, out)
-        else:
-            audit_one(s, cid, fmt, out)
+    with buf.snapshot(pin=True) as snap:
+        if compare is None and rollout_id is None:
+            audit_latest_or_one(snap, curation_id, fmt, out)
+            return
+        with Session(snap) as s:
+            cid = curation_id or latest_curation(s)
+            record(s, cid)  # an unknown id is one line naming it, in every mode
+            if compare is not None:
+                audit_compare(s, cid, compare, fmt, out)
+            else:
+                audit_rollout(s, cid, rollout_id, fmt, out)
+
+
+def audit_latest_or_one(snap, curation_id: str | None, fmt: str, out: Console) -> None:
+    """`rollstore audit BUFFER [CURATION]`: the curation's record and audit views, read from its own
+    shards (`partial_session`: its record and audit shards, by their catalog key) and, to find the
+    latest curation when none is named, the `curations` table alone; the buffer's other tables and
+    the other curations' audits are not opened, so the cost does not grow with the history."""
+    if curation_id is None:
+        with partial_session(snap, ["curations"]) as s:
+            curation_id = latest_curation(s)
+    with partial_session(snap, ["curations", "selections"], keys=[curation_id]) as s:
+        if s.one("SELECT count(*) FROM curations WHERE curation_id = $c", {"c": curation_id})[0] == 0:
+            with partial_session(snap, ["curations"]) as every:
+                record(every, curation_id)  # the one line naming it (with every known id)
+        audit_one(s, curation_id, fmt, out)

@@ -20,16 +20,24 @@ Invariants:
 - Every chart's legend names every series drawn (report_svg); a replayed row's token card is marked
   with its age.
 - The output file appears atomically (written beside its target, then renamed).
+- Each shard of `selections`, `curations` and `checkpoints` (and views.sql's `run_versions`) is read
+  once per report (`READ_ONCE`: temp tables of the same names, the snapshot's rows, which the queries
+  read instead of the views), and the token cards resolve only the picked curations' `curated` shards
+  (`picked_masks`): the results are the printed SQL's over the views, at a cost that does not
+  multiply a long history's shard count by the number of queries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
 from dataclasses import dataclass
 from html import escape
+
+import pyarrow as pa
 
 from rollstore.queries import load_sql
 from rollstore.queries.session import Session
@@ -46,8 +54,10 @@ from rollstore.report.svg import (
 from rollstore.output.outfile import check_output_file, write_output
 from rollstore.report.token_text import TokenText
 from rollstore.storage.buffer import Buffer
+from rollstore.storage.catalog_sql import CHECKPOINT_COLS
 from rollstore.storage.errors import RollstoreError
-from rollstore.storage.snapshot import sql_string
+from rollstore.storage.schema import CHECKPOINTS
+from rollstore.storage.snapshot import Snapshot, curated_view, file_schema, sql_string
 
 # (section id, heading): the page's sections, in order.
 SECTIONS = [
@@ -142,8 +152,51 @@ def with_literals(sql: str, params: dict) -> str:
 
 def run_query(session: Session, name: str, curation_id: str | None, scope: Scope = Scope()) -> Result:
     sql = with_literals(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
-    rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
+    with picked_masks(session, sql) if name == "report_tokens" else contextlib.nullcontext():
+        rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
     return Result(name, sql, rows, name + scope.suffix)
+
+
+PICKED = "-- The picked rows with their rollouts and curated masks:"  # where report_tokens.sql's picks end
+
+
+@contextlib.contextmanager
+def picked_masks(session: Session, sql: str):
+    """While report_tokens runs: a temp view `curated` over the curated shards (by catalog key) of the
+    curations of its picked rows only, the only rows its `LEFT JOIN curated` can match, resolved
+    against the rollouts shards those shards refer to (followed through compaction's moves) only: the
+    same masks come out without resolving every curated row of the snapshot against every rollouts
+    shard."""
+    snap = session.snapshot
+    if not isinstance(snap, Snapshot) or PICKED not in sql:  # a session over a listing: the view as it is
+        yield
+        return
+    picks = session.con.sql(sql.split(PICKED)[0] + "SELECT DISTINCT curation_id FROM picks").fetchall()
+    wanted = {cid for (cid,) in picks}
+    shards = [s for s in snap.shards("curated") if s.key is None or s.key in wanted]
+    files = [os.path.join(snap.root, s.path) for s in shards]
+    view = (curated_view(files, referred_rollouts(snap, files), snap.root, bool(snap.moves())) if files
+            else "SELECT * FROM main.curated WHERE false")
+    session.con.execute(f"CREATE OR REPLACE TEMP VIEW curated AS {view}")
+    try:
+        yield
+    finally:
+        session.con.execute("DROP VIEW IF EXISTS temp.curated")
+
+
+def referred_rollouts(snap: Snapshot, curated_files: list[str]) -> list[str]:
+    """The snapshot's rollouts files that the thin curated shards `curated_files` refer to, each
+    reference followed through compaction's moves (`Snapshot.moves`), in snapshot order: the only
+    rollouts rows those shards' `curated_view` can join (a reference to no live shard joins none)."""
+    import pyarrow.parquet as pq
+
+    named = set()
+    for f in curated_files:
+        if "rollouts_shard" in file_schema(f).names:  # thin; a materialised shard refers to nothing
+            named.update(pq.read_table(f, columns=["rollouts_shard"]).column(0).unique().to_pylist())
+    moves = snap.moves()
+    at = {moves[p][0] if p in moves else p for p in named}
+    return [os.path.join(snap.root, s.path) for s in snap.shards("rollouts") if s.path in at]
 
 
 def scopes(session: Session, curation_id: str | None) -> list[Scope]:
@@ -158,7 +211,46 @@ def scopes(session: Session, curation_id: str | None) -> list[Scope]:
     return [Scope(recipe, f"__{i}", n) for i, (recipe, n) in enumerate(recipes, 1)]
 
 
-def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
+# Tables (and views.sql's `run_versions`) several report queries read: each is loaded once into a temp table of the same name (its
+# columns that the queries use), which the queries then read instead of the view (DuckDB looks a name
+# up in the temp catalog first). The rows are the snapshot's, so every result is the one the printed
+# SQL gives over the views; but the shards are opened once per report, not once per query (a long
+# run holds one `selections`, `curations` and `checkpoints` shard per step, thousands of small files).
+READ_ONCE = {
+    "selections": ("curation_id", "rollout_id", "selected", "reason", "group_accuracy", "difficulty", "advantage_raw",
+                   "amplification", "advantage_final", "tokens_total", "tokens_kept", "replayed", "age"),
+    "curations": ("curation_id", "recipe", "created_at", "snapshot_seq", "progress", "n_candidates", "n_selected",
+                  "sample_budget", "token_fraction", "token_threshold", "tokens_candidate", "tokens_kept",
+                  "adv_var_before", "adv_var_after"),
+    "checkpoints": ("run_id", "version", "path"),
+    "run_versions": ("run_id", "policy_version", "run_version"),  # views.sql's view (reads every rollouts shard)
+}
+
+
+def read_once(session: Session, checkpoints: pa.Table | None = None) -> None:
+    """Load the `READ_ONCE` tables of the session's snapshot into temp tables that shadow their views;
+    `checkpoints`: the snapshot's checkpoints rows already known (`indexed_checkpoints`), not read again."""
+    for name, columns in READ_ONCE.items():
+        if name == "checkpoints" and checkpoints is not None:
+            session.load(name, checkpoints.select(list(columns)))
+        else:
+            session.execute(f"CREATE TEMP TABLE {name} AS SELECT {', '.join(columns)} FROM main.{name}")
+
+
+def indexed_checkpoints(buf: Buffer, seq: int) -> pa.Table | None:
+    """The `checkpoints` rows visible at snapshot `seq` (their `READ_ONCE` columns) as the catalog's
+    checkpoint index holds them (storage.catalog_sql.CHECKPOINT_DDL: a copy of each row, written in the
+    commit that publishes it), so no checkpoint shard is opened; None when a visible checkpoints shard
+    has no index row (published before the index): then the files are read."""
+    rows, unindexed = buf.manifest.checkpoint_index(seq)
+    if unindexed:
+        return None
+    at = {c: CHECKPOINT_COLS.index(c) for c in READ_ONCE["checkpoints"]}
+    return pa.table({c: pa.array([r[i] for r in rows], CHECKPOINTS.field(c).type) for c, i in at.items()})
+
+
+def collect(session: Session, curation_id: str | None, blocks: list[Scope] | None = None) -> dict[str, Result]:
+    """Every query's result (`QUERIES`; the `SCOPED` ones once per block of `scopes`, or of `blocks`)."""
     if session.one("SELECT count(*) FROM rollouts")[0] == 0:
         raise RollstoreError(f"{session.root}: the buffer has no rollouts: nothing to report "
                              "(append some with `rollstore generate` or `rollstore import`)")
@@ -168,7 +260,7 @@ def collect(session: Session, curation_id: str | None) -> dict[str, Result]:
         raise RollstoreError(f"no curation {curation_id!r} in this buffer ({n} curations; "
                              "`rollstore sql BUFFER \"SELECT curation_id, recipe FROM curations\"` lists them)")
     res = {}
-    blocks = scopes(session, curation_id)
+    blocks = scopes(session, curation_id) if blocks is None else blocks
     for name in QUERIES:
         for scope in blocks if name in SCOPED else [Scope()]:
             result = run_query(session, name, curation_id, scope)
@@ -616,9 +708,11 @@ def build_report(buf: Buffer, out_path: str, curation_id: str | None = None, sna
     t0 = time.perf_counter()
     kwargs = {"memory_limit": memory_limit} if memory_limit else {}
     with buf.snapshot(snapshot, pin=True) as snap, Session(snap, **kwargs) as session:
-        res = collect(session, curation_id)
+        read_once(session, indexed_checkpoints(buf, snap.seq))
+        blocks = scopes(session, curation_id)
+        res = collect(session, curation_id, blocks)
         text = TokenText.for_snapshot(session)
-        page = render(res, text, buf.root, snap.seq, curation_id, scopes(session, curation_id))
+        page = render(res, text, buf.root, snap.seq, curation_id, blocks)
         seq = snap.seq
     def write(partial: str) -> None:
         with open(partial, "x", encoding="utf-8") as fh:

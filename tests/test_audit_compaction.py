@@ -102,3 +102,18 @@ def test_audits_committed_after_a_pinned_snapshot_are_not_merged(tmp_path):
         assert buf.manifest.shard_keys([merged.shard_id])[merged.shard_id] == sorted(cids)
         rows = buf.manifest.con.execute("SELECT count(DISTINCT shard_id) FROM shard_keys").fetchone()[0]
         assert rows == 1  # gc forgot the keys of the shard it collected
+
+
+def test_one_curations_audit_reads_the_merged_shard_that_holds_it(tmp_path, cli):
+    """`audit` of one curation reads its own shards by key (`report.partial`), and after a merge the
+    merged shard that names it: the same output before and after compaction and gc."""
+    root = str(tmp_path / "b")
+    with Buffer.init(root) as buf:
+        cids = [c for s in range(3) for c in _step(buf, s)]
+    before = {c: cli("audit", root, c, "--format", "json") for c in (cids[1], cids[-1])}
+    with Buffer.open(root) as buf:
+        assert compact(buf, "selections").new_shards == 1
+        gc(buf, 0)
+    for c, res in before.items():
+        after = cli("audit", root, c, "--format", "json")
+        assert res.code == 0 and after.code == 0 and after.stdout == res.stdout and c in res.stdout

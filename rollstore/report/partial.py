@@ -8,10 +8,11 @@ Invariants:
   (`buf.snapshot(pin=True)`) for the session's life; each one is checked present (size) first.
 - A table not named reads as an empty table: a caller names every table its SQL reads.
 - `keys` keeps the shards of `selections` or `curations` whose catalog key is one of the given
-  curation ids, or that have no key (shards written before keys: any curation's rows): every writer
-  keys a curation's audit and record shards by its id (curate.finish, curate.dask_tasks) and
-  compaction merges shards of one key only, so the rows of those curations are all there. SQL over
-  such a session must still filter by curation id.
+  curation ids, the audit shards compaction merged from several curations that hold one of them
+  (`Snapshot.shard_keys`), and those with no key otherwise (shards written before keys: any
+  curation's rows): every writer keys a curation's audit and record shards by its id
+  (curate.finish, curate.dask_tasks), so the rows of those curations are all there. SQL over such a
+  session must still filter by curation id.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def partial_session(snap: Snapshot, tables: list[str], keys: list[str] | None = 
         shards = snap.shards(name)
         if keys is not None and name in KEYED:
             wanted = set(keys)
-            shards = [s for s in shards if s.key is None or s.key in wanted]
+            merged = snap.shard_keys([s.shard_id for s in shards if s.key is None])
+            shards = [s for s in shards if s.key in wanted or (s.key is None and (
+                s.shard_id not in merged or wanted.intersection(merged[s.shard_id])))]
         check_present(snap.root, shards, folders)
         listing[name] = tuple(os.path.join(snap.root, s.path) for s in shards)
     moves = snap.moves() if "curated" in tables else {}

@@ -249,9 +249,11 @@ class Session:
             if unchecked:  # (a new session's first use of them: every shard's presence, once)
                 self.snapshot.check_present(unchecked)
             placeholders = [t for t in names if t in self._placeholders]
+            db = self._con.execute("SELECT current_database()").fetchone()[0]
+            schema = f'"{db}".main.'  # (not a temp object a caller made of the same name: `load`)
             if placeholders:
-                self._con.execute("\n".join(f'DROP TABLE IF EXISTS main."{t}";' for t in placeholders))
-            self.snapshot.register_duckdb(self._con, names, checked=True)
+                self._con.execute("\n".join(f'DROP TABLE IF EXISTS {schema}"{t}";' for t in placeholders))
+            self.snapshot.register_duckdb(self._con, names, checked=True, schema=schema)
             self._stale = self._stale - wanted
             self._unchecked = self._unchecked - wanted
             self._placeholders = self._placeholders - wanted

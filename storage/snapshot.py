@@ -333,13 +333,13 @@ class Snapshot:
         return self
 
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None,
-                        checked: bool = False) -> None:
+                        checked: bool = False, schema: str = "") -> None:
         """Create a view per table (named as the table) over this snapshot's files, after checking
         that every file is there with its recorded size (unless the caller just did: `checked`)."""
         if not checked:
             self.check_present(tables)
         curated = tables is None or "curated" in tables  # (the only view that follows moved rows)
-        _register_duckdb(con, self.files, tables, self.root, self.moves() if curated else None)
+        _register_duckdb(con, self.files, tables, self.root, self.moves() if curated else None, schema)
 
     def frozen(self) -> "SnapshotFiles":
         """This snapshot's file lists as a plain, picklable value (for processes that must not open
@@ -476,32 +476,35 @@ def rollouts_relation(paths: list[str], located: bool = False, numbered: bool = 
 
 
 def _register_duckdb(con: "duckdb.DuckDBPyConnection", files_of, tables: list[str] | None, root: str,
-                     moves: dict | None = None) -> None:
+                     moves: dict | None = None, schema: str = "") -> None:
     """Views by name; columns are matched by name, since a table may gain columns (shards written
     before a column was added read it as null). `curated` shows the resolved columns (`CURATED`):
-    thin shards joined to their rollouts rows, materialised ones as stored (`curated_view`)."""
+    thin shards joined to their rollouts rows, materialised ones as stored (`curated_view`).
+    `schema`: the qualified schema to make them in (e.g. `"memory".main.`), when a temp object of
+    the same name may exist (a session making its views late)."""
     for name in tables or list(TABLES):
         files = files_of(name)
         if name == "curated" and files:
             if moves:  # a table, not a VALUES list in the view: a long run's thousands of moves bind once
                 con.register("_moved_rows", pa.table({"moved": list(moves), "shard": [v[0] for v in moves.values()],
                                                       "row_offset": [v[1] for v in moves.values()]}))
-                con.execute(f"CREATE OR REPLACE TABLE {MOVED_TABLE} AS SELECT * FROM _moved_rows")
+                con.execute(f"CREATE OR REPLACE TABLE {schema}{MOVED_TABLE} AS SELECT * FROM _moved_rows")
                 con.unregister("_moved_rows")
-            con.execute(f"CREATE OR REPLACE VIEW curated AS "
+            con.execute(f"CREATE OR REPLACE VIEW {schema}curated AS "
                         f"{curated_view(files, files_of('rollouts'), root, bool(moves))}")
         elif name == "rollouts" and files:
-            con.execute(f"CREATE OR REPLACE VIEW rollouts AS SELECT * FROM {rollouts_relation(files, union_by_name=True)}")
+            con.execute(f"CREATE OR REPLACE VIEW {schema}rollouts AS SELECT * FROM "
+                        f"{rollouts_relation(files, union_by_name=True)}")
         elif files:
             listing = ", ".join(sql_string(f) for f in files)
             con.execute(
-                f"CREATE OR REPLACE VIEW {name} AS "
+                f"CREATE OR REPLACE VIEW {schema}{name} AS "
                 f"SELECT * FROM read_parquet([{listing}], hive_partitioning = false{union_option(files)})"
             )
         else:
             empty = pa.Table.from_batches([], schema=ROLLOUTS_STORED if name == "rollouts" else READ_SCHEMAS[name])
             con.register(f"_empty_{name}", empty)
-            con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _empty_{name}")
+            con.execute(f"CREATE OR REPLACE TABLE {schema}{name} AS SELECT * FROM _empty_{name}")
             con.unregister(f"_empty_{name}")
 
 

@@ -249,7 +249,7 @@ class Session:
             if unchecked:  # (a new session's first use of them: every shard's presence, once)
                 self.snapshot.check_present(unchecked)
             placeholders = [t for t in names if t in self._placeholders]
-            db = self._con.execute("SELECT current_database()").fetchone()[0]
+            db = self._con.execute("SELECT current_database()").fetchall()[0][0]
             schema = f'"{db}".main.'  # (not a temp object a caller made of the same name: `load`)
             if placeholders:
                 self._con.execute("\n".join(f'DROP TABLE IF EXISTS {schema}"{t}";' for t in placeholders))

@@ -69,10 +69,6 @@ STEP_INDEX_DDL = (
     "step_min BIGINT, step_max BIGINT)",
     "CREATE INDEX IF NOT EXISTS shard_steps_by_run ON shard_steps (table_name, run_id, step_max)",
     "CREATE INDEX IF NOT EXISTS shard_steps_by_shard ON shard_steps (shard_id)",
-    # (not the step index's, but made with it: `table_stamp`'s look-up of a table's newest retirement)
-    "CREATE INDEX IF NOT EXISTS shards_by_removal ON shards (table_name, removed_seq)",
-    # (and `live_keyed`'s look-up of one curation's shards; a PostgreSQL catalog has it from its creation)
-    "CREATE INDEX IF NOT EXISTS shards_by_key ON shards (table_name, key)",
     # the newest `created_at` of each rollouts shard (µs; null: no row): the default batch's latest step
     # is looked for in the shards holding the newest rows only (`newest_shard_ids`)
     "CREATE TABLE IF NOT EXISTS shard_times (shard_id BIGINT PRIMARY KEY, created_max BIGINT)",
@@ -83,6 +79,14 @@ STEP_INDEX_DDL = (
 SHARD_KEYS_DDL = (
     "CREATE TABLE IF NOT EXISTS shard_keys (shard_id BIGINT NOT NULL, key TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS shard_keys_by_shard ON shard_keys (shard_id)",
+)
+# Indexes of `shards` an older embedded manifest lacks (`table_stamp`'s look-up of a table's newest
+# retirement; `live_keyed`'s of one curation's shards), made with the step index on SQLite only: there a
+# commit holds the whole file anyway, while on PostgreSQL `CREATE INDEX` would hold a lock on `shards`
+# until its commit ends, beside every other host's writers (a PostgreSQL catalog has them from its creation).
+SQLITE_SHARDS_DDL = (
+    "CREATE INDEX IF NOT EXISTS shards_by_removal ON shards (table_name, removed_seq)",
+    "CREATE INDEX IF NOT EXISTS shards_by_key ON shards (table_name, key)",
 )
 # Each prompt's group history in a run and each run's newest prompt selection, kept as rows are committed
 # (`storage.prompt_state`; made by the first commit of rollouts or selections rows): pre-rollout prompt
@@ -308,13 +312,13 @@ class SqlCatalog(Catalog):
             "SELECT shard_id, path, removed_seq FROM shards WHERE removed_seq IS NOT NULL").fetchall()]
 
     def forget_retired(self, con, ids: list[int], removed_seq: int) -> None:
-        keyed, timed = self.has_table("shard_keys", con), self.has_table("shard_times", con)
+        keyed = self.has_table("shard_keys", con)  # (shard_steps' and shard_times' rows stay: joined to shards,
+        # they name nothing once their shard is gone, and gc takes no lock every append's DDL takes)
         for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
             con.execute(f"DELETE FROM shards WHERE {cond}", args)
             if keyed:
                 con.execute(f"DELETE FROM shard_keys WHERE {cond}", args)
-            if timed:
-                con.execute(f"DELETE FROM shard_times WHERE {cond}", args)
+
         d = self.dialect
         con.execute("INSERT INTO meta (key, value) VALUES ('collected_seq', ?) ON CONFLICT (key) DO UPDATE "
                     f"SET value = CAST({d.greatest}(CAST(meta.value AS {d.integer}), "
@@ -493,7 +497,7 @@ class SqlCatalog(Catalog):
         STEP_INDEXED tables has its rows (a shard committed by a rollstore without the index, or before
         it, holds it back until gc deletes its row), and `times_indexed_through` likewise for the
         rollouts shards' times. Portable SQL (SQLite and PostgreSQL catalogs)."""
-        for statement in STEP_INDEX_DDL:
+        for statement in STEP_INDEX_DDL + (SQLITE_SHARDS_DDL if self.dialect.name == "sqlite" else ()):
             con.execute(statement)
         if rows:
             con.executemany("INSERT INTO shard_steps (shard_id, table_name, run_id, step_min, step_max) "

@@ -72,6 +72,8 @@ CREATE TABLE IF NOT EXISTS shards (
     removed_seq INTEGER
 );
 CREATE INDEX IF NOT EXISTS shards_by_table ON shards (table_name, added_seq);
+CREATE INDEX IF NOT EXISTS shards_by_removal ON shards (table_name, removed_seq);
+CREATE INDEX IF NOT EXISTS shards_by_key ON shards (table_name, key);
 CREATE TABLE IF NOT EXISTS rollout_ids (
     rollout_id TEXT PRIMARY KEY, group_id TEXT NOT NULL, shard_id INTEGER NOT NULL
 ) WITHOUT ROWID;

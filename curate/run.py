@@ -131,7 +131,7 @@ def curate(
             params = params.with_defaults(latest, None)
         inputs = step_inputs(snap, params)  # a step's batch: only the shards it reads (the catalog's indexes)
         verified = stack.enter_context(verifying_inputs(snap, dry_run, None if inputs is None else inputs.shards))
-        files = batch_files(snap, params) if inputs is None else inputs.files
+        files = batch_files(snap) if inputs is None else inputs.files
         audits = committed_audits(snap) if inputs is None else inputs.uses_audits
         everything = parquet(files, located=True, numbered=True)
         with session.deadline(limits.timeout):

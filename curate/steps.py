@@ -180,12 +180,11 @@ class StepInputs:
     batch: list  # the rollouts shards holding the step's rows (`Snapshot.step_shards`)
     audits: list  # the committed audit shards that may name one of their rows
     checkpoints: list  # the checkpoint shards read for the default current_version: none when indexed
+    excluded: tuple = ()  # curations of a merged audit shard that do not count (`committed_audits`)
 
     @property
     def files(self) -> list[str]:
         return [os.path.join(self.root, s.path) for s in self.batch]
-
-    excluded: tuple = ()  # curations of a merged audit shard that do not count (`committed_audits`)
 
     @property
     def uses_audits(self) -> Audits:
@@ -321,19 +320,9 @@ def run_version(session: Session, rollouts, runs: list[str]) -> int | None:
     return None if row is None or row[0] is None else int(row[0])
 
 
-def batch_files(snap, params=None) -> list[str]:
-    """The snapshot's rollouts shards the batch is drawn from; none is an empty batch. A `where` of
-    `step_where`'s form (a loop's curation of one step) reads only the shards the catalog's step index
-    names for that run and step (`Snapshot.step_files`), or, with replay, for that run (its window is
-    the run's earlier versions): the scan does not grow with the history. Any other `where` reads every
-    shard. The rows matched are the same either way: the other shards hold none of them."""
-    step = step_of_where(params["where"]) if params is not None else None
-    if step is not None:  # (a listing, a Dask worker's, has no step index: [] and every shard)
-        run, s = step
-        replay = params["replay"] != "none"
-        files = snap.step_files("rollouts", run, None if replay else s, None if replay else s)
-        if files:
-            return files  # (none: every shard, so that an empty batch is reported as before)
+def batch_files(snap) -> list[str]:
+    """Every rollouts shard of the snapshot, the batch of a `where` that is not one step's (a step's
+    reads only the shards the step index names: `step_inputs`); none is an empty batch."""
     files = snap.files("rollouts")
     if not files:
         raise EmptyBatch.of(None)

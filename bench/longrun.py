@@ -11,8 +11,13 @@ of these is timed (CPU and wall seconds, median of the `--window` steps before e
 this one process; the learner's bookkeeping is also timed along main 37bb4b9's path (copied below:
 every checkpoint row read from its file through a 4,096-entry cache, four listings a step), side by
 side on the same buffer, in the steps whose medians a point reports (it grows with the history).
-Greso examines more prompts a step as its synthetic prompts' zero-variance streaks grow (each one a
-`prompt_selections` row the append writes): the count is reported, and both costs per prompt examined.
+The pool is `POOL` prompts, each with its own success rate, fixed for the run (a Beta(0.6, 0.6) draw:
+some prompts nearly always solved, some nearly never, many between), so that greso's skipping reaches
+a steady state within a few passes of the pool, as on a real task whose difficulty persists. (Rates
+drawn afresh at every visit, as the first version of this bench did, make zero-variance groups
+unpredictable: greso's exploration rate then falls to its floor and it examines ever more prompts a
+step, 64 → 4,054 by 5,000 steps, which measures the data, not the store.) The number of prompts
+greso examines is reported, and both costs per prompt examined.
 
 At each point the loop's peak resident set over its steps since the last point is reported (the
 commands' apart), and a resumed process's first step: the buffer and the session opened afresh,
@@ -29,7 +34,7 @@ once per curated shard (main's path); then `--after` more steps and the commands
 main's file-reading path against the catalog index: main's cache held 4,096 files.
 
     python -m bench.longrun --at 50,200,500
-    python -m bench.longrun --full            # 50, 500, 2,000 and 5,000 steps (the issue's scale)
+    python -m bench.longrun --full            # 50, 200, 500, 2,000 and 5,000 steps (the issue's scale)
     python -m bench.longrun --cliff 4300
 """
 
@@ -50,7 +55,7 @@ ROOT = os.path.dirname(HERE)
 
 RUN = "longrun"
 GROUP_SIZE = 8
-POOL = 4096  # prompts in the pool greso examines (the loop's default pool is 2,048)
+POOL = 512  # prompts in the pool (8 steps a pass at 64 a step); greso reads the history of all of them a step
 Prompt = namedtuple("Prompt", "prompt_id prompt")
 MAIN_LIST = "list (main's path)"
 EXAMINED = "prompts greso examined (count)"  # one prompt_selections row each, appended with the step
@@ -275,8 +280,18 @@ def _tiny_model():
     return LlamaForCausalLM(config).float()
 
 
+@functools.lru_cache(maxsize=1)
+def _success_rates():
+    """Each pool prompt's success rate, fixed for the run."""
+    import numpy as np
+
+    return np.random.default_rng(7).beta(0.6, 0.6, size=POOL)
+
+
 def _rollouts(step: int, version: int, prompt_ids: list[str], mean_tokens: int):
-    """`len(prompt_ids)` groups of GROUP_SIZE synthetic rollouts of step `step`, one group per prompt."""
+    """`len(prompt_ids)` groups of GROUP_SIZE synthetic rollouts of step `step`, one group per prompt,
+    each rollout correct with its prompt's own success rate."""
+    import numpy as np
     import pyarrow as pa
 
     from rollstore.builtin.synthetic import rollouts_table
@@ -284,6 +299,10 @@ def _rollouts(step: int, version: int, prompt_ids: list[str], mean_tokens: int):
     t = rollouts_table(n_groups=len(prompt_ids), group_size=GROUP_SIZE, mean_tokens=mean_tokens, seed=step,
                        run_id=RUN, step=step, policy_version=version, n_prompts=len(prompt_ids))
     ids = [p for p in prompt_ids for _ in range(GROUP_SIZE)]
+    rates = _success_rates()[[int(p[1:]) for p in ids]]
+    correct = np.random.default_rng([7, step]).random(len(ids)) < rates
+    t = t.set_column(t.schema.get_field_index("reward"), "reward", pa.array(correct.astype(np.float32)))
+    t = t.set_column(t.schema.get_field_index("correct"), "correct", pa.array(correct))
     t = t.set_column(t.schema.get_field_index("prompt_id"), "prompt_id", pa.array(ids))
     return t.set_column(t.schema.get_field_index("prompt"), "prompt", pa.array([f"prompt {p[1:]}" for p in ids]))
 
@@ -331,7 +350,7 @@ def disk(root: str) -> dict:
 # ---- the run ----------------------------------------------------------------------------------------
 
 def longrun(points: list[int], groups: int, keep: int, window: int, after: int, mean_tokens: int,
-            work: str) -> dict:
+            work: str, compact_after: bool = True) -> dict:
     from bench import common
     from rollstore.learner.checkpoint import list_checkpoints
     from rollstore.storage.maintenance import compact, gc
@@ -368,7 +387,8 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
             at["manifest bytes per rollout"] = at["manifest bytes"] / max(1, at["rollouts"])
             results["points"][n] = at
             print(json.dumps({"steps": n, "elapsed_s": round(at["elapsed_s"], 1)}), flush=True)
-        results["after compact"] = after_compaction(h, work, total, after)
+        if compact_after:
+            results["after compact"] = after_compaction(h, work, total, after)
     finally:
         h.close()
     return results
@@ -467,7 +487,8 @@ def report(results: dict, args, command: str) -> str:
     first = ns[0]
     keys = list(pts[first]["per step"])
     rows = []
-    post_steps = results["after compact"]["per step"]
+    post = results.get("after compact")  # (none with --no-compact: "—")
+    post_steps = post["per step"] if post else None
 
     def per_examined(step: dict) -> dict:  # greso's and append's cost per prompt examined (ms; CPU / wall)
         n = max(1.0, step[EXAMINED][0])
@@ -477,9 +498,9 @@ def report(results: dict, args, command: str) -> str:
     for k in keys + list(per_examined(pts[first]["per step"])):
         cells = [k]
         values = [pts[n]["per step"][k] if k in keys else per_examined(pts[n]["per step"])[k] for n in ns]
-        post = post_steps[k] if k in keys else per_examined(post_steps)[k]
         fmt = "{:.0f}" if k == EXAMINED else "{:.4f} / {:.4f}"
-        cells += [fmt.format(*v) for v in values] + [fmt.format(*post)]
+        cells += [fmt.format(*v) for v in values]
+        cells.append("—" if not post else fmt.format(*(post_steps[k] if k in keys else per_examined(post_steps)[k])))
         cells.append(f"{values[-1][0] / max(1e-9, values[0][0]):.2f}×")
         rows.append(cells)
     head = ["per step (CPU s / wall s, median)"] + [f"{n:,} steps" for n in ns] + [f"{ns[-1]:,}, compacted",
@@ -488,14 +509,13 @@ def report(results: dict, args, command: str) -> str:
     crow = []
     for k in pts[first]["commands"]:
         cells = [k] + [f"{pts[n]['commands'][k][0]:.2f} / {pts[n]['commands'][k][1]:.2f}" for n in ns]
-        post = results["after compact"]["commands"][k]
-        crow.append(cells + [f"{post[0]:.2f} / {post[1]:.2f}"])
+        crow.append(cells + ["{0:.2f} / {1:.2f}".format(*post["commands"][k]) if post else "—"])
     for k in ("list checkpoints (index)", "list checkpoints (main's path)"):
         crow.append([k] + [f"{pts[n][k][0]:.3f} / {pts[n][k][1]:.3f}" for n in ns] + [""])
     t2 = common.md_table(["command (CPU s / wall s)"] + [f"{n:,} steps" for n in ns] + [f"{ns[-1]:,}, compacted"], crow)
-    post = results["after compact"]
-    prow = [[k, f"{v[0]:.2f} / {v[1]:.2f}"] for k, v in post.items() if isinstance(v, list) and len(v) == 2]
-    t3 = common.md_table(["maintenance after the last point (CPU s / wall s)", "seconds"], prow)
+    prow = [[k, f"{v[0]:.2f} / {v[1]:.2f}"] for k, v in (post or {}).items() if isinstance(v, list) and len(v) == 2]
+    t3 = common.md_table(["maintenance after the last point (CPU s / wall s)", "seconds"], prow) if post else \
+        "(not compacted: --no-compact)"
     def resumed(n) -> str:
         first, warm = pts[n]["resumed process's first step"]
         return f"{first:.3f} / {warm:.3f} = {first / max(1e-9, warm):.2f}×"
@@ -508,7 +528,7 @@ def report(results: dict, args, command: str) -> str:
                           "resumed process's first step ÷ a warm step (CPU s)", "elapsed s"], drow)
     extra = [f"{results['rows_per_step']} rows a step ({args.groups} greso-selected prompts × {GROUP_SIZE}), mean "
              f"{args.mean_tokens} response tokens; K = {args.keep}; medians of the {args.window} steps before each point; "
-             f"{post['shards merged']} shards merged, {post['shards retired']} retired by gc"]
+             + (f"{post['shards merged']} shards merged, {post['shards retired']} retired by gc" if post else "not compacted")]
     return (common.header("A long run, synthetic, side by side in one process (bench/longrun.py)", command, extra,
                           libs=("duckdb", "pyarrow", "torch"))
             + "\n\n" + t1 + "\n\n" + t2 + "\n\n" + t3 + "\n\n" + t4 + "\n")
@@ -538,7 +558,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--at", default="50,200,500", help="history sizes (steps) to measure at")
-    ap.add_argument("--full", action="store_true", help="the issue's scale: --at 50,500,2000,5000")
+    ap.add_argument("--full", action="store_true", help="the issue's scale: --at 50,200,500,2000,5000")
     ap.add_argument("--groups", type=int, default=64, help="prompts a step (× 8 rollouts)")
     ap.add_argument("--mean-tokens", type=int, default=32)
     ap.add_argument("--keep", type=int, default=3, help="K: checkpoints that keep their files")
@@ -547,6 +567,8 @@ def main() -> None:
     ap.add_argument("--cliff", type=int, default=0, help="instead: publish this many checkpoints and list them")
     ap.add_argument("--reopen", action="store_true", help="instead: the commands and compaction on the history "
                     "an earlier run left in --work")
+    ap.add_argument("--no-compact", action="store_true", help="stop at the last point, the history left "
+                    "uncompacted (for a later code's `--reopen` on the same buffer, with --work)")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--work", help="the working folder (default: a temporary one, removed)")
     a = ap.parse_args()
@@ -564,8 +586,8 @@ def main() -> None:
             counts = sorted({c for c in (1000, 2000, 4000, 4096, 4200, a.cliff) if c <= a.cliff})
             common.publish(cliff_report(cliff(a.cliff, counts, work), command), record=not a.no_record)
             return
-        points = [50, 500, 2000, 5000] if a.full else [int(x) for x in a.at.split(",")]
-        results = longrun(points, a.groups, a.keep, a.window, a.after, a.mean_tokens, work)
+        points = [50, 200, 500, 2000, 5000] if a.full else [int(x) for x in a.at.split(",")]
+        results = longrun(points, a.groups, a.keep, a.window, a.after, a.mean_tokens, work, not a.no_compact)
         common.publish(report(results, a, command), record=not a.no_record)
     finally:
         if not a.work:

@@ -150,7 +150,7 @@ class Plan:
         return f"cur-{hashlib.sha256(text.encode()).hexdigest()[:20]}"
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)  # (a loop's step texts differ by their `where`: a long run would fill a large one)
 def executable(sql: str) -> str:
     """`sql` as DuckDB's tokenizer reads it, without comments, its tokens one space apart: a
     reworded comment or a re-indented line of a step file does not change any curation id, while

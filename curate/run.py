@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 
 from rollstore.queries.session import Session
 from rollstore.storage.buffer import Buffer, Part
-from rollstore.storage.references import prefetch_logprob_facts
+from rollstore.storage.references import forget_columns, prefetch_logprob_facts
 
 from .custom import choose_custom
 from .finish import Decided, finish_curation
@@ -119,6 +119,7 @@ def curate(
     params = resolve(recipe, dict(sets or {}))
     if recipe.sql is not None and params["sample"] != "none":
         raise ParamError("a custom SQL recipe replaces the sample stage: leave `sample` at none")
+    forget_columns()  # (the column cache is this curation's: earlier curations' reads are not read again)
     with buf.snapshot(snapshot_seq, pin=True) as snap, contextlib.ExitStack() as stack:
         if session is not None:  # rebound before the inputs' hashing starts: its presence check of the
             session.rebind(snap)  # new shards runs alone (beside the hashing thread)

@@ -148,8 +148,8 @@ class Session:
         what its caller loads, and `rollouts`, when given, is the one Parquet file seen as the
         `rollouts` view (a Dask task's session). Limits, spill folder and sandbox are the same.
         `long_lived`: a loop's session, rebound every step for thousands of steps, each reading new
-        files once: DuckDB's cache of Parquet footers, which would keep every file's ever read
-        (memory growing with the run), is off."""
+        files once: DuckDB's caches of Parquet footers and of file blocks, which would keep every
+        file's ever read (memory growing with the run), are off."""
         if (snapshot is None) == (root is None):
             raise ValueError("a Session needs either a snapshot or the root of a buffer")
         self.snapshot = snapshot
@@ -163,6 +163,8 @@ class Session:
         self._con.execute("SET preserve_insertion_order=false")
         # shards are immutable (see the invariants): a footer read is kept for the session's next reads
         self._con.execute(f"SET parquet_metadata_cache={'false' if long_lived else 'true'}")
+        if long_lived:  # (likewise its cache of file blocks: an entry per file read, ~1 KB each, never dropped)
+            self._con.execute("SET enable_external_file_cache=false")
         if threads:
             self._con.execute(f"SET threads={int(threads)}")
         self._bound: dict[str, tuple] = {}  # each table's view: what it was bound over (`_table_keys`)

@@ -179,6 +179,17 @@ _columns_bytes = 0  # the sum of the cached columns' nbytes
 _columns_lock = threading.Lock()
 
 
+def forget_columns() -> None:
+    """Empty `column_at`'s cache. A curation calls it as it starts: the cache is for its own second
+    read of the rows its token stage read, and a loop's process, which curates a new step's shards
+    every iteration, would otherwise keep the last COLUMN_CACHE_BYTES of earlier steps' columns
+    (its resident memory growing for the first thousand steps of a small run)."""
+    global _columns_bytes
+    with _columns_lock:
+        _columns.clear()
+        _columns_bytes = 0
+
+
 def column_at(path: str, positions: np.ndarray, column: str, source: str) -> pa.Array:
     """Column `column` at rows `positions` of one rollouts shard (in that order), reading only the
     row groups that hold them; a decoding error is one `UnreadableShard` line naming the file.

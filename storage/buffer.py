@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from .errors import CatalogConflict, CatalogError, ManifestError, RollstoreError, ValidationError
 from .catalog import is_cataloged, open_manifest
@@ -38,6 +39,7 @@ from .manifest import MANIFEST, Manifest, NewShard, Shard
 from .owners import owned_name
 from .schema import RESPONSE_LENGTH, stored_schema
 from .shardio import Durable, compact_entropies, link_into_place, new_shard_name, publish_file, write_tmp
+from .shard_schemas import record_schemas
 from .snapshot import Snapshot
 from .validate import check_finite, validate_rollouts
 from .writelock import writing
@@ -311,6 +313,7 @@ class Buffer:
         self.manifest.require_writable()
         with writing(self.root, self.manifest):  # gc collects no unnamed file while we are between link and commit
             placed: list[tuple[NewShard, int]] = []  # each file written, with its inode
+            schemas: list[pa.Schema] = []  # each file's schema as written (`storage.shard_schemas`)
             index = StepIndexRows(rewritten)  # the step index's and the prompt state's rows of the parts
             uploaded: list[str] = []
             sent = False  # True from the moment COMMIT may have reached the manifest
@@ -320,6 +323,8 @@ class Buffer:
                     new, inode, table = self._place(part, kind, durable)
                     placed.append((new, inode))
                     index.add(len(placed) - 1, new.table_name, table)
+                    schemas.append(table.schema if table is not None else
+                                   pq.read_schema(os.path.join(self.root, new.path)))
                     if self.manifest.store is not None:  # the local file stays as this host's cached copy
                         self._upload(self.manifest.store, new.path)
                         uploaded.append(new.path)
@@ -330,6 +335,7 @@ class Buffer:
                     if on_commit is not None:
                         on_commit(con, seq, ids)
                     index.record(self.manifest, con, seq, ids, [w for w, _ in placed])
+                    record_schemas(self.manifest, con, ids, schemas)
                     sent = True  # leaving the block sends COMMIT: from here the outcome may be unknown
             except BaseException:
                 if sent:

@@ -108,6 +108,12 @@ class Catalog(ABC):
         """A value that changes whenever `table`'s shards visible at snapshot `seq` do: two snapshots
         with equal stamps list the same shards (index look-ups, not a listing)."""
     @abstractmethod
+    def record_schemas(self, con, rows: list[tuple[int, str]], bodies: dict[str, str]) -> None:
+        """Inside `con`: (shard_id, schema_id) of each new shard and each schema_id's body."""
+    @abstractmethod
+    def shard_schemas(self, ids: list[int]) -> dict[int, str]:
+        """{shard_id: its recorded schema, hex of the serialised Arrow schema} of those of `ids` that have one."""
+    @abstractmethod
     def record_shard_keys(self, con, rows: list[tuple[int, str]]) -> None:
         """Inside `con`: (shard_id, key) of each key a shard merged from several keys holds."""
     @abstractmethod
@@ -151,6 +157,9 @@ class Catalog(ABC):
     # ---- rollout and group ids, finite checks, moves ----------------------------------------
     @abstractmethod
     def existing_ids(self, rollout_ids: list[str], group_ids: list[str]) -> tuple[set[str], set[str]]: ...
+    @abstractmethod
+    def rollout_shards(self, rollout_ids: list[str]) -> dict[str, int]:
+        """{rollout_id: the live rollouts shard holding it} of those of `rollout_ids` a live shard holds."""
     @abstractmethod
     def register_rollouts(self, con, shard_id: int, pairs: Iterable[tuple[str, str]], groups: Iterable[str]) -> None:
         """Inside `con`: claim the ids; an id already taken: nothing claimed, `CatalogConflict`."""

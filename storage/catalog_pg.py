@@ -43,7 +43,7 @@ from typing import Iterator
 
 from . import descriptor
 from .catalog import NewShard
-from .catalog_sql import REQUIRED_TABLES, SqlCatalog
+from .catalog_sql import REQUIRED_TABLES, SCHEMA_DDL, SqlCatalog
 from .dialect import POSTGRES
 from .errors import CatalogBusy, CatalogConflict, CatalogError, ManifestError
 
@@ -333,8 +333,8 @@ def create(root: str, dsn: str, data: str | None = None) -> descriptor.Descripto
             else:
                 # none yet (or an init that wrote its descriptor and then lost its COMMIT: resumed)
                 desc = existing or descriptor.Descriptor(uuidlib.uuid4().hex, dsn, data)
-                for statement in filter(str.strip, (_DDL + ";" + _DDL_2 + ";" + _DDL_3).split(";")):
-                    con.execute(statement)
+                for statement in [*filter(str.strip, (_DDL + ";" + _DDL_2 + ";" + _DDL_3).split(";")), *SCHEMA_DDL]:
+                    con.execute(statement)  # (the schema records' tables too: no commit of this catalog makes them)
                 con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (CATALOG_VERSION,))
                 con.execute("INSERT INTO meta VALUES ('buffer_uuid', ?)", (desc.buffer_uuid,))
                 con.execute("INSERT INTO meta VALUES ('created_at', ?)", (repr(time.time()),))

@@ -80,6 +80,20 @@ SHARD_KEYS_DDL = (
     "CREATE TABLE IF NOT EXISTS shard_keys (shard_id BIGINT NOT NULL, key TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS shard_keys_by_shard ON shard_keys (shard_id)",
 )
+# Each shard's Arrow schema as it was written (its fields; the Parquet footer's key-value metadata left
+# out), recorded in the commit that adds it (`Buffer.commit`): a reader that binds a table's every file
+# (a report, a session's view of a whole table) learns whether their schemas differ, and which columns
+# each holds, without opening thousands of footers (`storage.snapshot.declare_schemas`). Shards
+# committed before it have no row: their footers are read, as before. Made by the first commit that
+# records one; CREATE TABLE only (no CREATE INDEX inside a commit: on PostgreSQL it locks the table).
+# `schemas` has no unique key, on purpose: every writer records the same few bodies, and on PostgreSQL
+# an insert that meets a unique key another open transaction just wrote waits for that transaction
+# (a stalled writer would stall every other); two writers may each add a body the other added (the
+# same text under the same id), which readers take once.
+SCHEMA_DDL = (
+    "CREATE TABLE IF NOT EXISTS shard_schemas (shard_id BIGINT PRIMARY KEY, schema_id TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS schemas (schema_id TEXT NOT NULL, body TEXT NOT NULL)",
+)
 # Indexes of `shards` an older embedded manifest lacks (`table_stamp`'s look-up of a table's newest
 # retirement; `live_keyed`'s of one curation's shards), made with the step index on SQLite only: there a
 # commit holds the whole file anyway, while on PostgreSQL `CREATE INDEX` would hold a lock on `shards`
@@ -233,6 +247,15 @@ class SqlCatalog(Catalog):
             found_g.update(r[0] for r in self.con.execute(f"SELECT group_id FROM group_ids WHERE {cond}", args))
         return found_r, found_g
 
+    def rollout_shards(self, rollout_ids: list[str]) -> dict[str, int]:
+        """{rollout_id: the id of the live rollouts shard that holds it} of those of `rollout_ids` that a
+        live shard holds (`rollout_ids`, kept as compaction moves rows)."""
+        found: dict[str, int] = {}
+        for cond, args in self.dialect.in_list("rollout_id", rollout_ids):
+            found.update((str(r), int(i)) for r, i in self.con.execute(
+                f"SELECT rollout_id, shard_id FROM rollout_ids WHERE {cond}", args))
+        return found
+
     def move_ids(self, con, shard_ids: list[int], to: int) -> None:
         for cond, args in self.dialect.in_list("shard_id", [int(i) for i in shard_ids], "bigint"):
             con.execute(f"UPDATE rollout_ids SET shard_id = ? WHERE {cond}", [int(to), *args])
@@ -329,6 +352,32 @@ class SqlCatalog(Catalog):
         for statement in SHARD_KEYS_DDL:
             con.execute(statement)
         con.executemany("INSERT INTO shard_keys (shard_id, key) VALUES (?, ?)", rows)
+
+    def record_schemas(self, con, rows: list[tuple[int, str]], bodies: dict[str, str]) -> None:
+        """Inside the transaction `con` that adds the shards: (shard_id, schema_id) of each, and the
+        body (hex of the serialised Arrow schema) of each schema_id (`SCHEMA_DDL`)."""
+        for statement in SCHEMA_DDL:
+            con.execute(statement)
+        known = set()
+        for cond, args in self.dialect.in_list("schema_id", sorted(bodies)):
+            known.update(str(r[0]) for r in con.execute(f"SELECT schema_id FROM schemas WHERE {cond}", args))
+        con.executemany("INSERT INTO schemas (schema_id, body) VALUES (?, ?)",
+                        [(k, b) for k, b in sorted(bodies.items()) if k not in known])
+        con.executemany("INSERT INTO shard_schemas (shard_id, schema_id) VALUES (?, ?)", rows)
+
+    def shard_schemas(self, ids: list[int]) -> dict[int, str]:
+        """{shard_id: the hex of its serialised Arrow schema} of those of `ids` whose schema was recorded."""
+        if not ids or not self.has_table("shard_schemas"):
+            return {}
+        found: dict[int, str] = {}
+        for cond, args in self.dialect.in_list("shard_id", [int(i) for i in ids], "bigint"):
+            found.update((int(i), str(k)) for i, k in self.con.execute(
+                f"SELECT shard_id, schema_id FROM shard_schemas WHERE {cond}", args))
+        bodies: dict[str, str] = {}
+        for cond, args in self.dialect.in_list("schema_id", sorted(set(found.values()))):
+            bodies.update((str(k), str(b)) for k, b in self.con.execute(
+                f"SELECT schema_id, body FROM schemas WHERE {cond}", args))
+        return {i: bodies[k] for i, k in found.items() if k in bodies}
 
     def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
         """{shard_id: the keys it holds} of those of `ids` that compaction merged from several keys."""

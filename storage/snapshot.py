@@ -30,6 +30,7 @@ from .catalog_sql import STEP_INDEXED
 from .errors import CatalogError, ManifestError, UnknownName, did_you_mean
 from .references import is_thin, locate, read_curated_file
 from .schema import CURATED, READ_SCHEMAS, RESPONSE_LENGTH, ROLLOUTS, ROLLOUTS_STORED, TABLES
+from .shard_schemas import declare, declared
 from .store import cache_shards
 from .verify import check_present, verify_shards
 
@@ -183,6 +184,11 @@ class Snapshot:
             cache_shards(self.root, self._manifest, shards)
         return [os.path.join(self.root, s.path) for s in shards]
 
+    def rollout_shards(self, rollout_ids: list[str]) -> dict[str, int]:
+        """{rollout_id: the live rollouts shard holding it} (`Catalog.rollout_shards`: live, not as of
+        this snapshot: a caller checks the shard is among this snapshot's)."""
+        return self._manifest.rollout_shards(rollout_ids)
+
     def shard_keys(self, ids: list[int]) -> dict[int, list[str]]:
         """{shard_id: its keys} of those of `ids` that compaction merged from several keys (audit shards
         of several curations; `Catalog.shard_keys`)."""
@@ -332,6 +338,11 @@ class Snapshot:
             verify_shards(self.root, self._table(name), folders)
         return self
 
+    def declare_schemas(self, shards: list[Shard]) -> None:
+        """Make the catalog's records of these shards' schemas known to this process (`file_schema`
+        then reads none of their footers: `storage.shard_schemas`)."""
+        declare(self._manifest, self.root, shards)
+
     def register_duckdb(self, con: "duckdb.DuckDBPyConnection", tables: list[str] | None = None,
                         checked: bool = False, schema: str = "") -> None:
         """Create a view per table (named as the table) over this snapshot's files, after checking
@@ -339,6 +350,8 @@ class Snapshot:
         if not checked:
             self.check_present(tables)
         curated = tables is None or "curated" in tables  # (the only view that follows moved rows)
+        names = set(tables or TABLES) | ({"rollouts"} if curated else set())
+        self.declare_schemas([s for name in sorted(names) for s in self._listed(name)])
         _register_duckdb(con, self.files, tables, self.root, self.moves() if curated else None, schema)
 
     def frozen(self) -> "SnapshotFiles":
@@ -387,16 +400,22 @@ class SnapshotFiles:
         return keys
 
 
+_SCHEMAS: dict[bytes, pa.Schema] = {}  # each distinct schema once (serialised -> schema)
+
+
 @functools.lru_cache(maxsize=65536)
 def _schema(path: str, size: int, mtime_ns: int) -> pa.Schema:
-    return pq.read_schema(path)
+    schema = pq.read_schema(path)  # (kept once per distinct schema: a long run's thousands of files share a few)
+    return _SCHEMAS.setdefault(schema.serialize().to_pybytes(), schema)
 
 
 def file_schema(path: str) -> pa.Schema:
-    """The Arrow schema of the Parquet file at `path`, from its footer, read once per process and
-    file (path, size and modification time: shards are written once, never changed in place)."""
+    """The Arrow schema of the Parquet file at `path`: the catalog's record of it where a snapshot
+    declared one (`storage.shard_schemas`: its fields, no key-value metadata), else from its footer,
+    read once per process and file (path, size and modification time: shards are written once,
+    never changed in place)."""
     st = os.stat(path)
-    return _schema(path, st.st_size, st.st_mtime_ns)
+    return declared(path, st.st_size) or _schema(path, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=65536)

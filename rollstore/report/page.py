@@ -20,9 +20,10 @@ Invariants:
 - Every chart's legend names every series drawn (report_svg); a replayed row's token card is marked
   with its age.
 - The output file appears atomically (written beside its target, then renamed).
-- Each shard of `selections`, `curations` and `checkpoints` (and views.sql's `run_versions`) is read
-  once per report (`READ_ONCE`: temp tables of the same names, the snapshot's rows, which the queries
-  read instead of the views), and the token cards resolve only the picked curations' `curated` shards
+- Each shard of `rollouts` (its scalar columns), `selections`, `curations` and `checkpoints` (and
+  views.sql's `run_versions`) is read once per report (`READ_ONCE`: temp tables of the same names, the
+  snapshot's rows, which the queries read instead of the views; report_tokens reads the `rollouts`
+  view, for token lists: `rollouts_view`), and the token cards resolve only the picked curations' `curated` shards
   (`picked_masks`): the results are the printed SQL's over the views, at a cost that does not
   multiply a long history's shard count by the number of queries.
 """
@@ -57,7 +58,7 @@ from rollstore.storage.buffer import Buffer
 from rollstore.storage.catalog_sql import CHECKPOINT_COLS
 from rollstore.storage.errors import RollstoreError
 from rollstore.storage.schema import CHECKPOINTS
-from rollstore.storage.snapshot import Snapshot, curated_view, file_schema, sql_string
+from rollstore.storage.snapshot import Snapshot, curated_view, file_schema, rollouts_relation, sql_string
 
 # (section id, heading): the page's sections, in order.
 SECTIONS = [
@@ -152,9 +153,28 @@ def with_literals(sql: str, params: dict) -> str:
 
 def run_query(session: Session, name: str, curation_id: str | None, scope: Scope = Scope()) -> Result:
     sql = with_literals(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
-    with picked_masks(session, sql) if name == "report_tokens" else contextlib.nullcontext():
+    with rollouts_view(session) if name == "report_tokens" else contextlib.nullcontext(), \
+            picked_masks(session, sql) if name == "report_tokens" else contextlib.nullcontext():
         rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
     return Result(name, sql, rows, name + scope.suffix)
+
+
+ROLLOUTS_ONCE = "_rollouts_read_once"  # the `READ_ONCE` rollouts table's name while a query reads the view
+
+
+@contextlib.contextmanager
+def rollouts_view(session: Session):
+    """While a query that reads rollouts' token lists runs (report_tokens: a handful of rows): the
+    `READ_ONCE` temp table of `rollouts`, which holds its scalar columns only, is set aside, so that
+    `rollouts` names the view over the files again."""
+    loaded = "rollouts" in session.temp_tables()
+    if loaded:
+        session.con.execute(f'ALTER TABLE temp.main.rollouts RENAME TO "{ROLLOUTS_ONCE}"')
+    try:
+        yield
+    finally:
+        if loaded:
+            session.con.execute(f'ALTER TABLE temp.main."{ROLLOUTS_ONCE}" RENAME TO rollouts')
 
 
 PICKED = "-- The picked rows with their rollouts and curated masks:"  # where report_tokens.sql's picks end
@@ -171,17 +191,38 @@ def picked_masks(session: Session, sql: str):
     if not isinstance(snap, Snapshot) or PICKED not in sql:  # a session over a listing: the view as it is
         yield
         return
-    picks = session.con.sql(sql.split(PICKED)[0] + "SELECT DISTINCT curation_id FROM picks").fetchall()
-    wanted = {cid for (cid,) in picks}
+    picks = session.con.sql(sql.split(PICKED)[0] + "SELECT DISTINCT curation_id, rollout_id FROM picks").fetchall()
+    wanted = {cid for cid, _ in picks}
+    holding = picked_rollouts(snap, sorted({rid for _, rid in picks}))
     shards = [s for s in snap.shards("curated") if s.key is None or s.key in wanted]
     files = [os.path.join(snap.root, s.path) for s in shards]
     view = (curated_view(files, referred_rollouts(snap, files), snap.root, bool(snap.moves())) if files
             else "SELECT * FROM main.curated WHERE false")
     session.con.execute(f"CREATE OR REPLACE TEMP VIEW curated AS {view}")
+    if holding is not None:
+        session.con.execute(f"CREATE OR REPLACE TEMP VIEW rollouts AS SELECT * FROM "
+                            f"{rollouts_relation(holding, union_by_name=True)}" if holding else
+                            "CREATE OR REPLACE TEMP VIEW rollouts AS SELECT * FROM main.rollouts WHERE false")
     try:
         yield
     finally:
         session.con.execute("DROP VIEW IF EXISTS temp.curated")
+        session.con.execute("DROP VIEW IF EXISTS temp.rollouts")
+
+
+def picked_rollouts(snap: Snapshot, rollout_ids: list[str]) -> list[str] | None:
+    """The snapshot's rollouts files that hold the picked `rollout_ids` (the catalog's `rollout_ids`,
+    kept as compaction moves rows): the only rows report_tokens' `JOIN rollouts` can match, rollout
+    ids being unique in a buffer. None (read the whole view) when one of them is in no live shard or
+    in one the snapshot does not see (an older snapshot, a quarantined shard)."""
+    if not rollout_ids:
+        return []
+    held = snap.rollout_shards(rollout_ids)
+    paths = {s.shard_id: s.path for s in snap.shards("rollouts")}
+    if len(held) < len(rollout_ids) or not set(held.values()) <= paths.keys():
+        return None
+    wanted = set(held.values())
+    return [os.path.join(snap.root, p) for i, p in paths.items() if i in wanted]
 
 
 def referred_rollouts(snap: Snapshot, curated_files: list[str]) -> list[str]:
@@ -217,6 +258,9 @@ def scopes(session: Session, curation_id: str | None) -> list[Scope]:
 # SQL gives over the views; but the shards are opened once per report, not once per query (a long
 # run holds one `selections`, `curations` and `checkpoints` shard per step, thousands of small files).
 READ_ONCE = {
+    # rollouts' scalar columns the accuracy, overview and run-version queries read (the token lists
+    # stay in the files: report_tokens reads the view, `rollouts_view`)
+    "rollouts": ("run_id", "step", "policy_version", "group_id", "prompt_id", "correct", "reward", "response_length"),
     "selections": ("curation_id", "rollout_id", "selected", "reason", "group_accuracy", "difficulty", "advantage_raw",
                    "amplification", "advantage_final", "tokens_total", "tokens_kept", "replayed", "age"),
     "curations": ("curation_id", "recipe", "created_at", "snapshot_seq", "progress", "n_candidates", "n_selected",

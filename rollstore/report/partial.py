@@ -43,6 +43,7 @@ def partial_session(snap: Snapshot, tables: list[str], keys: list[str] | None = 
             shards = [s for s in shards if s.key in wanted or (s.key is None and (
                 s.shard_id not in merged or wanted.intersection(merged[s.shard_id])))]
         check_present(snap.root, shards, folders)
+        snap.declare_schemas(shards)  # (their views bind without reading every footer)
         listing[name] = tuple(os.path.join(snap.root, s.path) for s in shards)
     moves = snap.moves() if "curated" in tables else {}
     return Session(SnapshotFiles(snap.root, snap.seq, listing, moves), **kwargs)

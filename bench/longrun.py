@@ -256,7 +256,7 @@ def _clear_process_caches() -> None:
     import sys
 
     from rollstore.curate import steps
-    from rollstore.storage import references, verify
+    from rollstore.storage import references, shard_schemas, snapshot, verify
 
     for name, module in list(sys.modules.items()):
         if name.startswith("rollstore") or name.split(".")[0] in ("storage", "curate", "queries", "learner"):
@@ -267,6 +267,8 @@ def _clear_process_caches() -> None:
     references._columns.clear()
     references._moves_seen.clear()
     steps._CHECKPOINT_RUNS.clear()
+    shard_schemas.forget()
+    snapshot._SCHEMAS.clear()
     _main_rows_of_file.cache_clear()
 
 

@@ -36,6 +36,7 @@ main's file-reading path against the catalog index: main's cache held 4,096 file
     python -m bench.longrun --at 50,200,500
     python -m bench.longrun --full            # 50, 200, 500, 2,000 and 5,000 steps (the issue's scale)
     python -m bench.longrun --cliff 4300
+    python -m bench.longrun --versus /tmp/a,/tmp/b --base 50 --rounds 20   # histories left by --work runs
 """
 
 from __future__ import annotations
@@ -426,6 +427,52 @@ def after_compaction(h: "History", work: str, total: int, after: int) -> dict:
     return post
 
 
+def versus(histories: list[str], base: int, rounds: int, groups: int, keep: int, mean_tokens: int,
+           work: str) -> dict:
+    """Side by side in one process, step by step: a fresh history of `base` steps and each history an
+    earlier run of this bench left (`histories`: their --work folders), one step of each in turn for
+    `rounds` rounds (the first left out: a reopened history's first step pays its opening); the
+    median of each per-step cost per history. A machine whose load drifts during a long run inflates
+    one point's 5-step median; alternating the histories step by step exposes them to the same load."""
+    from bench import common
+
+    common.warm_libraries()
+    fresh = History(os.path.join(work, "buf"), groups, keep, mean_tokens)
+    for _ in range(base):
+        fresh.step(10 ** 9, main_path=False)
+    hs = [(f"{base:,} steps (fresh)", fresh)]
+    for folder in histories:
+        h = History(os.path.join(folder, "buf"), groups, keep, mean_tokens, existing=True)
+        hs.append((f"{h.steps:,} steps ({os.path.basename(os.path.dirname(os.path.abspath(folder)))})", h))
+    taken: dict[str, list[dict]] = {name: [] for name, _ in hs}
+    try:
+        for _ in range(rounds + 1):
+            for name, h in hs:
+                taken[name].append(h.step(10 ** 9, main_path=False))
+    finally:
+        for _, h in hs:
+            h.close()
+    return {name: medians(steps[1:]) for name, steps in taken.items()}
+
+
+def versus_report(out: dict, command: str) -> str:
+    from bench import common
+
+    names = list(out)
+    first = names[0]
+    rows = []
+    for k in out[first]:
+        fmt = "{:.0f}" if k == EXAMINED else "{:.4f} / {:.4f}"
+        rows.append([k] + [fmt.format(*out[n][k]) for n in names]
+                    + [f"{out[n][k][0] / max(1e-9, out[first][k][0]):.2f}×" for n in names[1:]])
+    head = (["per step (CPU s / wall s, median)"] + names + [f"CPU {n.split(' (')[0]} ÷ {first.split(' (')[0]}"
+                                                            for n in names[1:]])
+    return (common.header("Per-step costs, histories side by side, step by step (bench/longrun.py --versus)",
+                          command, ["one step of each history in turn; medians over the rounds after the first"],
+                          libs=("duckdb", "pyarrow", "torch"))
+            + "\n\n" + common.md_table(head, rows) + "\n")
+
+
 def reopen(work: str, groups: int, keep: int, mean_tokens: int, after: int) -> dict:
     """The commands, then compaction and the steps and commands after it, on a history an earlier run
     of this bench left in `work` (`--work`): a later code's commands on the same buffer."""
@@ -571,6 +618,10 @@ def main() -> None:
                     "an earlier run left in --work")
     ap.add_argument("--no-compact", action="store_true", help="stop at the last point, the history left "
                     "uncompacted (for a later code's `--reopen` on the same buffer, with --work)")
+    ap.add_argument("--versus", default="", help="instead: the --work folders of earlier runs (comma-separated), "
+                    "each stepped in turn beside a fresh history of --base steps, --rounds rounds")
+    ap.add_argument("--base", type=int, default=50, help="--versus: the fresh history's steps")
+    ap.add_argument("--rounds", type=int, default=20, help="--versus: the rounds (one step of each history)")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--work", help="the working folder (default: a temporary one, removed)")
     a = ap.parse_args()
@@ -583,6 +634,10 @@ def main() -> None:
                 raise SystemExit("--reopen needs --work, the folder of an earlier run")
             out = reopen(work, a.groups, a.keep, a.mean_tokens, a.after)
             common.publish(reopen_report(out, command), record=not a.no_record)
+            return
+        if a.versus:
+            out = versus(a.versus.split(","), a.base, a.rounds, a.groups, a.keep, a.mean_tokens, work)
+            common.publish(versus_report(out, command), record=not a.no_record)
             return
         if a.cliff:
             counts = sorted({c for c in (1000, 2000, 4000, 4096, 4200, a.cliff) if c <= a.cliff})

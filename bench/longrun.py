@@ -19,6 +19,11 @@ unpredictable: greso's exploration rate then falls to its floor and it examines 
 step, 64 → 4,054 by 5,000 steps, which measures the data, not the store.) The number of prompts
 greso examines is reported, and both costs per prompt examined.
 
+As the loop does (`--compact-every`, default 100 as the loop's), the run's small shards are merged every N
+steps (`rollstore.loop.driver.compact_history`), timed apart from the steps and reported per step;
+it runs after the step that follows each multiple of N, so each point (a multiple) meets the N − 1
+newest steps not yet merged, the most a loop's buffer holds.
+
 At each point the loop's peak resident set over its steps since the last point is reported (the
 commands' apart), and a resumed process's first step: the buffer and the session opened afresh,
 every per-process cache emptied, one step — against the median warm step.
@@ -167,7 +172,8 @@ def main_scan_references(root, man) -> list[str]:
 class History:
     """One synthetic run in `root`: `step()` does one loop step and returns its timings."""
 
-    def __init__(self, root: str, groups: int, keep: int, mean_tokens: int, existing: bool = False):
+    def __init__(self, root: str, groups: int, keep: int, mean_tokens: int, existing: bool = False,
+                 compact_every: int = 0):
         import torch
 
         from rollstore.curate.params import load_recipe, resolve
@@ -185,6 +191,8 @@ class History:
         self.session = Session(self.buf.snapshot(), threads=1, long_lived=True)  # as the loop's
         self.model = _tiny_model()
         self.version, self.steps, self.position = 0, 0, 0
+        self.compact_every = compact_every  # as the loop's `compact_every` (rollstore.loop.driver.compact_history)
+        self.compaction = [0.0, 0.0]  # its CPU and wall seconds so far
         if existing:  # a history this bench built (`--reopen`): one checkpoint a step, from version 0
             from rollstore.learner.checkpoint import latest_checkpoint
 
@@ -248,6 +256,13 @@ class History:
         _, *out["checkpoint save"] = timed(lambda: save_checkpoint(self.buf, self.model, publish=publish))
         self.version += 1
         self.steps += 1
+        # (after the step that follows each multiple of N: a point, at a multiple, meets N - 1 steps not yet
+        # merged, the most a loop's buffer holds; timed apart from the step's costs, amortised)
+        if self.compact_every and self.steps % self.compact_every == 1 % self.compact_every:
+            from rollstore.loop.driver import compact_history
+
+            _, cpu, wall = timed(lambda: compact_history(self.buf))
+            self.compaction = [self.compaction[0] + cpu, self.compaction[1] + wall]
         return out
 
 
@@ -353,7 +368,7 @@ def disk(root: str) -> dict:
 # ---- the run ----------------------------------------------------------------------------------------
 
 def longrun(points: list[int], groups: int, keep: int, window: int, after: int, mean_tokens: int,
-            work: str, compact_after: bool = True) -> dict:
+            work: str, compact_after: bool = True, compact_every: int = 0) -> dict:
     from bench import common
     from rollstore.learner.checkpoint import list_checkpoints
     from rollstore.storage.maintenance import compact, gc
@@ -361,7 +376,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
 
     common.warm_libraries()
     root = os.path.join(work, "buf")
-    h = History(root, groups, keep, mean_tokens)
+    h = History(root, groups, keep, mean_tokens, compact_every=compact_every)
     total = points[-1]
     results: dict = {"points": {}, "rows_per_step": groups * GROUP_SIZE}
     recent: list[dict] = []
@@ -369,6 +384,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
     try:
         for n in points:
             common.reset_peak_rss()  # the loop's own peak over the steps since the last point (no command)
+            since, compacted = h.steps, list(h.compaction)
             while h.steps < n:
                 recent = (recent + [h.step(total, main_path=n - h.steps <= window)])[-window:]
             loop_rss = common.peak_rss_mib()
@@ -380,6 +396,7 @@ def longrun(points: list[int], groups: int, keep: int, window: int, after: int, 
             at["resumed process's first step"] = (
                 resume_cpu + sum(c for k, (c, _w) in first.items() if k not in MAIN_KEYS), warm)
             at["loop peak RSS MiB"] = loop_rss
+            at["compaction per step"] = tuple((h.compaction[i] - compacted[i]) / max(1, n - since) for i in (0, 1))
             _, *at["list checkpoints (index)"] = timed(lambda: list_checkpoints(h.buf))
             _, *at["list checkpoints (main's path)"] = timed(lambda: main_list(h.buf))
             rollouts = h.buf.manifest.con.execute(
@@ -571,10 +588,13 @@ def report(results: dict, args, command: str) -> str:
 
     drow = [[f"{n:,}", pts[n]["rollouts"], pts[n]["checkpoint folders"], f"{pts[n]['manifest bytes per rollout']:.0f}",
              f"{pts[n]['loop peak RSS MiB']:.0f}", f"{pts[n]['peak_rss_mib']:.0f}", resumed(n),
+             "{0:.4f} / {1:.4f}".format(*pts[n].get("compaction per step", (0.0, 0.0))),
              f"{pts[n]['elapsed_s']:.0f}"] for n in ns]
     t4 = common.md_table(["steps", "rollouts", "checkpoint folders on disk", "manifest bytes / rollout",
                           "loop's peak RSS MiB (its steps since the last point)", "peak RSS MiB (with the commands)",
-                          "resumed process's first step ÷ a warm step (CPU s)", "elapsed s"], drow)
+                          "resumed process's first step ÷ a warm step (CPU s)",
+                          f"the loop's compaction (every {args.compact_every} steps) per step since the last point, "
+                          "CPU s / wall s", "elapsed s"], drow)
     extra = [f"{results['rows_per_step']} rows a step ({args.groups} greso-selected prompts × {GROUP_SIZE}), mean "
              f"{args.mean_tokens} response tokens; K = {args.keep}; medians of the {args.window} steps before each point; "
              + (f"{post['shards merged']} shards merged, {post['shards retired']} retired by gc" if post else "not compacted")]
@@ -616,6 +636,8 @@ def main() -> None:
     ap.add_argument("--cliff", type=int, default=0, help="instead: publish this many checkpoints and list them")
     ap.add_argument("--reopen", action="store_true", help="instead: the commands and compaction on the history "
                     "an earlier run left in --work")
+    ap.add_argument("--compact-every", type=int, default=100, help="as the loop's --compact-every: the run's small "
+                    "shards merged every N steps, timed apart from the steps (0: never)")
     ap.add_argument("--no-compact", action="store_true", help="stop at the last point, the history left "
                     "uncompacted (for a later code's `--reopen` on the same buffer, with --work)")
     ap.add_argument("--versus", default="", help="instead: the --work folders of earlier runs (comma-separated), "
@@ -644,7 +666,8 @@ def main() -> None:
             common.publish(cliff_report(cliff(a.cliff, counts, work), command), record=not a.no_record)
             return
         points = [50, 200, 500, 2000, 5000] if a.full else [int(x) for x in a.at.split(",")]
-        results = longrun(points, a.groups, a.keep, a.window, a.after, a.mean_tokens, work, not a.no_compact)
+        results = longrun(points, a.groups, a.keep, a.window, a.after, a.mean_tokens, work, not a.no_compact,
+                          a.compact_every)
         common.publish(report(results, a, command), record=not a.no_record)
     finally:
         if not a.work:

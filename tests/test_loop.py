@@ -65,6 +65,31 @@ def test_loop_publishes_one_version_per_iteration_and_resumes(tmp_path, default_
     assert len(ledger) == len({e["shard"] for e in ledger})
 
 
+def test_the_loop_compacts_every_n_iterations_and_trains_each_row_once(tmp_path, default_tiny, cli):
+    """`compact_every`: every N iterations the loop merges the small shards it left (rollouts, audits,
+    prompt selections); every curated row still resolves and is trained exactly once."""
+    from rollstore.rules import OptionError
+
+    root = str(tmp_path / "buf")
+    Buffer.init(root).close()
+    summary = run_loop(small(root, default_tiny, iterations=4, compact_every=2))
+    assert [r["version"] for r in summary["iterations"]] == [1, 2, 3, 4]
+    assert ["compaction" in r["phases"] for r in summary["iterations"]] == [False, True, False, True]
+    with Buffer.open(root) as buf:
+        live = buf.manifest.shards("rollouts")
+        assert len(live) == 1 and live[0].rows == sum(r["rollouts"] for r in summary["iterations"])
+        assert len(buf.manifest.shards("selections")) < 4  # the audits merged too
+        ledger = consumed_ledger(buf, 4)
+        curated = {s.path for s in buf.snapshot().shards("curated")}
+    assert sorted(e["shard"] for e in ledger) == sorted(curated) and len({e["shard"] for e in ledger}) == len(ledger)
+    kept = sql(root, "SELECT count(*) FROM curated")[0][0]
+    assert kept == sum(r["samples_kept"] for r in summary["iterations"]) > 0  # every reference followed its move
+    with pytest.raises(OptionError, match="compact_every"):
+        small(root, default_tiny, compact_every=-1).check()
+    res = cli("loop", str(tmp_path / "other"), "--compact-every", "-1")
+    assert res.code != 0 and "compact-every" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
 def test_filtering_recipe_over_generates(tmp_path, default_tiny):
     root = str(tmp_path / "buf")
     Buffer.init(root).close()

@@ -131,6 +131,8 @@ def loop(
     learner_ranks: int = count(1, "--learner-ranks", help="Train with N torch.distributed ranks (DDP, torchrun)."),
     keep_checkpoints: int = count(3, "--keep-checkpoints", help="Only the newest K checkpoints keep their files "
                                   "(and those a replay window needs; rows, lineage and ledger stay; docs/loop.md)."),
+    compact_every: int = ruled(100, "--compact-every", rule=rules.LOOP["compact_every"],
+                               help="Merge the run's small shards every N iterations (0 = never; docs/loop.md)."),
 ):
     """The near-on-policy loop: generate → score → append → curate → train → publish → repeat.
 
@@ -160,7 +162,7 @@ def loop(
         **given(lr=lr, epochs=epochs, model=model, prompts=prompts, iterations=iterations, recipe=recipe, prompts_per_iter=prompts_per_iter,
                 pool_size=pool_size, max_policy_lag=max_policy_lag, max_gen_batches=max_gen_batches,
                 eval_every=eval_every, eval_prompts=eval_prompts, run_id=run_id, threads=threads,
-                keep_checkpoints=keep_checkpoints))
+                keep_checkpoints=keep_checkpoints, compact_every=compact_every))
     cfg.check()  # before the buffer is created and anything is loaded
     Buffer.init(buffer).close()
     if learner_ranks > 1:

@@ -39,6 +39,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from rollstore import rules
 from rollstore.rules.defaults import RECIPE
 from rollstore.curate.params import CurationError, ParamError, load_recipe, resolve
 from rollstore.curate.prompts import prompt_plan
@@ -92,6 +93,7 @@ class LoopConfig:
     epochs: int | None = None  # μ, passes per curated batch (None: the recipe's `epochs`, else train.epochs)
     lr: float | None = None  # None: the recipe's `lr`, else train.lr
     keep_checkpoints: int | None = None  # K: only the newest K versions keep their files (None: all; CLI default 3)
+    compact_every: int = 100  # every N iterations, compact the small shards of the run so far (0: never; docs/loop.md)
 
     def retention(self) -> tuple[int, int] | None:
         """(K, replay window) for `learner.retention`: the window the recipe replays from, else 0."""
@@ -127,6 +129,7 @@ class LoopConfig:
         from rollstore.builtin.resolve import check_refs
 
         check_refs(self.model, self.prompts)
+        rules.check("loop", rules.LOOP, {"compact_every": self.compact_every})
         params = resolve(load_recipe(self.recipe), {k: v for k, v in self.sets.items() if k != "progress"})
         if params["prompt_skip"] == "greso" and not self.pool_size:
             raise ParamError("prompt_skip=greso needs a prompt pool (pool_size > 0): prompts seen once have no "
@@ -182,8 +185,8 @@ class IterationReport:
 
 
 # The phases of one iteration, in order, as `IterationReport.phases` and the loop profile name them.
-PHASES = ("selection", "generation", "reward", "scoring", "append", "curation", "optimiser", "publish", "evaluation",
-          "other")
+PHASES = ("selection", "generation", "reward", "scoring", "append", "curation", "optimiser", "publish", "compaction",
+          "evaluation", "other")
 
 
 def _batch_prompts(cfg: LoopConfig, iteration: int, batch: int, n: int):
@@ -497,6 +500,9 @@ class _Run:
                                 "the loop stopped")
         loss, positions = self.train(it, cur, phases)
         clock = Stopwatch(phases)
+        if cfg.compact_every and (it + 1) % cfg.compact_every == 0:
+            compact_history(buf)
+            clock.lap("compaction")
         batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)
         clock.lap("other")
         held = None
@@ -513,6 +519,17 @@ class _Run:
         self.reports.append(rep)
         if self.on_iteration:
             self.on_iteration(rep)
+
+
+def compact_history(buf: Buffer) -> None:
+    """Merge the small shards every step leaves (rollouts, audits, prompt selections:
+    `storage.maintenance.COMPACTABLE`), as `rollstore compact` does: a long run's commands (`report`,
+    `info`, `verify`) then open a few large shards per table, not one per step. The retired files stay
+    until `gc` (readers pinned to older snapshots may still read them)."""
+    from rollstore.storage.maintenance import COMPACTABLE, compact
+
+    for table in COMPACTABLE:
+        compact(buf, table)
 
 
 def _batch_accuracy(buf: Buffer, run_id: str, step: int) -> tuple[float, int]:

@@ -87,6 +87,7 @@ SQL_TIMEOUT = seconds("no limit")
 CURATE_TIMEOUT = seconds("no limit")
 POLL = Rule(low=0, low_open=True, high=MAX_SECONDS, note=" (seconds)")  # a polling interval
 MAX_IDLE = seconds("never")
+COMPACT_EVERY = Rule(low=0, integer=True, note=" (iterations; 0: never)")
 
 # The front door's keywords (rollstore/handle.py) and the command line's options of the same name.
 TRAIN = {"lr": LR, "epochs": COUNT, "micro_batch_size": COUNT, "grad_accum": COUNT, "poll": POLL,
@@ -95,6 +96,7 @@ GENERATE = {"group_size": COUNT, "num_prompts": COUNT, "policy_version": VERSION
             "max_new_tokens": COUNT, "temperature": TEMPERATURE, "top_p": FRACTION, "max_policy_lag": VERSION}
 CURATE = {"snapshot": SEQ, "timeout": CURATE_TIMEOUT, "partitions": COUNT}
 SQL = {"snapshot": SEQ, "timeout": SQL_TIMEOUT}
+LOOP = {"compact_every": COMPACT_EVERY}  # LoopConfig's fields checked by `LoopConfig.check` (and `rollstore loop`)
 BATCHES = {"batch_size": COUNT, "shuffle_seed": SEED, "pad_id": VERSION}  # Curation.batches (no command)
 
 

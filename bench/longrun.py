@@ -193,6 +193,7 @@ class History:
         self.version, self.steps, self.position = 0, 0, 0
         self.compact_every = compact_every  # as the loop's `compact_every` (rollstore.loop.driver.compact_history)
         self.compaction = [0.0, 0.0]  # its CPU and wall seconds so far
+        self.merged: set[int] = set()  # as the loop's: the shards its compactions wrote (`compact_history`)
         if existing:  # a history this bench built (`--reopen`): one checkpoint a step, from version 0
             from rollstore.learner.checkpoint import latest_checkpoint
 
@@ -261,7 +262,7 @@ class History:
         if self.compact_every and self.steps % self.compact_every == 1 % self.compact_every:
             from rollstore.loop.driver import compact_history
 
-            _, cpu, wall = timed(lambda: compact_history(self.buf))
+            _, cpu, wall = timed(lambda: compact_history(self.buf, self.merged))
             self.compaction = [self.compaction[0] + cpu, self.compaction[1] + wall]
         return out
 

@@ -47,7 +47,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -365,23 +365,28 @@ class CompactReport:
     merged_shards: int = 0
     new_shards: int = 0
     rows: int = 0
+    written: list = field(default_factory=list)  # the merged shards' ids
 
 
 def compact(
     buf: Buffer, table: str = "rollouts", small_bytes: int = 16 * 1024 * 1024,
-    target_bytes: int = COMPACT_TARGET_BYTES,
+    target_bytes: int = COMPACT_TARGET_BYTES, leave: frozenset = frozenset(),
 ) -> CompactReport:
     """Merge runs of consecutive small, never-leased shards of `table` into shards of ~target_bytes.
 
     References into merged rollouts shards follow them (`moved`, in the same commit).
 
-    Only shards with the same key in the same folder (e.g. one curation's) are merged together."""
+    Only shards with the same key in the same folder (e.g. one curation's) are merged together.
+    `leave`: shard ids not to merge (a loop's periodic compaction leaves the shards its earlier
+    compactions wrote, so each one merges the steps since the last: its cost and memory stay those of
+    N steps, not of a merged tail that grows towards `small_bytes`)."""
     if table not in COMPACTABLE:
         raise RollstoreError(f"table {table!r} cannot be compacted (only {', '.join(COMPACTABLE)})")
     man = buf.manifest
     man.require_writable()  # a write command: refused up front, also when nothing is left to merge
     leased = man.leased_ids()
-    shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased]
+    shards = [s for s in man.shards(table) if s.bytes < small_bytes and s.shard_id not in leased
+              and s.shard_id not in leave]
     keys: list[list[str]] | None = None
     if table == "selections":  # audits: runs of committed curations' shards, merged across curations
         batches, keys = _audit_batches(man, shards, target_bytes)
@@ -390,7 +395,7 @@ def compact(
     report = CompactReport()
     if not batches:
         return report
-    report.rows = _rewrite(buf, table, batches, f"compact:{table}", keys=keys)
+    report.rows, report.written = _rewrite(buf, table, batches, f"compact:{table}", keys=keys)
     report.merged_shards = sum(len(b) for b in batches)
     report.new_shards = len(batches)
     return report
@@ -485,8 +490,8 @@ def _rewrite(buf: Buffer, table: str, batches: list[list], kind: str, what: str 
                 offsets = [0, *itertools.accumulate(s.rows for s in batch)][:-1]
                 buf.manifest.record_moves(con, seq, [(s.path, to_path, o) for s, o in zip(batch, offsets)])
 
-    buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire, rewritten=True)
-    return rows
+    _seq, written = buf.commit(parts, kind, {"merged": [s.shard_id for s in old]}, retire, rewritten=True)
+    return rows, [s.shard_id for s in written]
 
 
 @dataclass
@@ -520,6 +525,6 @@ def migrate(buf: Buffer) -> MigrateReport:
         else:
             batches.append([s])
     if batches:
-        report.rows = _rewrite(buf, "rollouts", batches, "migrate:rollouts", "migration")
+        report.rows, _written = _rewrite(buf, "rollouts", batches, "migrate:rollouts", "migration")
         report.rewritten = len(batches)
     return report

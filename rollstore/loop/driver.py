@@ -371,6 +371,7 @@ class _Run:
         self.params = effective
         self.train_config = cfg.effective_train()
         self.retention = cfg.retention()
+        self.merged: set[int] = set()  # the shards this process's compactions wrote (`compact_history`)
         self.settings = cfg.settings()
         # Group replay fills the filter's gaps from the buffer instead of generating more (docs/replay.md).
         self.filtering = effective["filter"] == "dynamic" and effective["replay"] != "groups"
@@ -501,7 +502,7 @@ class _Run:
         loss, positions = self.train(it, cur, phases)
         clock = Stopwatch(phases)
         if cfg.compact_every and (it + 1) % cfg.compact_every == 0:
-            compact_history(buf)
+            compact_history(buf, self.merged)
             clock.lap("compaction")
         batch_acc = _accuracy_of(generated) if generated else _batch_accuracy(buf, self.run_id, it)
         clock.lap("other")
@@ -521,15 +522,17 @@ class _Run:
             self.on_iteration(rep)
 
 
-def compact_history(buf: Buffer) -> None:
-    """Merge the small shards every step leaves (rollouts, audits, prompt selections:
-    `storage.maintenance.COMPACTABLE`), as `rollstore compact` does: a long run's commands (`report`,
-    `info`, `verify`) then open a few large shards per table, not one per step. The retired files stay
-    until `gc` (readers pinned to older snapshots may still read them)."""
+def compact_history(buf: Buffer, merged: set[int]) -> None:
+    """Merge the small shards the steps left (rollouts, audits, prompt selections:
+    `storage.maintenance.COMPACTABLE`), as `rollstore compact` does, leaving the shards of `merged`
+    (this process's earlier compactions wrote them) and adding the ones it writes: a long run's
+    commands (`report`, `info`, `verify`) then open a shard per table per N steps, not one per step,
+    and each compaction rewrites about N steps' rows, never a merged tail again and again. The retired
+    files stay until `gc` (readers pinned to older snapshots may still read them)."""
     from rollstore.storage.maintenance import COMPACTABLE, compact
 
     for table in COMPACTABLE:
-        compact(buf, table)
+        merged.update(compact(buf, table, leave=frozenset(merged)).written)
 
 
 def _batch_accuracy(buf: Buffer, run_id: str, step: int) -> tuple[float, int]:

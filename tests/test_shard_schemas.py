@@ -10,7 +10,6 @@ from its footer; a catalog without the records (an older buffer) still reads."""
 from __future__ import annotations
 
 import os
-import sys
 
 import duckdb
 import pyarrow as pa
@@ -25,7 +24,6 @@ from rollstore.storage.buffer import Buffer
 from rollstore.storage.maintenance import compact
 from rollstore.storage.schema import TABLES
 
-sys.path.insert(0, os.path.dirname(__file__))
 from test_report import data_blocks, same  # noqa: E402
 
 RECIPE = load_recipe("d3s")

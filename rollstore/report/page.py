@@ -153,10 +153,18 @@ def with_literals(sql: str, params: dict) -> str:
 
 def run_query(session: Session, name: str, curation_id: str | None, scope: Scope = Scope()) -> Result:
     sql = with_literals(load_sql(name), {"curation_id": curation_id, "recipe": scope.recipe})
-    with rollouts_view(session) if name == "report_tokens" else contextlib.nullcontext(), \
-            picked_masks(session, sql) if name == "report_tokens" else contextlib.nullcontext():
+    with token_sources(session, sql) if name == "report_tokens" else contextlib.nullcontext():
         rows = [jsonable(r) for r in session.con.sql(sql).to_arrow_table().to_pylist()]
     return Result(name, sql, rows, name + scope.suffix)
+
+
+@contextlib.contextmanager
+def token_sources(session: Session, sql: str):
+    """What report_tokens reads, while it runs: the `rollouts` view, not the `READ_ONCE` table
+    (`rollouts_view`), then narrowed to its picks' shards, with their curated masks (`picked_masks`,
+    which makes its temp view `rollouts` once the table is set aside)."""
+    with rollouts_view(session), picked_masks(session, sql):
+        yield
 
 
 ROLLOUTS_ONCE = "_rollouts_read_once"  # the `READ_ONCE` rollouts table's name while a query reads the view
